@@ -1,0 +1,228 @@
+"""Model configuration: one dataclass holds every architecture knob.
+
+Every variant that separates GPT-2 from LLaMA, Mistral, Qwen3, BLOOM and Falcon is one field here.
+Validation runs in ``__post_init__`` and reports *every* problem at once. Presets are data: see
+``llm_foundry.presets``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+POS_ENCODINGS = ("learned", "sinusoidal", "rope", "alibi", "none")
+ROPE_SCALINGS = ("none", "linear", "ntk")
+NORMS = ("layernorm", "rmsnorm")
+NORM_POSITIONS = ("pre", "post")
+MLPS = ("gelu", "relu", "swiglu", "geglu")
+GATED_MLPS = ("swiglu", "geglu")
+GELU_APPROX = ("none", "tanh")
+ATTN_IMPLS = ("sdpa", "manual")
+
+
+class ConfigError(ValueError):
+    """A configuration has one or more invalid fields; the message lists them all."""
+
+    def __init__(self, problems: list[str], name: str = "ModelConfig"):
+        self.problems = problems
+        lines = "\n".join(f"  - {p}" for p in problems)
+        super().__init__(f"invalid {name} ({len(problems)} problem(s)):\n{lines}")
+
+
+def _one_of(problems: list[str], name: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        problems.append(f"{name}={value!r} is not one of {', '.join(allowed)}")
+
+
+@dataclass
+class ModelConfig:
+    """Every architecture knob of a decoder-only Transformer, with defaults of a small LLaMA."""
+
+    # --- sizes
+    vocab_size: int = 32000  # number of token ids
+    dim: int = 512  # residual stream width (d_model)
+    n_layers: int = 8  # number of Transformer blocks
+    n_heads: int = 8  # query heads
+    n_kv_heads: int | None = None  # key/value heads: = n_heads MHA, 1 < g < n_heads GQA, 1 MQA
+    head_dim: int | None = None  # per-head width; default dim // n_heads (Qwen3 sets it)
+    hidden_dim: int | None = None  # MLP width; default mlp_ratio*dim (x 2/3 for gated MLPs)
+    mlp_ratio: float = 4.0  # MLP width multiplier when hidden_dim is not given
+    multiple_of: int = 1  # round the derived hidden_dim up to a multiple of this (LLaMA: 256)
+    max_seq_len: int = 2048  # context the model is built for (learned positions stop here)
+
+    # --- positions
+    pos_encoding: str = "rope"  # learned | sinusoidal | rope | alibi | none
+    rope_theta: float = 10000.0  # RoPE base (Qwen3 uses 1e6 for long context)
+    rope_scaling: str = "none"  # none | linear (position interpolation) | ntk (NTK-aware)
+    rope_factor: float = 1.0  # context extension factor for rope_scaling
+
+    # --- normalisation
+    norm: str = "rmsnorm"  # layernorm | rmsnorm
+    norm_position: str = "pre"  # pre (GPT-2, LLaMA) | post (original Transformer)
+    norm_eps: float = 1e-5
+    embed_norm: bool = False  # LayerNorm right after the token embedding (BLOOM)
+
+    # --- blocks
+    mlp: str = "swiglu"  # gelu | relu | swiglu | geglu
+    gelu_approx: str = "none"  # GELU flavour: none (exact erf) | tanh (GPT-2, BLOOM)
+    attn_bias: bool = False  # bias on q/k/v/o projections (GPT-2, BLOOM)
+    mlp_bias: bool = False  # bias on MLP projections
+    norm_bias: bool = True  # bias in LayerNorm (RMSNorm never has one)
+    tie_embeddings: bool = False  # output head shares the token-embedding matrix
+    parallel_block: bool = False  # attention and MLP read one normed input (GPT-J, Falcon)
+    qk_norm: bool = False  # RMSNorm on each query/key head before RoPE (Qwen3)
+    sliding_window: int | None = None  # attend only to the last N positions (Mistral)
+    attn_impl: str = "sdpa"  # sdpa (fused kernels) | manual (can return attention weights)
+
+    # --- training-time
+    dropout: float = 0.0
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        problems = self.problems()
+        if problems:
+            raise ConfigError(problems)
+
+    # --- derived sizes
+    @property
+    def head_size(self) -> int:
+        """Per-head width actually used."""
+        return self.head_dim if self.head_dim is not None else self.dim // self.n_heads
+
+    @property
+    def ffn_dim(self) -> int:
+        """MLP hidden width actually used (LLaMA: int(2 * 4 * dim / 3) rounded up to multiple_of)."""
+        if self.hidden_dim is not None:
+            return self.hidden_dim
+        hidden = int(self.mlp_ratio * self.dim)
+        if self.mlp in GATED_MLPS:
+            hidden = int(2 * hidden / 3)  # three matrices instead of two: keep parameters equal
+        return self.multiple_of * math.ceil(hidden / self.multiple_of)
+
+    @property
+    def gated(self) -> bool:
+        return self.mlp in GATED_MLPS
+
+    def problems(self) -> list[str]:
+        """Every problem with this config, each naming the field, the value and what is valid."""
+        p: list[str] = []
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "max_seq_len"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                p.append(f"{name}={v!r} must be a positive integer")
+        for name in ("head_dim", "hidden_dim", "sliding_window"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                p.append(f"{name}={v!r} must be a positive integer or null")
+        if not isinstance(self.multiple_of, int) or self.multiple_of < 1:
+            p.append(f"multiple_of={self.multiple_of!r} must be a positive integer")
+        _one_of(p, "pos_encoding", self.pos_encoding, POS_ENCODINGS)
+        _one_of(p, "rope_scaling", self.rope_scaling, ROPE_SCALINGS)
+        _one_of(p, "norm", self.norm, NORMS)
+        _one_of(p, "norm_position", self.norm_position, NORM_POSITIONS)
+        _one_of(p, "mlp", self.mlp, MLPS)
+        _one_of(p, "gelu_approx", self.gelu_approx, GELU_APPROX)
+        _one_of(p, "attn_impl", self.attn_impl, ATTN_IMPLS)
+        ints_ok = all(
+            isinstance(getattr(self, n), int) and getattr(self, n) >= 1
+            for n in ("dim", "n_heads", "n_kv_heads")
+        )
+        if ints_ok:
+            if self.n_heads % self.n_kv_heads:
+                p.append(
+                    f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads} "
+                    f"(valid n_kv_heads: {', '.join(str(d) for d in _divisors(self.n_heads))})"
+                )
+            if self.head_dim is None and self.dim % self.n_heads:
+                p.append(
+                    f"dim={self.dim} is not divisible by n_heads={self.n_heads}; "
+                    "set head_dim explicitly or pick n_heads dividing dim"
+                )
+            elif self.pos_encoding == "rope" and self.head_size % 2:
+                p.append(f"head_dim={self.head_size} must be even for pos_encoding='rope'")
+            if self.pos_encoding == "sinusoidal" and self.dim % 2:
+                p.append(f"dim={self.dim} must be even for pos_encoding='sinusoidal'")
+        if self.rope_scaling != "none" and self.pos_encoding != "rope":
+            p.append(
+                f"rope_scaling={self.rope_scaling!r} needs pos_encoding='rope' "
+                f"(got {self.pos_encoding!r})"
+            )
+        if not (isinstance(self.rope_factor, (int, float)) and self.rope_factor >= 1.0):
+            p.append(f"rope_factor={self.rope_factor!r} must be a number >= 1.0")
+        if not (isinstance(self.rope_theta, (int, float)) and self.rope_theta > 1.0):
+            p.append(f"rope_theta={self.rope_theta!r} must be a number > 1")
+        if not (isinstance(self.norm_eps, (int, float)) and 0 < self.norm_eps < 1):
+            p.append(f"norm_eps={self.norm_eps!r} must be in (0, 1)")
+        if not (isinstance(self.dropout, (int, float)) and 0.0 <= self.dropout < 1.0):
+            p.append(f"dropout={self.dropout!r} must be in [0, 1)")
+        if not (isinstance(self.init_std, (int, float)) and self.init_std > 0):
+            p.append(f"init_std={self.init_std!r} must be > 0")
+        if not (isinstance(self.mlp_ratio, (int, float)) and self.mlp_ratio > 0):
+            p.append(f"mlp_ratio={self.mlp_ratio!r} must be > 0")
+        if self.parallel_block and self.norm_position == "post":
+            p.append(
+                "parallel_block=True needs norm_position='pre' "
+                "(attention and MLP share one pre-norm input)"
+            )
+        if self.qk_norm and self.norm != "rmsnorm":
+            p.append(
+                f"qk_norm=True is implemented with RMSNorm; set norm='rmsnorm' (got {self.norm!r})"
+            )
+        return p
+
+    # --- serialisation
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        """Build from a mapping; unknown keys are an error (a typo must not pass silently)."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            hints = [f"unknown field {k!r}{_suggest(k, known)}" for k in unknown]
+            raise ConfigError(hints)
+        return cls(**d)
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        return ModelConfig.from_dict({**self.to_dict(), **changes})
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    @classmethod
+    def load(cls, path: str | Path) -> ModelConfig:
+        """Read a .json, .yaml or .yml file (a top-level ``model:`` section is accepted)."""
+        text = Path(path).read_text()
+        d = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
+        if isinstance(d, dict) and isinstance(d.get("model"), dict):
+            d = d["model"]
+        if not isinstance(d, dict):
+            raise ConfigError([f"{path} does not hold a mapping of config fields"])
+        return cls.from_dict(d)
+
+    def save(self, path: str | Path) -> None:
+        text = self.to_json() if str(path).endswith(".json") else self.to_yaml()
+        Path(path).write_text(text)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _suggest(key: str, known: set[str]) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(key, sorted(known), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""

@@ -1,0 +1,3 @@
+from llm_foundry.models.transformer import Transformer
+
+__all__ = ["Transformer"]

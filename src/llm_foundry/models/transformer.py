@@ -1,0 +1,141 @@
+"""The decoder-only Transformer, assembled from ``components`` according to a ``ModelConfig``.
+
+    idx (B, T) ─ tok_emb ─ pos.embed ─ emb_norm ─ dropout ─ [block] x n_layers ─ norm ─ lm_head
+                                                               │
+                      positions act here too: pos.rotate (RoPE) and pos.bias (ALiBi) in attention
+
+Notable choices: GPT-2-style initialisation (std 0.02, residual projections scaled by
+1/sqrt(2 n_layers)); no weight decay on norms, biases and embeddings; a single attention mask
+built once per forward and shared by all layers.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from llm_foundry.config import ModelConfig
+from llm_foundry.models.components import (
+    RMSNorm,
+    attention_mask,
+    build_block,
+    build_norm,
+    build_position,
+)
+
+IGNORE_INDEX = -100
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.pos = build_position(cfg)
+        self.emb_norm = build_norm(cfg) if cfg.embed_norm else nn.Identity()
+        self.drop = nn.Dropout(cfg.dropout)
+        self.layers = nn.ModuleList(build_block(cfg) for _ in range(cfg.n_layers))
+        # post-norm blocks already end in a norm; pre-norm stacks need one before the head
+        self.norm = build_norm(cfg) if cfg.norm_position == "pre" else nn.Identity()
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight  # one matrix reads and writes tokens
+        self.init_weights()
+
+    # ------------------------------------------------------------------------------------------
+    def init_weights(self) -> None:
+        """GPT-2 initialisation: N(0, init_std) for matrices and embeddings, zero biases, unit
+        norms; the two projections that write into the residual stream (attention ``wo`` and MLP
+        ``w2``) get std / sqrt(2 n_layers), so the stream's variance stays O(1) with depth."""
+        std = self.cfg.init_std
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear):
+                residual = name.endswith(("attn.wo", "mlp.w2"))
+                s = std / math.sqrt(2 * self.cfg.n_layers) if residual else std
+                nn.init.normal_(module.weight, mean=0.0, std=s)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+            elif isinstance(module, (nn.LayerNorm, RMSNorm)):
+                nn.init.ones_(module.weight)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+
+    # ------------------------------------------------------------------------------------------
+    def forward(
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        *,
+        ignore_index: int = IGNORE_INDEX,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """idx, targets: (B, T) token ids -> logits (B, T, vocab) and the mean cross-entropy over
+        targets that are not ``ignore_index`` (None without targets)."""
+        x, _ = self._trunk(idx, need_weights=False)
+        logits = self.lm_head(x)  # (B, T, V)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(
+                logits.flatten(0, 1).float(), targets.flatten(), ignore_index=ignore_index
+            )
+        return logits, loss
+
+    @torch.no_grad()
+    def attention_weights(self, idx: torch.Tensor) -> list[torch.Tensor]:
+        """Attention probabilities of every layer for ``idx`` (B, T): a list of (B, H, T, T)."""
+        _, weights = self._trunk(idx, need_weights=True)
+        return weights
+
+    def _trunk(self, idx: torch.Tensor, need_weights: bool):
+        """Embeddings and blocks: idx (B, T) -> final hidden states (B, T, D), attention weights."""
+        T = idx.shape[1]
+        q_pos = torch.arange(T, device=idx.device)
+        x = self.drop(self.emb_norm(self.pos.embed(self.tok_emb(idx), q_pos)))
+        mask = attention_mask(q_pos, q_pos, self.cfg.sliding_window, self.pos.bias(q_pos, q_pos))
+        weights = []
+        for layer in self.layers:
+            x, w = layer(x, self.pos, q_pos, mask, need_weights)
+            weights.append(w)
+        return self.norm(x), weights
+
+    # ------------------------------------------------------------------------------------------
+    # Costs
+    def num_params(self, non_embedding: bool = False) -> int:
+        """Parameters, each shared tensor once. ``non_embedding`` leaves out the token-embedding
+        and learned-position tables (lookups, not compute); an untied output head stays in."""
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            n -= self.tok_emb.weight.numel()
+            n -= sum(m.weight.numel() for m in self.pos.modules() if isinstance(m, nn.Embedding))
+        return n
+
+    def flops_per_token(self, seq_len: int | None = None) -> int:
+        """Training FLOPs per token (forward + backward = 3x forward, Kaplan et al. 2020):
+        6 per weight of every matrix multiply (output head included) plus the attention scores
+        and weighted sum, 12 * n_layers * n_heads * head_dim * seq_len (PaLM, Chowdhery 2022)."""
+        c = self.cfg
+        T = seq_len or c.max_seq_len
+        matmul = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
+        return 6 * matmul + 12 * c.n_layers * c.n_heads * c.head_size * T
+
+    def kv_cache_bytes_per_token(self, bytes_per_value: int = 2) -> int:
+        """Bytes of K and V cached per token across all layers: 2 * n_layers * n_kv_heads * hd."""
+        c = self.cfg
+        return 2 * c.n_layers * c.n_kv_heads * c.head_size * bytes_per_value
+
+    def param_groups(self, weight_decay: float) -> list[dict]:
+        """AdamW groups: decay matrices; no decay for norms, biases and embedding tables."""
+        no_decay_ids = {id(m.weight) for m in self.modules() if isinstance(m, nn.Embedding)}
+        decay, no_decay = [], []
+        for p in self.parameters():
+            if not p.requires_grad:
+                continue
+            (decay if p.dim() >= 2 and id(p) not in no_decay_ids else no_decay).append(p)
+        return [
+            {"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
