@@ -1,0 +1,143 @@
+"""Parameter accounting: where a model's parameters, FLOPs and KV-cache bytes go.
+
+The model is built on the ``meta`` device, so a 8B-parameter preset costs no memory to count.
+Every block of a model is identical, so one block's table times ``n_layers`` is the stack.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from llm_foundry.config import ModelConfig
+from llm_foundry.models import Transformer
+
+# What each parameter tensor is, in the config's own words (module path within its owner -> formula).
+FORMULAS = {
+    "tok_emb.weight": "vocab_size x dim",
+    "pos.emb.weight": "max_seq_len x dim",
+    "attn.wq.weight": "dim x (n_heads x head_dim)",
+    "attn.wk.weight": "dim x (n_kv_heads x head_dim)",
+    "attn.wv.weight": "dim x (n_kv_heads x head_dim)",
+    "attn.wo.weight": "(n_heads x head_dim) x dim",
+    "attn.wq.bias": "n_heads x head_dim",
+    "attn.wk.bias": "n_kv_heads x head_dim",
+    "attn.wv.bias": "n_kv_heads x head_dim",
+    "attn.wo.bias": "dim",
+    "attn.q_norm.weight": "head_dim",
+    "attn.k_norm.weight": "head_dim",
+    "mlp.w1.weight": "dim x hidden_dim",
+    "mlp.w3.weight": "dim x hidden_dim",
+    "mlp.w2.weight": "hidden_dim x dim",
+    "mlp.w1.bias": "hidden_dim",
+    "mlp.w3.bias": "hidden_dim",
+    "mlp.w2.bias": "dim",
+    "lm_head.weight": "dim x vocab_size",
+}
+
+
+def meta_model(cfg: ModelConfig) -> Transformer:
+    """The model with shapes but no storage: free to build at any size."""
+    with torch.device("meta"):
+        return Transformer(cfg)
+
+
+def _formula(name: str) -> str:
+    if name in FORMULAS:
+        return FORMULAS[name]
+    return "dim" if name.endswith((".weight", ".bias")) else ""  # norms
+
+
+def param_report(cfg: ModelConfig) -> dict:
+    """Per-component parameter counts, totals, FLOPs per token and KV-cache bytes.
+
+    Returns a JSON-ready dict: ``rows`` (component, formula, count, per_layer), ``total``,
+    ``non_embedding``, ``flops_per_token``, ``kv_cache`` per token and per ``max_seq_len``
+    sequence for fp32 and bf16.
+    """
+    model = meta_model(cfg)
+    rows = []
+    seen: set[int] = set()
+    block_total = 0
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:  # tied head: same tensor as the token embedding
+            rows.append(dict(component=name, formula="shared with tok_emb.weight", count=0))
+            continue
+        seen.add(id(p))
+        if name.startswith("layers."):
+            index, local = name.split(".", 2)[1:]
+            if index == "0":
+                rows.append(
+                    dict(component=f"block.{local}", formula=_formula(local), count=p.numel())
+                )
+                block_total += p.numel()
+            continue
+        rows.append(dict(component=name, formula=_formula(name), count=p.numel()))
+    # place the per-block rows and the stack total where the blocks sit (after the embeddings)
+    block_rows = [r for r in rows if r["component"].startswith("block.")]
+    other = [r for r in rows if not r["component"].startswith("block.")]
+    head_start = next(
+        i for i, r in enumerate(other) if r["component"].startswith(("norm.", "lm_head"))
+    )
+    stack = dict(
+        component=f"blocks x {cfg.n_layers}",
+        formula=f"{block_total:,} x n_layers",
+        count=block_total * cfg.n_layers,
+    )
+    rows = other[:head_start] + block_rows + [stack] + other[head_start:]
+    seq = cfg.max_seq_len
+    return dict(
+        config=cfg.to_dict(),
+        rows=rows,
+        per_block=block_total,
+        total=model.num_params(),
+        non_embedding=model.num_params(non_embedding=True),
+        flops_per_token=model.flops_per_token(seq),
+        flops_seq_len=seq,
+        kv_cache=dict(
+            fp32_per_token=model.kv_cache_bytes_per_token(4),
+            bf16_per_token=model.kv_cache_bytes_per_token(2),
+            fp32_per_sequence=model.kv_cache_bytes_per_token(4) * seq,
+            bf16_per_sequence=model.kv_cache_bytes_per_token(2) * seq,
+            seq_len=seq,
+        ),
+    )
+
+
+def human(n: float, unit: str = "") -> str:
+    """1234567 -> '1.23M' (binary units for bytes)."""
+    if unit == "B":
+        for suffix in ("B", "KiB", "MiB", "GiB", "TiB"):
+            if abs(n) < 1024 or suffix == "TiB":
+                return f"{n:.0f} {suffix}" if suffix == "B" else f"{n:.2f} {suffix}"
+            n /= 1024
+    for suffix, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f}{suffix}"
+    return f"{n:.0f}"
+
+
+def format_report(rep: dict, title: str = "") -> str:
+    """The report as an aligned text table."""
+    lines = [title] if title else []
+    w = max(len(r["component"]) for r in rep["rows"]) + 2
+    fw = max(len(r["formula"]) for r in rep["rows"]) + 2
+    lines.append(f"{'component':<{w}}{'formula':<{fw}}{'parameters':>16}")
+    lines.append("-" * (w + fw + 16))
+    for r in rep["rows"]:
+        lines.append(f"{r['component']:<{w}}{r['formula']:<{fw}}{r['count']:>16,}")
+    lines.append("-" * (w + fw + 16))
+    lines.append(f"{'total':<{w + fw}}{rep['total']:>16,}  ({human(rep['total'])})")
+    ne = rep["non_embedding"]
+    lines.append(f"{'non-embedding':<{w + fw}}{ne:>16,}  ({human(ne)})")
+    lines.append("")
+    f = rep["flops_per_token"]
+    lines.append(
+        f"training FLOPs per token at seq_len {rep['flops_seq_len']}: {f:,} ({human(f)}FLOP)"
+    )
+    kv = rep["kv_cache"]
+    lines.append(
+        f"KV cache per token: {human(kv['fp32_per_token'], 'B')} fp32, "
+        f"{human(kv['bf16_per_token'], 'B')} bf16; per {kv['seq_len']}-token sequence: "
+        f"{human(kv['fp32_per_sequence'], 'B')} fp32, {human(kv['bf16_per_sequence'], 'B')} bf16"
+    )
+    return "\n".join(lines)

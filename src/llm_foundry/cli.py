@@ -1,0 +1,112 @@
+"""The ``llm-foundry`` command line: one sub-command per job, each a small function.
+
+Model settings come from ``--preset NAME``, then ``--config FILE`` (YAML/JSON with a ``model:``
+section), then dotted overrides such as ``--model.n_kv_heads 2``; later sources win.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+
+from jsonargparse import ActionConfigFile, ArgumentParser
+
+from llm_foundry.config import ConfigError, ModelConfig
+from llm_foundry.presets import get_preset, preset_names
+
+
+def _preset_prefix(argv: list[str], default: str | None) -> str | None:
+    """Read ``--preset`` before the full parse: it sets the defaults the other flags override."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--preset", default=default)
+    known, _ = pre.parse_known_args(argv)
+    return known.preset
+
+
+def model_parser(
+    prog: str, description: str, default_preset: str | None, base: ModelConfig
+) -> ArgumentParser:
+    """A parser with ``--preset``, ``--config`` and every ``--model.FIELD`` override."""
+    p = ArgumentParser(prog=f"llm-foundry {prog}", description=description, exit_on_error=False)
+    p.add_argument(
+        "--preset",
+        default=default_preset,
+        help=f"architecture preset: {', '.join(preset_names())}",
+    )
+    p.add_argument("--config", action=ActionConfigFile, help="YAML/JSON file with a model: section")
+    p.add_argument(
+        "--model", type=ModelConfig, default=base, help="model settings (dotted overrides)"
+    )
+    return p
+
+
+def parse_model_args(
+    prog: str, description: str, argv: list[str], default_preset: str | None, extra=None
+):
+    """Parse ``argv`` into (namespace, ModelConfig) with preset < config file < overrides."""
+    name = _preset_prefix(argv, default_preset)
+    base = get_preset(name) if name else ModelConfig()
+    p = model_parser(prog, description, default_preset, base)
+    if extra:
+        extra(p)
+    ns = p.parse_args(argv)
+    model = ns.model
+    cfg = ModelConfig.from_dict(
+        dict(model) if not isinstance(model, ModelConfig) else model.to_dict()
+    )
+    return ns, cfg
+
+
+# ----------------------------------------------------------------------------------------------
+def cmd_params(argv: list[str]) -> int:
+    from llm_foundry.accounting import format_report, param_report
+
+    def extra(p):
+        p.add_argument("--json", action="store_true", help="print the report as JSON")
+
+    ns, cfg = parse_model_args(
+        "params",
+        "Count parameters per component (built on the meta device: no memory), FLOPs per token "
+        "and KV-cache bytes.",
+        argv,
+        None,
+        extra,
+    )
+    rep = param_report(cfg)
+    if ns.json:
+        print(json.dumps(rep, indent=2))
+    else:
+        title = f"preset {ns.preset}" if ns.preset else "custom config"
+        print(format_report(rep, title=title))
+    return 0
+
+
+COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
+    "params": (cmd_params, "parameter, FLOP and KV-cache accounting for a config"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    usage = "usage: llm-foundry COMMAND [options]\n\ncommands:\n" + "\n".join(
+        f"  {name:<10} {help_}" for name, (_, help_) in COMMANDS.items()
+    )
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage)
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"llm-foundry: unknown command {name!r}\n\n{usage}", file=sys.stderr)
+        return 2
+    try:
+        return COMMANDS[name][0](rest) or 0
+    except (ConfigError, KeyError, ValueError, FileNotFoundError) as e:
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
+        print(f"llm-foundry {name}: error: {msg}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""ModelConfig: derived sizes, validation messages, serialisation, presets."""
+
+import pytest
+
+from llm_foundry.config import ConfigError, ModelConfig
+from llm_foundry.presets import PRESETS, get_preset
+
+
+def test_defaults_and_derived_sizes():
+    cfg = ModelConfig(dim=4096, n_heads=32, mlp="swiglu", multiple_of=256)
+    assert cfg.n_kv_heads == 32 and cfg.head_size == 128
+    assert cfg.ffn_dim == 11008  # LLaMA: int(2 * 4 * 4096 / 3) = 10922, rounded up to 256
+    assert ModelConfig(dim=768, n_heads=12, mlp="gelu").ffn_dim == 3072
+    assert ModelConfig(dim=64, n_heads=4, head_dim=32).head_size == 32
+
+
+def test_invalid_config_lists_every_problem():
+    with pytest.raises(ConfigError) as e:
+        ModelConfig(n_heads=8, n_kv_heads=3, pos_encoding="rotary", norm="batchnorm", dropout=1.5)
+    msg = str(e.value)
+    assert "n_heads=8 is not divisible by n_kv_heads=3" in msg
+    assert "pos_encoding='rotary' is not one of learned, sinusoidal, rope, alibi, none" in msg
+    assert "norm='batchnorm' is not one of layernorm, rmsnorm" in msg
+    assert "dropout=1.5 must be in [0, 1)" in msg
+    assert len(e.value.problems) == 4
+
+
+@pytest.mark.parametrize(
+    "changes, expected",
+    [
+        (dict(mlp="swish"), "mlp='swish' is not one of gelu, relu, swiglu, geglu"),
+        (dict(attn_impl="flash"), "attn_impl='flash' is not one of sdpa, manual"),
+        (dict(norm_position="middle"), "norm_position='middle' is not one of pre, post"),
+        (dict(dim=100, n_heads=8, n_kv_heads=8), "dim=100 is not divisible by n_heads=8"),
+        (dict(parallel_block=True, norm_position="post"), "parallel_block=True needs"),
+        (dict(pos_encoding="alibi", rope_scaling="linear"), "rope_scaling='linear' needs"),
+        (dict(dim=0), "dim=0 must be a positive integer"),
+        (dict(sliding_window=0), "sliding_window=0 must be a positive integer or null"),
+        (dict(rope_factor=0.5), "rope_factor=0.5 must be a number >= 1.0"),
+        (dict(qk_norm=True, norm="layernorm"), "qk_norm=True is implemented with RMSNorm"),
+    ],
+)
+def test_each_message(changes, expected):
+    with pytest.raises(ConfigError, match=None) as e:
+        ModelConfig(**changes)
+    assert expected in str(e.value)
+
+
+def test_unknown_key_is_rejected_with_suggestion():
+    with pytest.raises(ConfigError) as e:
+        ModelConfig.from_dict({"n_layer": 4})
+    assert "unknown field 'n_layer' (did you mean 'n_layers'?)" in str(e.value)
+
+
+@pytest.mark.parametrize("suffix", [".json", ".yaml"])
+def test_round_trip_files(tmp_path, suffix):
+    cfg = get_preset("qwen3-8b")
+    path = tmp_path / f"cfg{suffix}"
+    cfg.save(path)
+    assert ModelConfig.load(path) == cfg
+
+
+def test_load_accepts_model_section(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("model:\n  dim: 128\n  n_heads: 4\ntrain:\n  lr: 0.001\n")
+    assert ModelConfig.load(path) == ModelConfig(dim=128, n_heads=4)
+
+
+def test_presets_are_valid_data():
+    for name in PRESETS:
+        cfg = get_preset(name)
+        assert ModelConfig.from_dict(cfg.to_dict()) == cfg
+    assert get_preset("falcon-7b").n_kv_heads == 1  # multi-query
+    assert get_preset("mistral-7b").sliding_window == 4096
+    with pytest.raises(KeyError, match="available presets: gpt2"):
+        get_preset("gpt-2")

@@ -1,0 +1,142 @@
+"""The assembled model: shapes, loss, block forms, initialisation, parameter groups."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from llm_foundry.config import ModelConfig
+from llm_foundry.models import Transformer
+from llm_foundry.models.components import Block, ParallelBlock, PostNormBlock
+from llm_foundry.presets import PRESETS, get_preset
+
+
+def tiny(**kw):
+    base = dict(vocab_size=37, dim=32, n_layers=2, n_heads=4, max_seq_len=32)
+    return ModelConfig(**{**base, **kw})
+
+
+def test_forward_shapes_and_loss():
+    torch.manual_seed(0)
+    model = Transformer(tiny())
+    idx = torch.randint(0, 37, (3, 10))
+    logits, loss = model(idx)
+    assert logits.shape == (3, 10, 37) and loss is None
+    logits, loss = model(idx, idx)
+    torch.testing.assert_close(loss, F.cross_entropy(logits.view(-1, 37), idx.view(-1)))
+    assert abs(loss.item() - math.log(37)) < 0.3  # small init: close to uniform
+
+
+def test_ignore_index():
+    model = Transformer(tiny())
+    idx = torch.randint(0, 37, (2, 8))
+    targets = idx.clone()
+    targets[:, :4] = -100
+    logits, loss = model(idx, targets)
+    expected = F.cross_entropy(logits[:, 4:].reshape(-1, 37), idx[:, 4:].reshape(-1))
+    torch.testing.assert_close(loss, expected)
+
+
+def test_block_forms_from_factory():
+    assert all(type(b) is Block for b in Transformer(tiny()).layers)
+    post = Transformer(tiny(norm_position="post", norm="layernorm"))
+    assert all(type(b) is PostNormBlock for b in post.layers)
+    assert isinstance(post.norm, torch.nn.Identity)  # post-norm blocks already end in a norm
+    par = Transformer(tiny(parallel_block=True))
+    assert all(type(b) is ParallelBlock for b in par.layers)
+    assert not hasattr(par.layers[0], "mlp_norm")  # one shared norm (GPT-J, Falcon-7B)
+
+
+def test_parallel_block_formula():
+    torch.manual_seed(0)
+    block = Transformer(tiny(parallel_block=True, n_layers=1)).layers[0]
+    x = torch.randn(2, 5, 32)
+    from llm_foundry.models.components import NoPosition
+
+    h = block.attn_norm(x)
+    a, _ = block.attn(h, NoPosition(), torch.arange(5), None)
+    torch.testing.assert_close(
+        block(x, NoPosition(), torch.arange(5), None)[0], x + a + block.mlp(h)
+    )
+
+
+@pytest.mark.parametrize("mlp, n_mats", [("gelu", 2), ("relu", 2), ("swiglu", 3), ("geglu", 3)])
+def test_mlp_variants(mlp, n_mats):
+    model = Transformer(tiny(mlp=mlp))
+    mats = [n for n, _ in model.layers[0].mlp.named_parameters() if n.endswith("weight")]
+    assert len(mats) == n_mats
+    assert model(torch.randint(0, 37, (1, 6)), torch.randint(0, 37, (1, 6)))[1].isfinite()
+
+
+def test_tied_embeddings_share_storage():
+    model = Transformer(tiny(tie_embeddings=True))
+    assert model.lm_head.weight is model.tok_emb.weight
+    untied = Transformer(tiny(tie_embeddings=False))
+    assert model.num_params() == untied.num_params() - 37 * 32
+
+
+def test_init_statistics():
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=1000, dim=256, n_layers=8, n_heads=4, attn_bias=True)
+    model = Transformer(cfg)
+    assert model.tok_emb.weight.std().item() == pytest.approx(0.02, rel=0.05)
+    assert model.layers[0].attn.wq.weight.std().item() == pytest.approx(0.02, rel=0.05)
+    residual = 0.02 / math.sqrt(2 * 8)
+    assert model.layers[3].attn.wo.weight.std().item() == pytest.approx(residual, rel=0.05)
+    assert model.layers[3].mlp.w2.weight.std().item() == pytest.approx(residual, rel=0.05)
+    assert (model.layers[0].attn.wq.bias == 0).all()
+    assert (model.layers[0].attn_norm.weight == 1).all()
+
+
+def test_param_groups_exclude_norms_biases_embeddings():
+    model = Transformer(tiny(pos_encoding="learned", attn_bias=True, norm="layernorm"))
+    decay, no_decay = model.param_groups(0.1)
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    decay_ids = {id(p) for p in decay["params"]}
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert all(p.dim() == 2 for p in decay["params"])
+    assert id(model.tok_emb.weight) not in decay_ids
+    assert id(model.pos.emb.weight) not in decay_ids
+    assert {names[i] for i in decay_ids} >= {"layers.0.attn.wq.weight", "layers.1.mlp.w2.weight"}
+    total = sum(p.numel() for g in (decay, no_decay) for p in g["params"])
+    assert total == model.num_params()
+
+
+def test_num_params_non_embedding():
+    model = Transformer(tiny(pos_encoding="learned", tie_embeddings=True))
+    assert model.num_params(non_embedding=True) == model.num_params() - 37 * 32 - 32 * 32
+
+
+def test_dropout_is_off_in_eval():
+    model = Transformer(tiny(dropout=0.5))
+    idx = torch.randint(0, 37, (1, 8))
+    model.train()
+    assert not torch.equal(model(idx)[0], model(idx)[0])
+    model.eval()
+    assert torch.equal(model(idx)[0], model(idx)[0])
+
+
+def test_every_family_trains_one_step():
+    """A shrunken copy of every preset runs forward and backward with finite gradients."""
+    for name in PRESETS:
+        big = PRESETS[name]
+        kv = big.get("n_kv_heads", big["n_heads"])
+        shrink = dict(
+            vocab_size=50,
+            dim=32,
+            n_layers=2,
+            n_heads=4,
+            hidden_dim=64,
+            max_seq_len=64,
+            n_kv_heads=4 if kv == big["n_heads"] else (1 if kv == 1 else 2),
+            head_dim=16 if big.get("head_dim") else None,
+            sliding_window=8 if big.get("sliding_window") else None,
+        )
+        cfg = get_preset(name, **shrink)
+        model = Transformer(cfg)
+        idx = torch.randint(0, 50, (2, 16))
+        _, loss = model(idx, idx)
+        loss.backward()
+        grads = [p.grad for p in model.parameters()]
+        assert all(g is not None and g.isfinite().all() for g in grads), name
