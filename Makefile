@@ -1,0 +1,38 @@
+# Two entry points (see README): `make demo` runs the main job, `make test` runs the test suite.
+# Both create .venv on first use: torch==2.13.0 first (a CPU build where one is offered), then
+# the project, so pip never swaps torch for another release.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test test-slow lint format clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/llm-foundry params --preset llama2-7b
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -q -m slow
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests tutorials benchmarks
+	$(BIN)/ruff format --check src tests tutorials benchmarks
+
+format: $(STAMP)
+	$(BIN)/ruff format src tests tutorials benchmarks
+	$(BIN)/ruff check --fix src tests tutorials benchmarks
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache
