@@ -39,8 +39,7 @@ def test_paths_match_reference(n_kv, window):
     torch.manual_seed(0)
     q = torch.randn(2, 4, 9, 8)
     k, v = torch.randn(2, n_kv, 9, 8), torch.randn(2, n_kv, 9, 8)
-    pos = torch.arange(9)
-    mask = attention_mask(pos, pos, window)
+    mask = attention_mask(0, 9, 9, window)
     expected = reference_attention(q, k, v, window)
     out_m, w = manual_attention(q, k, v, mask)
     out_s, _ = sdpa_attention(q, k, v, mask)
@@ -105,8 +104,7 @@ def test_gqa_equals_mha_with_shared_kv_heads():
 
 
 def test_sliding_window_mask():
-    pos = torch.arange(6)
-    allowed = attention_mask(pos, pos, window=3)[0] == 0
+    allowed = attention_mask(0, 6, 6, window=3)[0] == 0
     expected = torch.tensor(
         [
             [1, 0, 0, 0, 0, 0],
@@ -119,7 +117,7 @@ def test_sliding_window_mask():
         dtype=torch.bool,
     )
     assert torch.equal(allowed, expected)
-    assert attention_mask(pos, pos) is None  # plain causal: SDPA's own causal kernel
+    assert attention_mask(0, 6, 6) is None  # plain causal: SDPA's own causal kernel
 
 
 def test_sliding_window_hides_tokens_outside_it():
@@ -138,3 +136,12 @@ def test_attention_weights_api():
     weights = model.attention_weights(torch.randint(0, 37, (2, 10)))
     assert len(weights) == 2 and weights[0].shape == (2, 4, 10, 10)
     torch.testing.assert_close(weights[1].sum(-1), torch.ones(2, 4, 10))
+
+
+def test_mask_for_queries_after_a_prefix():
+    """Queries at positions 4..5 against keys 0..5 (decoding after a cached prefix)."""
+    allowed = attention_mask(4, 2, 6)[0] == 0
+    expected = torch.tensor([[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1]], dtype=torch.bool)
+    assert torch.equal(allowed, expected)
+    windowed = attention_mask(4, 2, 6, window=2)[0] == 0
+    assert torch.equal(windowed[1], torch.tensor([0, 0, 0, 0, 1, 1], dtype=torch.bool))

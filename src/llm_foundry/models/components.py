@@ -113,18 +113,22 @@ def alibi_slopes(n_heads: int) -> torch.Tensor:
 
 
 class NoPosition(nn.Module):
-    """No explicit positions (NoPE): the causal mask alone tells tokens apart."""
+    """No explicit positions (NoPE): the causal mask alone tells tokens apart.
 
-    def embed(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """Add absolute positions to the embeddings. x: (B, T, D), pos: (T,)."""
+    Positions arrive as a Python int ``start`` (the position of the first of the T new tokens),
+    so nothing is read back from a tensor and ``torch.compile`` sees no graph break.
+    """
+
+    def embed(self, x: torch.Tensor, start: int) -> torch.Tensor:
+        """Add absolute positions start..start+T-1 to the embeddings x: (B, T, D)."""
         return x
 
-    def rotate(self, q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor):
-        """Rotate queries and keys. q: (B, H, T, hd), k: (B, K, T, hd), q_pos: (T,)."""
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, start: int):
+        """Rotate q: (B, H, T, hd) and k: (B, K, T, hd) at positions start..start+T-1."""
         return q, k
 
-    def bias(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor | None:
-        """Additive attention bias (H, T, S) or None."""
+    def bias(self, start: int, T: int, S: int) -> torch.Tensor | None:
+        """Additive attention bias (H, T, S) of queries at start.. against keys 0..S-1, or None."""
         return None
 
 
@@ -136,16 +140,16 @@ class LearnedPosition(NoPosition):
         self.max_seq_len = cfg.max_seq_len
         self.emb = nn.Embedding(cfg.max_seq_len, cfg.dim)
 
-    def embed(self, x, pos):
-        last = int(pos[-1])
-        if last >= self.max_seq_len:
+    def embed(self, x, start):
+        end = start + x.shape[1]
+        if end > self.max_seq_len:
             raise ValueError(
-                f"position {last} is past max_seq_len={self.max_seq_len}: learned absolute "
+                f"position {end - 1} is past max_seq_len={self.max_seq_len}: learned absolute "
                 f"positions are a table with one trained row per position 0..{self.max_seq_len - 1} "
-                "and nothing beyond it. Use a shorter input, or a model with "
-                "pos_encoding='rope' or 'alibi' (relative positions that run past the training length)."
+                "and nothing beyond it. Use a shorter input, or a model with pos_encoding='rope' "
+                "or 'alibi' (relative positions that run past the training length)."
             )
-        return x + self.emb(pos)
+        return x + self.emb(torch.arange(start, end, device=x.device))
 
 
 class SinusoidalPosition(NoPosition):
@@ -155,7 +159,8 @@ class SinusoidalPosition(NoPosition):
         super().__init__()
         self.dim = cfg.dim
 
-    def embed(self, x, pos):
+    def embed(self, x, start):
+        pos = torch.arange(start, start + x.shape[1], device=x.device)
         return x + sinusoidal_table(pos, self.dim).to(x.dtype)
 
 
@@ -178,11 +183,11 @@ class RotaryPosition(NoPosition):
         pos = torch.arange(n, device=self.inv_freq.device)
         self.cos, self.sin = rope_cos_sin(pos, self.inv_freq)
 
-    def rotate(self, q, k, q_pos):
-        end = int(q_pos[-1]) + 1
+    def rotate(self, q, k, start):
+        end = start + q.shape[2]
         if self.cos.shape[0] < end or self.cos.device != q.device:
             self._grow(end)
-        cos, sin = self.cos[q_pos].to(q.dtype), self.sin[q_pos].to(q.dtype)
+        cos, sin = self.cos[start:end].to(q.dtype), self.sin[start:end].to(q.dtype)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
 
@@ -193,10 +198,10 @@ class AlibiPosition(NoPosition):
         super().__init__()
         self.register_buffer("slopes", alibi_slopes(cfg.n_heads), persistent=False)
 
-    def bias(self, q_pos, k_pos):
-        distance = (k_pos[None, :] - q_pos[:, None]).to(
-            self.slopes.dtype
-        )  # (T, S), <= 0 in the past
+    def bias(self, start, T, S):
+        q_pos = torch.arange(start, start + T, device=self.slopes.device)
+        k_pos = torch.arange(S, device=self.slopes.device)
+        distance = (k_pos[None, :] - q_pos[:, None]).to(self.slopes.dtype)  # (T, S), <= 0: past
         return self.slopes[:, None, None] * distance[None]  # (H, T, S)
 
 
@@ -218,24 +223,27 @@ def build_position(cfg: ModelConfig) -> NoPosition:
 
 
 def attention_mask(
-    q_pos: torch.Tensor,
-    k_pos: torch.Tensor,
+    start: int,
+    T: int,
+    S: int,
     window: int | None = None,
     bias: torch.Tensor | None = None,
+    device: torch.device | None = None,
 ) -> torch.Tensor | None:
-    """Additive mask (1 or H, T, S): 0 where query i may see key j (j <= i, i - j < window), -inf
-    elsewhere, plus ``bias``. None means "plain causal, T == S": SDPA then uses its causal kernel.
-    q_pos: (T,), k_pos: (S,)."""
-    if bias is None and window is None and torch.equal(q_pos, k_pos):
+    """Additive mask (1 or H, T, S) for queries at positions start..start+T-1 and keys at 0..S-1:
+    0 where query i may see key j (j <= i and i - j < window), -inf elsewhere, plus ``bias``.
+    None means "plain causal, T == S": SDPA then uses its own causal kernel."""
+    if bias is None and window is None and start == 0 and T == S:
         return None
-    diff = q_pos[:, None] - k_pos[None, :]  # (T, S): how far back key j lies from query i
+    q_pos = torch.arange(start, start + T, device=device)
+    diff = q_pos[:, None] - torch.arange(S, device=device)[None, :]  # (T, S): how far back j is
     allowed = diff >= 0
     if window is not None:
         allowed &= diff < window
     dtype = bias.dtype if bias is not None else torch.float32
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=q_pos.device)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
     mask = mask.masked_fill(~allowed, float("-inf"))[None]  # (1, T, S)
-    return mask if bias is None else mask + bias
+    return mask if bias is None else mask + bias.to(device)
 
 
 def manual_attention(
@@ -299,14 +307,14 @@ class Attention(nn.Module):
         self.impl = ATTENTION_IMPLS[cfg.attn_impl]
         self.dropout = cfg.dropout
 
-    def forward(self, x, pos, q_pos, mask, need_weights: bool = False):
+    def forward(self, x, pos, start, mask, need_weights: bool = False):
         """x: (B, T, D) -> (B, T, D) and the weights (B, H, T, S) when ``need_weights``."""
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, self.n_heads, self.head_dim)
         k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)
         v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)
         q, k = self.q_norm(q).transpose(1, 2), self.k_norm(k).transpose(1, 2)  # (B, H|K, T, hd)
-        q, k = pos.rotate(q, k, q_pos)
+        q, k = pos.rotate(q, k, start)
         v = v.transpose(1, 2)
         impl = manual_attention if need_weights else self.impl
         out, weights = impl(q, k, v, mask, self.dropout if self.training else 0.0)
@@ -385,8 +393,8 @@ class Block(nn.Module):
         self.mlp = build_mlp(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x, pos, q_pos, mask, need_weights=False):
-        a, weights = self.attn(self.attn_norm(x), pos, q_pos, mask, need_weights)
+    def forward(self, x, pos, start, mask, need_weights=False):
+        a, weights = self.attn(self.attn_norm(x), pos, start, mask, need_weights)
         x = x + self.drop(a)
         return x + self.drop(self.mlp(self.mlp_norm(x))), weights
 
@@ -394,8 +402,8 @@ class Block(nn.Module):
 class PostNormBlock(Block):
     """Post-norm block: norm(x + attn(x)), then norm(h + mlp(h))."""
 
-    def forward(self, x, pos, q_pos, mask, need_weights=False):
-        a, weights = self.attn(x, pos, q_pos, mask, need_weights)
+    def forward(self, x, pos, start, mask, need_weights=False):
+        a, weights = self.attn(x, pos, start, mask, need_weights)
         x = self.attn_norm(x + self.drop(a))
         return self.mlp_norm(x + self.drop(self.mlp(x))), weights
 
@@ -410,9 +418,9 @@ class ParallelBlock(nn.Module):
         self.mlp = build_mlp(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x, pos, q_pos, mask, need_weights=False):
+    def forward(self, x, pos, start, mask, need_weights=False):
         h = self.attn_norm(x)
-        a, weights = self.attn(h, pos, q_pos, mask, need_weights)
+        a, weights = self.attn(h, pos, start, mask, need_weights)
         return x + self.drop(a) + self.drop(self.mlp(h)), weights
 
 

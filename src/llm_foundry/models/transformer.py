@@ -93,12 +93,12 @@ class Transformer(nn.Module):
     def _trunk(self, idx: torch.Tensor, need_weights: bool):
         """Embeddings and blocks: idx (B, T) -> final hidden states (B, T, D), attention weights."""
         T = idx.shape[1]
-        q_pos = torch.arange(T, device=idx.device)
-        x = self.drop(self.emb_norm(self.pos.embed(self.tok_emb(idx), q_pos)))
-        mask = attention_mask(q_pos, q_pos, self.cfg.sliding_window, self.pos.bias(q_pos, q_pos))
+        x = self.drop(self.emb_norm(self.pos.embed(self.tok_emb(idx), 0)))
+        bias = self.pos.bias(0, T, T)
+        mask = attention_mask(0, T, T, self.cfg.sliding_window, bias, idx.device)
         weights = []
         for layer in self.layers:
-            x, w = layer(x, self.pos, q_pos, mask, need_weights)
+            x, w = layer(x, self.pos, 0, mask, need_weights)
             weights.append(w)
         return self.norm(x), weights
 
