@@ -39,7 +39,7 @@ def test_paths_match_reference(n_kv, window):
     torch.manual_seed(0)
     q = torch.randn(2, 4, 9, 8)
     k, v = torch.randn(2, n_kv, 9, 8), torch.randn(2, n_kv, 9, 8)
-    mask = attention_mask(0, 9, 9, window)
+    mask = attention_mask(torch.arange(9), torch.arange(9), window)
     expected = reference_attention(q, k, v, window)
     out_m, w = manual_attention(q, k, v, mask)
     out_s, _ = sdpa_attention(q, k, v, mask)
@@ -104,7 +104,7 @@ def test_gqa_equals_mha_with_shared_kv_heads():
 
 
 def test_sliding_window_mask():
-    allowed = attention_mask(0, 6, 6, window=3)[0] == 0
+    allowed = attention_mask(torch.arange(6), torch.arange(6), window=3)[0] == 0
     expected = torch.tensor(
         [
             [1, 0, 0, 0, 0, 0],
@@ -117,7 +117,9 @@ def test_sliding_window_mask():
         dtype=torch.bool,
     )
     assert torch.equal(allowed, expected)
-    assert attention_mask(0, 6, 6) is None  # plain causal: SDPA's own causal kernel
+    assert not Transformer(tiny()).needs_mask  # plain causal: SDPA's own causal kernel
+    assert Transformer(tiny(sliding_window=3)).needs_mask
+    assert Transformer(tiny(pos_encoding="alibi")).needs_mask
 
 
 def test_sliding_window_hides_tokens_outside_it():
@@ -139,9 +141,12 @@ def test_attention_weights_api():
 
 
 def test_mask_for_queries_after_a_prefix():
-    """Queries at positions 4..5 against keys 0..5 (decoding after a cached prefix)."""
-    allowed = attention_mask(4, 2, 6)[0] == 0
+    """Queries at positions 4..5 against keys 0..5 (decoding after a cached prefix), and keys
+    stored out of order (a ring buffer)."""
+    allowed = attention_mask(torch.arange(4, 6), torch.arange(6))[0] == 0
     expected = torch.tensor([[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1]], dtype=torch.bool)
     assert torch.equal(allowed, expected)
-    windowed = attention_mask(4, 2, 6, window=2)[0] == 0
+    windowed = attention_mask(torch.arange(4, 6), torch.arange(6), window=2)[0] == 0
     assert torch.equal(windowed[1], torch.tensor([0, 0, 0, 0, 1, 1], dtype=torch.bool))
+    ring = attention_mask(torch.tensor([5]), torch.tensor([4, 5, 2, 3]), window=3)[0] == 0
+    assert torch.equal(ring[0], torch.tensor([1, 1, 0, 1], dtype=torch.bool))

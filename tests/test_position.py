@@ -103,7 +103,7 @@ def test_alibi_slopes_any_head_count(n):
 
 def test_alibi_bias_is_linear_in_distance():
     cfg = ModelConfig(vocab_size=11, dim=16, n_layers=1, n_heads=4, pos_encoding="alibi")
-    bias = build_position(cfg).bias(0, 5, 5)
+    bias = build_position(cfg).bias(torch.arange(5), torch.arange(5))
     assert bias.shape == (4, 5, 5)
     slopes = alibi_slopes(4)
     assert bias[1, 4, 1].item() == pytest.approx(-3 * slopes[1].item())

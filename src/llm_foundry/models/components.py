@@ -115,9 +115,11 @@ def alibi_slopes(n_heads: int) -> torch.Tensor:
 class NoPosition(nn.Module):
     """No explicit positions (NoPE): the causal mask alone tells tokens apart.
 
-    Positions arrive as a Python int ``start`` (the position of the first of the T new tokens),
+    The new tokens' positions arrive as a Python int ``start`` (the first of T contiguous ones),
     so nothing is read back from a tensor and ``torch.compile`` sees no graph break.
     """
+
+    has_bias = False  # whether ``bias`` returns a tensor
 
     def embed(self, x: torch.Tensor, start: int) -> torch.Tensor:
         """Add absolute positions start..start+T-1 to the embeddings x: (B, T, D)."""
@@ -127,8 +129,8 @@ class NoPosition(nn.Module):
         """Rotate q: (B, H, T, hd) and k: (B, K, T, hd) at positions start..start+T-1."""
         return q, k
 
-    def bias(self, start: int, T: int, S: int) -> torch.Tensor | None:
-        """Additive attention bias (H, T, S) of queries at start.. against keys 0..S-1, or None."""
+    def bias(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor | None:
+        """Additive attention bias (H, T, S) for query positions (T,) and key positions (S,)."""
         return None
 
 
@@ -198,9 +200,9 @@ class AlibiPosition(NoPosition):
         super().__init__()
         self.register_buffer("slopes", alibi_slopes(cfg.n_heads), persistent=False)
 
-    def bias(self, start, T, S):
-        q_pos = torch.arange(start, start + T, device=self.slopes.device)
-        k_pos = torch.arange(S, device=self.slopes.device)
+    has_bias = True
+
+    def bias(self, q_pos, k_pos):
         distance = (k_pos[None, :] - q_pos[:, None]).to(self.slopes.dtype)  # (T, S), <= 0: past
         return self.slopes[:, None, None] * distance[None]  # (H, T, S)
 
@@ -223,27 +225,22 @@ def build_position(cfg: ModelConfig) -> NoPosition:
 
 
 def attention_mask(
-    start: int,
-    T: int,
-    S: int,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
     window: int | None = None,
     bias: torch.Tensor | None = None,
-    device: torch.device | None = None,
-) -> torch.Tensor | None:
-    """Additive mask (1 or H, T, S) for queries at positions start..start+T-1 and keys at 0..S-1:
-    0 where query i may see key j (j <= i and i - j < window), -inf elsewhere, plus ``bias``.
-    None means "plain causal, T == S": SDPA then uses its own causal kernel."""
-    if bias is None and window is None and start == 0 and T == S:
-        return None
-    q_pos = torch.arange(start, start + T, device=device)
-    diff = q_pos[:, None] - torch.arange(S, device=device)[None, :]  # (T, S): how far back j is
+) -> torch.Tensor:
+    """Additive mask (1 or H, T, S): 0 where query i may see key j (k_pos[j] <= q_pos[i] and
+    q_pos[i] - k_pos[j] < window), -inf elsewhere, plus ``bias``. q_pos: (T,), k_pos: (S,).
+    Keys may come in any order (a sliding-window cache stores them in a ring)."""
+    diff = q_pos[:, None] - k_pos[None, :]  # (T, S): how far back key j lies from query i
     allowed = diff >= 0
     if window is not None:
         allowed &= diff < window
     dtype = bias.dtype if bias is not None else torch.float32
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=q_pos.device)
     mask = mask.masked_fill(~allowed, float("-inf"))[None]  # (1, T, S)
-    return mask if bias is None else mask + bias.to(device)
+    return mask if bias is None else mask + bias
 
 
 def manual_attention(

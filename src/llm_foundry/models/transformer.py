@@ -43,6 +43,8 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight  # one matrix reads and writes tokens
+        # a mask tensor is needed only when attention is more than "causal": a window or a bias
+        self.needs_mask = cfg.sliding_window is not None or self.pos.has_bias
         self.init_weights()
 
     # ------------------------------------------------------------------------------------------
@@ -94,8 +96,10 @@ class Transformer(nn.Module):
         """Embeddings and blocks: idx (B, T) -> final hidden states (B, T, D), attention weights."""
         T = idx.shape[1]
         x = self.drop(self.emb_norm(self.pos.embed(self.tok_emb(idx), 0)))
-        bias = self.pos.bias(0, T, T)
-        mask = attention_mask(0, T, T, self.cfg.sliding_window, bias, idx.device)
+        mask = None  # plain causal: SDPA's own causal kernel, no mask tensor
+        if self.needs_mask:
+            pos = torch.arange(T, device=idx.device)
+            mask = attention_mask(pos, pos, self.cfg.sliding_window, self.pos.bias(pos, pos))
         weights = []
         for layer in self.layers:
             x, w = layer(x, self.pos, 0, mask, need_weights)
