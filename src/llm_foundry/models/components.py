@@ -304,8 +304,9 @@ class Attention(nn.Module):
         self.impl = ATTENTION_IMPLS[cfg.attn_impl]
         self.dropout = cfg.dropout
 
-    def forward(self, x, pos, start, mask, need_weights: bool = False):
-        """x: (B, T, D) -> (B, T, D) and the weights (B, H, T, S) when ``need_weights``."""
+    def forward(self, x, pos, start, mask, need_weights: bool = False, kv=None):
+        """x: (B, T, D) -> (B, T, D) and the weights (B, H, T, S) when ``need_weights``.
+        ``kv`` = (cache, layer index) stores this step's keys/values and reads the earlier ones."""
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, self.n_heads, self.head_dim)
         k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)
@@ -313,6 +314,9 @@ class Attention(nn.Module):
         q, k = self.q_norm(q).transpose(1, 2), self.k_norm(k).transpose(1, 2)  # (B, H|K, T, hd)
         q, k = pos.rotate(q, k, start)
         v = v.transpose(1, 2)
+        if kv is not None:
+            cache, layer = kv
+            k, v = cache.update(layer, k, v, start)  # (B, K, S, hd)
         impl = manual_attention if need_weights else self.impl
         out, weights = impl(q, k, v, mask, self.dropout if self.training else 0.0)
         out = out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
@@ -390,8 +394,8 @@ class Block(nn.Module):
         self.mlp = build_mlp(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x, pos, start, mask, need_weights=False):
-        a, weights = self.attn(self.attn_norm(x), pos, start, mask, need_weights)
+    def forward(self, x, pos, start, mask, need_weights=False, kv=None):
+        a, weights = self.attn(self.attn_norm(x), pos, start, mask, need_weights, kv)
         x = x + self.drop(a)
         return x + self.drop(self.mlp(self.mlp_norm(x))), weights
 
@@ -399,8 +403,8 @@ class Block(nn.Module):
 class PostNormBlock(Block):
     """Post-norm block: norm(x + attn(x)), then norm(h + mlp(h))."""
 
-    def forward(self, x, pos, start, mask, need_weights=False):
-        a, weights = self.attn(x, pos, start, mask, need_weights)
+    def forward(self, x, pos, start, mask, need_weights=False, kv=None):
+        a, weights = self.attn(x, pos, start, mask, need_weights, kv)
         x = self.attn_norm(x + self.drop(a))
         return self.mlp_norm(x + self.drop(self.mlp(x))), weights
 
@@ -415,9 +419,9 @@ class ParallelBlock(nn.Module):
         self.mlp = build_mlp(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x, pos, start, mask, need_weights=False):
+    def forward(self, x, pos, start, mask, need_weights=False, kv=None):
         h = self.attn_norm(x)
-        a, weights = self.attn(h, pos, start, mask, need_weights)
+        a, weights = self.attn(h, pos, start, mask, need_weights, kv)
         return x + self.drop(a) + self.drop(self.mlp(h)), weights
 
 

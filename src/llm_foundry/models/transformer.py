@@ -25,6 +25,7 @@ from llm_foundry.models.components import (
     build_norm,
     build_position,
 )
+from llm_foundry.models.kv_cache import KVCache
 
 IGNORE_INDEX = -100
 
@@ -74,10 +75,19 @@ class Transformer(nn.Module):
         targets: torch.Tensor | None = None,
         *,
         ignore_index: int = IGNORE_INDEX,
+        cache: KVCache | None = None,
+        last_only: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """idx, targets: (B, T) token ids -> logits (B, T, vocab) and the mean cross-entropy over
-        targets that are not ``ignore_index`` (None without targets)."""
-        x, _ = self._trunk(idx, need_weights=False)
+        targets that are not ``ignore_index`` (None without targets).
+
+        With a ``cache`` the T tokens continue the cached ones (positions cache.length..), and
+        their keys/values are added to it. ``last_only`` computes logits of the last position
+        only (B, 1, vocab): all that decoding needs.
+        """
+        x, _ = self._trunk(idx, need_weights=False, cache=cache)
+        if last_only:
+            x = x[:, -1:]
         logits = self.lm_head(x)  # (B, T, V)
         loss = None
         if targets is not None:
@@ -92,18 +102,32 @@ class Transformer(nn.Module):
         _, weights = self._trunk(idx, need_weights=True)
         return weights
 
-    def _trunk(self, idx: torch.Tensor, need_weights: bool):
+    def new_cache(self, batch_size: int, max_len: int | None = None, dtype=None) -> KVCache:
+        """An empty KV cache for ``batch_size`` sequences of up to ``max_len`` tokens."""
+        w = self.tok_emb.weight
+        return KVCache(
+            self.cfg, batch_size, max_len or self.cfg.max_seq_len, w.device, dtype or w.dtype
+        )
+
+    def _trunk(self, idx: torch.Tensor, need_weights: bool, cache: KVCache | None = None):
         """Embeddings and blocks: idx (B, T) -> final hidden states (B, T, D), attention weights."""
         T = idx.shape[1]
-        x = self.drop(self.emb_norm(self.pos.embed(self.tok_emb(idx), 0)))
-        mask = None  # plain causal: SDPA's own causal kernel, no mask tensor
-        if self.needs_mask:
-            pos = torch.arange(T, device=idx.device)
-            mask = attention_mask(pos, pos, self.cfg.sliding_window, self.pos.bias(pos, pos))
+        start = cache.length if cache is not None else 0
+        x = self.drop(self.emb_norm(self.pos.embed(self.tok_emb(idx), start)))
+        mask = None  # plain causal over the T tokens alone: SDPA's own causal kernel
+        if self.needs_mask or cache is not None:
+            q_pos = torch.arange(start, start + T, device=idx.device)
+            k_pos = cache.key_positions(start, T) if cache is not None else q_pos
+            mask = attention_mask(
+                q_pos, k_pos, self.cfg.sliding_window, self.pos.bias(q_pos, k_pos)
+            )
         weights = []
-        for layer in self.layers:
-            x, w = layer(x, self.pos, 0, mask, need_weights)
+        for i, layer in enumerate(self.layers):
+            kv = (cache, i) if cache is not None else None
+            x, w = layer(x, self.pos, start, mask, need_weights, kv)
             weights.append(w)
+        if cache is not None:
+            cache.advance(start, T)
         return self.norm(x), weights
 
     # ------------------------------------------------------------------------------------------

@@ -1,0 +1,77 @@
+"""A key/value cache of plain preallocated tensors, one pair per layer.
+
+Each layer's keys and values are stored as (B, n_kv_heads, L, head_dim): GQA and MQA models
+store n_heads / n_kv_heads times fewer bytes than MHA. With a sliding window (Mistral) the cache
+holds only the last ``window`` positions, as a ring: position p lives in slot p % window.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from llm_foundry.config import ModelConfig
+
+EMPTY = 2**62  # position recorded for an unused ring slot: "in the future", so always masked
+
+
+class KVCache:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        batch_size: int,
+        max_len: int,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+    ):
+        self.window = cfg.sliding_window
+        self.max_len = max_len
+        self.size = min(max_len, self.window) if self.window else max_len
+        shape = (batch_size, cfg.n_kv_heads, self.size, cfg.head_size)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
+        self.slot_pos = torch.full((self.size,), EMPTY, dtype=torch.long, device=device)
+        self.length = 0  # tokens cached so far: the position of the next token
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def key_positions(self, start: int, T: int) -> torch.Tensor:
+        """Positions (S,) of the keys that queries start..start+T-1 attend over, in the order
+        ``update`` returns them."""
+        device = self.slot_pos.device
+        if self.window is None:
+            return torch.arange(start + T, device=device)
+        return torch.cat([self.slot_pos, torch.arange(start, start + T, device=device)])
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int):
+        """Store new k, v (B, K, T, hd) at positions start..; return everything to attend over."""
+        T = k.shape[2]
+        if self.window is None:
+            if start + T > self.size:
+                raise ValueError(
+                    f"KV cache full: positions up to {start + T - 1} do not fit its "
+                    f"max_len={self.max_len}; allocate a longer cache"
+                )
+            self.k[layer][:, :, start : start + T] = k
+            self.v[layer][:, :, start : start + T] = v
+            return self.k[layer][:, :, : start + T], self.v[layer][:, :, : start + T]
+        k_all = torch.cat([self.k[layer], k], dim=2)  # ring (older keys) + the new ones
+        v_all = torch.cat([self.v[layer], v], dim=2)
+        keep = min(T, self.size)
+        slots = torch.arange(start + T - keep, start + T, device=k.device) % self.size
+        self.k[layer][:, :, slots] = k[:, :, T - keep :]
+        self.v[layer][:, :, slots] = v[:, :, T - keep :]
+        return k_all, v_all
+
+    def advance(self, start: int, T: int) -> None:
+        """Record that positions start..start+T-1 are now cached (after all layers ran)."""
+        self.length = start + T
+        if self.window is not None:
+            keep = min(T, self.size)
+            pos = torch.arange(start + T - keep, start + T, device=self.slot_pos.device)
+            self.slot_pos[pos % self.size] = pos
+
+    def reset(self) -> None:
+        self.length = 0
+        self.slot_pos.fill_(EMPTY)
