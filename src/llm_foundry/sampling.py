@@ -1,0 +1,59 @@
+"""Sampling strategies as pure functions on logits (B, V) -> logits (B, V) or token ids (B,)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float):
+    """Make tokens already in ``seen`` (B, T) less likely (Keskar et al. 2019, CTRL): divide
+    positive logits by ``penalty``, multiply negative ones by it."""
+    picked = logits.gather(1, seen)
+    picked = torch.where(picked > 0, picked / penalty, picked * penalty)
+    return logits.scatter(1, seen, picked)
+
+
+def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """Keep the k largest logits of each row."""
+    k = min(k, logits.shape[-1])
+    kth = torch.topk(logits, k, dim=-1).values[:, -1:]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """Nucleus sampling (Holtzman et al. 2020): keep the smallest set of tokens whose
+    probabilities add up to at least p."""
+    sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+    cum = sorted_logits.softmax(-1).cumsum(-1)
+    drop = cum - sorted_logits.softmax(-1) >= p  # mass before this token already reaches p
+    drop[:, 0] = False
+    return logits.masked_fill(drop.scatter(1, order, drop), float("-inf"))
+
+
+def min_p_filter(logits: torch.Tensor, min_p: float) -> torch.Tensor:
+    """Keep tokens whose probability is at least min_p times the top token's (Nguyen et al. 2024)."""
+    probs = logits.softmax(-1)
+    threshold = min_p * probs.max(dim=-1, keepdim=True).values
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def sample_next(
+    logits: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Pick one token per row of ``logits`` (B, V); temperature 0 is greedy. Returns (B,)."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    logits = logits.float() / temperature
+    if top_k is not None:
+        logits = top_k_filter(logits, top_k)
+    if top_p is not None:
+        logits = top_p_filter(logits, top_p)
+    if min_p is not None:
+        logits = min_p_filter(logits, min_p)
+    return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)

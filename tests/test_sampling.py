@@ -1,0 +1,91 @@
+"""Sampling filters and the generate API."""
+
+import warnings
+
+import pytest
+import torch
+
+from llm_foundry.config import ModelConfig
+from llm_foundry.generate import generate, stream
+from llm_foundry.models import Transformer
+from llm_foundry.sampling import (
+    apply_repetition_penalty,
+    min_p_filter,
+    sample_next,
+    top_k_filter,
+    top_p_filter,
+)
+
+
+def test_top_k_keeps_k_largest():
+    logits = torch.tensor([[1.0, 5.0, 3.0, 4.0]])
+    kept = torch.isfinite(top_k_filter(logits, 2))
+    assert kept.tolist() == [[False, True, False, True]]
+
+
+def test_top_p_keeps_smallest_nucleus():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    kept = torch.isfinite(top_p_filter(probs.log(), 0.75))
+    assert kept.tolist() == [[True, True, False, False]]  # 0.5 + 0.3 >= 0.75
+    kept = torch.isfinite(top_p_filter(probs.log(), 0.1))
+    assert kept.tolist() == [[True, False, False, False]]  # the top token always stays
+
+
+def test_min_p_is_relative_to_top_token():
+    probs = torch.tensor([[0.6, 0.3, 0.08, 0.02]])
+    kept = torch.isfinite(min_p_filter(probs.log(), 0.1))  # threshold 0.06
+    assert kept.tolist() == [[True, True, True, False]]
+
+
+def test_repetition_penalty():
+    logits = torch.tensor([[2.0, -1.0, 0.5]])
+    out = apply_repetition_penalty(logits, torch.tensor([[0, 1]]), 2.0)
+    assert out.tolist() == [[1.0, -2.0, 0.5]]
+
+
+def test_temperature_zero_is_argmax_and_seed_reproduces():
+    logits = torch.randn(4, 50)
+    assert torch.equal(sample_next(logits, temperature=0), logits.argmax(-1))
+    g1, g2 = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
+    a = sample_next(logits, temperature=1.0, top_k=10, generator=g1)
+    b = sample_next(logits, temperature=1.0, top_k=10, generator=g2)
+    assert torch.equal(a, b)
+
+
+def model_for(pe="rope", max_seq_len=32):
+    torch.manual_seed(0)
+    cfg = ModelConfig(
+        vocab_size=23, dim=32, n_layers=2, n_heads=4, max_seq_len=max_seq_len, pos_encoding=pe
+    )
+    return Transformer(cfg).eval()
+
+
+def test_generate_shapes_seed_and_stream():
+    model = model_for()
+    idx = torch.randint(0, 23, (3, 4))
+    out = generate(model, idx, 10, temperature=0.9, top_p=0.9, seed=5)
+    assert out.shape == (3, 14) and torch.equal(out[:, :4], idx)
+    assert torch.equal(out, generate(model, idx, 10, temperature=0.9, top_p=0.9, seed=5))
+    streamed = torch.stack(list(stream(model, idx, 10, temperature=0.9, top_p=0.9, seed=5)), 1)
+    assert torch.equal(streamed, out[:, 4:])
+
+
+def test_eos_stops_generation():
+    model = model_for()
+    idx = torch.randint(0, 23, (1, 4))
+    first = generate(model, idx, 1, temperature=0)[0, -1].item()
+    out = generate(model, idx, 10, temperature=0, eos_id=first)
+    assert out.shape == (1, 5)
+
+
+def test_past_max_seq_len():
+    model = model_for("rope", max_seq_len=8)
+    with pytest.warns(UserWarning, match="past the trained context 8"):
+        out = generate(model, torch.zeros(1, 4, dtype=torch.long), 10, temperature=0)
+    assert out.shape == (1, 14)
+    learned = model_for("learned", max_seq_len=8)
+    with pytest.raises(ValueError, match="past max_seq_len=8"):
+        generate(learned, torch.zeros(1, 4, dtype=torch.long), 10)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        generate(learned, torch.zeros(1, 4, dtype=torch.long), 4)  # fits: no warning
