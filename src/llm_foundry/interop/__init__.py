@@ -1,0 +1,1 @@
+"""Interoperability with other libraries' model formats (Hugging Face ``transformers``: ``hf``)."""

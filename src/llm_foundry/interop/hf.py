@@ -1,0 +1,774 @@
+"""Convert models between llm-foundry and Hugging Face ``transformers``, exactly or not at all.
+
+Families: LLaMA (``LlamaConfig``), Mistral (``MistralConfig``: sliding window), Qwen3
+(``Qwen3Config``: QK-norm, explicit head_dim) and GPT-2 (``GPT2Config``: learned positions,
+LayerNorm with biases, fused Conv1D q/k/v). Every HF setting is either mapped to the
+``ModelConfig`` field that computes the same function, or refused with a ``ConversionError``
+naming the setting, its value and what is supported; nothing is approximated silently.
+
+    config_from_hf(hf_config) -> ModelConfig         config_to_hf(cfg) -> PretrainedConfig
+    from_hf(model_or_dir) -> Transformer             to_hf(model, out_dir) -> out_dir
+    convert_from_hf(src_dir, out_ckpt)               convert_to_hf(ckpt_dir, out_dir)
+
+Weights are renamed with tables (HF name -> ours, ``{i}`` the layer index). LLaMA-family RoPE
+uses the rotate-half layout on both sides, so q/k load without permutation; GPT-2's Conv1D stores
+(in, out) and its ``c_attn`` fuses q, k, v along the output dimension. Checkpoint directories are
+read with safetensors only (never pickle). Training-time dropout is not carried over from HF.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from llm_foundry.checkpoint import load_checkpoint, save_checkpoint, unwrap
+from llm_foundry.config import ModelConfig
+from llm_foundry.models.transformer import Transformer
+
+try:
+    import transformers
+except ImportError as e:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "llm_foundry.interop.hf needs the transformers package: pip install 'llm-foundry[hf]'"
+    ) from e
+
+# transformers 5 keeps rope_theta and the scaling in one ``rope_parameters`` dict
+_HF_V5 = int(transformers.__version__.split(".")[0]) >= 5
+WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+TOKENIZER_FILE = "tokenizer.json"
+
+
+class ConversionError(ValueError):
+    """A config or checkpoint cannot be converted exactly; the message says what and why."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Activations and RoPE scaling: HF name <-> ours
+
+# LLaMA-family ``hidden_act``: the MLP is down(act(gate x) * up x) -> our (mlp, gelu_approx)
+LLAMA_ACTS = {
+    "silu": ("swiglu", "none"),
+    "swish": ("swiglu", "none"),
+    "gelu": ("geglu", "none"),
+    "gelu_pytorch_tanh": ("geglu", "tanh"),
+    "gelu_new": ("geglu", "tanh"),
+}
+LLAMA_ACTS_OUT = {  # our mlp -> gelu_approx -> hidden_act
+    "swiglu": {"none": "silu", "tanh": "silu"},
+    "geglu": {"none": "gelu", "tanh": "gelu_pytorch_tanh"},
+}
+# GPT-2 ``activation_function``: the MLP is c_proj(act(c_fc x)) -> our (mlp, gelu_approx)
+GPT2_ACTS = {
+    "gelu_new": ("gelu", "tanh"),
+    "gelu_pytorch_tanh": ("gelu", "tanh"),
+    "gelu": ("gelu", "none"),
+    "relu": ("relu", "none"),
+}
+GPT2_ACTS_OUT = {
+    "gelu": {"tanh": "gelu_new", "none": "gelu"},
+    "relu": {"none": "relu", "tanh": "relu"},
+}
+# HF rope_type -> our rope_scaling; the others are refused with the reason
+ROPE_TYPES = {"default": "none", "linear": "linear"}
+ROPE_TYPES_REFUSED = {
+    "dynamic": "dynamic NTK changes the base with the sequence length once it passes "
+    "max_position_embeddings; llm-foundry's rope_scaling='ntk' is a fixed base",
+    "yarn": "YaRN blends interpolated and extrapolated frequencies and rescales attention",
+    "longrope": "LongRoPE uses per-frequency factors that switch with the sequence length",
+    "llama3": "Llama 3.1 scaling smooths frequencies band by band",
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# Weight-name tables: HF tensor name (as in *ForCausalLM.state_dict()) -> ours
+
+
+@dataclass(frozen=True)
+class Rule:
+    """How one HF tensor maps to ours: our tensors concatenated along the output dimension
+    (several for a fused q/k/v projection), transposed first where HF stores a GPT-2 Conv1D
+    weight as (in, out) instead of nn.Linear's (out, in)."""
+
+    ours: tuple[str, ...]
+    conv1d: bool = False
+
+
+def _wb(hf: str, ours: str) -> dict[str, str]:
+    """Weight and bias of one module under the same suffixes."""
+    return {f"{hf}.weight": f"{ours}.weight", f"{hf}.bias": f"{ours}.bias"}
+
+
+LLAMA_WEIGHTS: dict[str, str | Rule] = {
+    "model.embed_tokens.weight": "tok_emb.weight",
+    "model.norm.weight": "norm.weight",
+    "lm_head.weight": "lm_head.weight",
+    "model.layers.{i}.input_layernorm.weight": "layers.{i}.attn_norm.weight",
+    "model.layers.{i}.post_attention_layernorm.weight": "layers.{i}.mlp_norm.weight",
+    **_wb("model.layers.{i}.self_attn.q_proj", "layers.{i}.attn.wq"),
+    **_wb("model.layers.{i}.self_attn.k_proj", "layers.{i}.attn.wk"),
+    **_wb("model.layers.{i}.self_attn.v_proj", "layers.{i}.attn.wv"),
+    **_wb("model.layers.{i}.self_attn.o_proj", "layers.{i}.attn.wo"),
+    "model.layers.{i}.self_attn.q_norm.weight": "layers.{i}.attn.q_norm.weight",
+    "model.layers.{i}.self_attn.k_norm.weight": "layers.{i}.attn.k_norm.weight",
+    **_wb("model.layers.{i}.mlp.gate_proj", "layers.{i}.mlp.w1"),
+    **_wb("model.layers.{i}.mlp.up_proj", "layers.{i}.mlp.w3"),
+    **_wb("model.layers.{i}.mlp.down_proj", "layers.{i}.mlp.w2"),
+}
+
+GPT2_WEIGHTS: dict[str, str | Rule] = {
+    "transformer.wte.weight": "tok_emb.weight",
+    "transformer.wpe.weight": "pos.emb.weight",
+    **_wb("transformer.ln_f", "norm"),
+    "lm_head.weight": "lm_head.weight",
+    **_wb("transformer.h.{i}.ln_1", "layers.{i}.attn_norm"),
+    **_wb("transformer.h.{i}.ln_2", "layers.{i}.mlp_norm"),
+    "transformer.h.{i}.attn.c_attn.weight": Rule(
+        ("layers.{i}.attn.wq.weight", "layers.{i}.attn.wk.weight", "layers.{i}.attn.wv.weight"),
+        conv1d=True,
+    ),
+    "transformer.h.{i}.attn.c_attn.bias": Rule(
+        ("layers.{i}.attn.wq.bias", "layers.{i}.attn.wk.bias", "layers.{i}.attn.wv.bias")
+    ),
+    "transformer.h.{i}.attn.c_proj.weight": Rule(("layers.{i}.attn.wo.weight",), conv1d=True),
+    "transformer.h.{i}.attn.c_proj.bias": "layers.{i}.attn.wo.bias",
+    "transformer.h.{i}.mlp.c_fc.weight": Rule(("layers.{i}.mlp.w1.weight",), conv1d=True),
+    "transformer.h.{i}.mlp.c_fc.bias": "layers.{i}.mlp.w1.bias",
+    "transformer.h.{i}.mlp.c_proj.weight": Rule(("layers.{i}.mlp.w2.weight",), conv1d=True),
+    "transformer.h.{i}.mlp.c_proj.bias": "layers.{i}.mlp.w2.bias",
+}
+
+# HF tensors that hold no weights and are skipped knowingly (buffers of older checkpoints)
+LLAMA_IGNORED = (r"\.rotary_emb\.inv_freq$",)
+GPT2_IGNORED = (r"(^|\.)h\.\d+\.attn\.(bias|masked_bias)$",)  # causal-mask buffers
+
+
+# ----------------------------------------------------------------------------------------------
+# HF config -> ours
+
+
+def _fail(problems: list[str], what: str) -> None:
+    if problems:
+        lines = "\n".join(f"  - {p}" for p in problems)
+        raise ConversionError(f"{what} ({len(problems)} problem(s)):\n{lines}")
+
+
+def _lookup(c: Any, attr: str, table: dict[str, Any], problems: list[str]) -> Any:
+    """``table[c.attr]``, or a problem naming the value and the supported ones."""
+    value = getattr(c, attr, None)
+    if value not in table:
+        problems.append(
+            f"{attr}={value!r} is not supported for {c.model_type}; supported: "
+            f"{', '.join(map(repr, table))}"
+        )
+        return next(iter(table.values()))
+    return table[value]
+
+
+# (HF attribute, supported values, value when absent, why others cannot be represented)
+Setting = tuple[str, tuple, Any, str]
+ROPE_FAMILY_SETTINGS: list[Setting] = [
+    ("partial_rotary_factor", (None, 1, 1.0), None, "llm-foundry rotates the whole head"),
+]
+GPT2_SETTINGS: list[Setting] = [
+    ("scale_attn_weights", (True,), True, "llm-foundry always scales scores by 1/sqrt(head_dim)"),
+    (
+        "scale_attn_by_inverse_layer_idx",
+        (False,),
+        False,
+        "llm-foundry has no per-layer attention scaling",
+    ),
+    (
+        "reorder_and_upcast_attn",
+        (False,),
+        False,
+        "llm-foundry does not reproduce this attention ordering/upcasting",
+    ),
+    ("add_cross_attention", (False,), False, "llm-foundry models are decoder-only"),
+]
+
+
+def _check_settings(c: Any, settings: list[Setting], problems: list[str]) -> None:
+    for attr, allowed, absent, why in settings:
+        value = getattr(c, attr, absent)
+        if value not in allowed:
+            problems.append(
+                f"{attr}={value!r} is not supported ({why}); supported: "
+                f"{', '.join(map(repr, allowed))}"
+            )
+
+
+def _rope_from_hf(c: Any, problems: list[str]) -> dict[str, Any]:
+    """rope_theta / rope_scaling / rope_factor from ``rope_parameters`` (transformers 5) or
+    ``rope_theta`` + ``rope_scaling`` (transformers 4)."""
+    params = getattr(c, "rope_parameters", None) if _HF_V5 else None
+    if params is None:
+        params = dict(getattr(c, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(c, "rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        why = ROPE_TYPES_REFUSED.get(rope_type, "unknown RoPE variant")
+        problems.append(
+            f"rope_type={rope_type!r} is not supported ({why}); supported: "
+            f"{', '.join(map(repr, ROPE_TYPES))}"
+        )
+        rope_type = "default"
+    partial = params.get("partial_rotary_factor", getattr(c, "partial_rotary_factor", None))
+    if partial not in (None, 1, 1.0):
+        problems.append(
+            f"partial_rotary_factor={partial!r} is not supported (llm-foundry rotates the whole "
+            "head); supported: 1.0"
+        )
+    scaling = ROPE_TYPES[rope_type]
+    factor = float(params.get("factor", 1.0)) if scaling != "none" else 1.0
+    theta = float(params.get("rope_theta", getattr(c, "rope_theta", 10000.0)))
+    return {"rope_theta": theta, "rope_scaling": scaling, "rope_factor": factor}
+
+
+def _llama_family_fields(c: Any, problems: list[str]) -> dict[str, Any]:
+    """Fields shared by LLaMA, Mistral and Qwen3: RoPE, RMSNorm, gated MLP, pre-norm."""
+    _check_settings(c, ROPE_FAMILY_SETTINGS, problems)
+    mlp, approx = _lookup(c, "hidden_act", LLAMA_ACTS, problems)
+    heads = c.num_attention_heads
+    hd = getattr(c, "head_dim", None)
+    default_hd = c.hidden_size // heads if c.hidden_size % heads == 0 else None
+    return dict(
+        vocab_size=c.vocab_size,
+        dim=c.hidden_size,
+        n_layers=c.num_hidden_layers,
+        n_heads=heads,
+        n_kv_heads=getattr(c, "num_key_value_heads", None) or heads,
+        head_dim=hd if hd is not None and hd != default_hd else None,
+        hidden_dim=c.intermediate_size,
+        max_seq_len=c.max_position_embeddings,
+        pos_encoding="rope",
+        **_rope_from_hf(c, problems),
+        norm="rmsnorm",
+        norm_position="pre",
+        norm_eps=float(c.rms_norm_eps),
+        mlp=mlp,
+        gelu_approx=approx,
+        attn_bias=bool(getattr(c, "attention_bias", False)),
+        mlp_bias=bool(getattr(c, "mlp_bias", False)),
+        tie_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
+        init_std=float(getattr(c, "initializer_range", 0.02)),
+    )
+
+
+def _llama_from_hf(c: Any, problems: list[str]) -> dict[str, Any]:
+    return _llama_family_fields(c, problems)
+
+
+def _mistral_from_hf(c: Any, problems: list[str]) -> dict[str, Any]:
+    """Mistral: LLaMA plus one sliding window on every layer (None: full attention)."""
+    return {**_llama_family_fields(c, problems), "sliding_window": c.sliding_window}
+
+
+def _qwen3_from_hf(c: Any, problems: list[str]) -> dict[str, Any]:
+    """Qwen3: LLaMA plus QK-norm; a sliding window only if every layer uses it (HF slides layers
+    i >= max_window_layers when use_sliding_window, ours slides all or none)."""
+    layer_types = getattr(c, "layer_types", None)
+    if layer_types is None:  # transformers 4 without layer_types
+        slide = bool(getattr(c, "use_sliding_window", False))
+        start = getattr(c, "max_window_layers", 0)
+        layer_types = [
+            "sliding_attention" if slide and i >= start else "full_attention"
+            for i in range(c.num_hidden_layers)
+        ]
+    kinds = set(layer_types)
+    window = None
+    if kinds == {"sliding_attention"}:
+        window = c.sliding_window
+    elif kinds != {"full_attention"}:
+        problems.append(
+            f"layer_types mixes {sorted(kinds)} (use_sliding_window="
+            f"{getattr(c, 'use_sliding_window', None)!r}, max_window_layers="
+            f"{getattr(c, 'max_window_layers', None)!r}); llm-foundry applies one sliding_window "
+            "to every layer. Supported: use_sliding_window=False, or max_window_layers=0"
+        )
+    return {**_llama_family_fields(c, problems), "qk_norm": True, "sliding_window": window}
+
+
+def _gpt2_from_hf(c: Any, problems: list[str]) -> dict[str, Any]:
+    """GPT-2: learned positions, LayerNorm with biases, biased Conv1D projections."""
+    _check_settings(c, GPT2_SETTINGS, problems)
+    mlp, approx = _lookup(c, "activation_function", GPT2_ACTS, problems)
+    return dict(
+        vocab_size=c.vocab_size,
+        dim=c.n_embd,
+        n_layers=c.n_layer,
+        n_heads=c.n_head,
+        hidden_dim=c.n_inner or 4 * c.n_embd,
+        max_seq_len=c.n_positions,
+        pos_encoding="learned",
+        norm="layernorm",
+        norm_position="pre",
+        norm_bias=True,
+        norm_eps=float(c.layer_norm_epsilon),
+        mlp=mlp,
+        gelu_approx=approx,
+        attn_bias=True,
+        mlp_bias=True,
+        tie_embeddings=bool(getattr(c, "tie_word_embeddings", True)),
+        init_std=float(getattr(c, "initializer_range", 0.02)),
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Our config -> HF
+
+
+def _rope_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    """RoPE settings as HF config kwargs. Static NTK scaling is plain RoPE with a larger base,
+    so it exports exactly as ``rope_theta = theta * factor^(hd / (hd - 2))``."""
+    theta, params = cfg.rope_theta, {"rope_type": "default"}
+    if cfg.rope_scaling == "linear":
+        params = {"rope_type": "linear", "factor": float(cfg.rope_factor)}
+    elif cfg.rope_scaling == "ntk":
+        hd = cfg.head_size
+        theta = theta * cfg.rope_factor ** (hd / (hd - 2))
+    if _HF_V5:
+        return {"rope_parameters": {**params, "rope_theta": float(theta)}}
+    scaling = None if params["rope_type"] == "default" else {**params, "type": params["rope_type"]}
+    return {"rope_theta": float(theta), "rope_scaling": scaling}
+
+
+def _llama_family_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    return dict(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.dim,
+        intermediate_size=cfg.ffn_dim,
+        num_hidden_layers=cfg.n_layers,
+        num_attention_heads=cfg.n_heads,
+        num_key_value_heads=cfg.n_kv_heads,
+        head_dim=cfg.head_size,
+        hidden_act=LLAMA_ACTS_OUT[cfg.mlp][cfg.gelu_approx],
+        max_position_embeddings=cfg.max_seq_len,
+        rms_norm_eps=cfg.norm_eps,
+        tie_word_embeddings=cfg.tie_embeddings,
+        initializer_range=cfg.init_std,
+        **_rope_to_hf(cfg),
+    )
+
+
+def _llama_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    return {
+        **_llama_family_to_hf(cfg),
+        "attention_bias": cfg.attn_bias,
+        "mlp_bias": cfg.mlp_bias,
+    }
+
+
+def _mistral_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    return {**_llama_family_to_hf(cfg), "sliding_window": cfg.sliding_window}
+
+
+def _qwen3_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    window = cfg.sliding_window
+    return {
+        **_llama_family_to_hf(cfg),
+        "attention_bias": cfg.attn_bias,
+        "use_sliding_window": window is not None,
+        "sliding_window": window,
+        "max_window_layers": 0 if window is not None else cfg.n_layers,  # 0: every layer slides
+    }
+
+
+def _gpt2_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    return dict(
+        vocab_size=cfg.vocab_size,
+        n_positions=cfg.max_seq_len,
+        n_embd=cfg.dim,
+        n_layer=cfg.n_layers,
+        n_head=cfg.n_heads,
+        n_inner=cfg.ffn_dim,
+        activation_function=GPT2_ACTS_OUT[cfg.mlp][cfg.gelu_approx],
+        layer_norm_epsilon=cfg.norm_eps,
+        tie_word_embeddings=cfg.tie_embeddings,
+        initializer_range=cfg.init_std,
+        # GPT-2 drops exactly where we do: embeddings, attention weights, residual branches
+        embd_pdrop=cfg.dropout,
+        attn_pdrop=cfg.dropout,
+        resid_pdrop=cfg.dropout,
+    )
+
+
+# What a config must satisfy to be exported: (field, test, what is needed)
+Need = tuple[str, Callable[[ModelConfig], bool], str]
+COMMON_NEEDS: list[Need] = [  # what no supported family (LLaMA, Mistral, Qwen3, GPT-2) has
+    ("norm_position", lambda c: c.norm_position == "pre", "'pre': all four families are pre-norm"),
+    ("parallel_block", lambda c: not c.parallel_block, "False: no family has parallel blocks"),
+    ("embed_norm", lambda c: not c.embed_norm, "False: no family normalises the embeddings"),
+    (
+        "pos_encoding",
+        lambda c: c.pos_encoding in ("rope", "learned"),
+        "'rope' (LLaMA, Mistral, Qwen3) or 'learned' (GPT-2)",
+    ),
+]
+ROPE_NEEDS: list[Need] = [
+    ("pos_encoding", lambda c: c.pos_encoding == "rope", "'rope'"),
+    ("norm", lambda c: c.norm == "rmsnorm", "'rmsnorm'"),
+    ("mlp", lambda c: c.mlp in LLAMA_ACTS_OUT, "a gated MLP: 'swiglu' or 'geglu'"),
+]
+LLAMA_NEEDS: list[Need] = ROPE_NEEDS + [
+    ("qk_norm", lambda c: not c.qk_norm, "False (Qwen3 has QK-norm)"),
+    ("sliding_window", lambda c: c.sliding_window is None, "None (Mistral/Qwen3 have windows)"),
+    ("dim", lambda c: c.dim % c.n_heads == 0, "a multiple of n_heads (LlamaConfig checks it)"),
+]
+MISTRAL_NEEDS: list[Need] = ROPE_NEEDS + [
+    ("qk_norm", lambda c: not c.qk_norm, "False (Qwen3 has QK-norm)"),
+    ("attn_bias", lambda c: not c.attn_bias, "False"),
+    ("mlp_bias", lambda c: not c.mlp_bias, "False"),
+]
+QWEN3_NEEDS: list[Need] = ROPE_NEEDS + [
+    ("qk_norm", lambda c: c.qk_norm, "True (Qwen3 always normalises q and k)"),
+    ("mlp_bias", lambda c: not c.mlp_bias, "False"),
+]
+GPT2_NEEDS: list[Need] = [
+    ("pos_encoding", lambda c: c.pos_encoding == "learned", "'learned'"),
+    ("norm", lambda c: c.norm == "layernorm", "'layernorm'"),
+    ("norm_bias", lambda c: c.norm_bias, "True"),
+    ("mlp", lambda c: c.mlp in GPT2_ACTS_OUT, "'gelu' or 'relu'"),
+    ("attn_bias", lambda c: c.attn_bias, "True (Conv1D always has a bias)"),
+    ("mlp_bias", lambda c: c.mlp_bias, "True (Conv1D always has a bias)"),
+    ("n_kv_heads", lambda c: c.n_kv_heads == c.n_heads, "n_heads (GPT-2 has no GQA)"),
+    (
+        "head_dim",
+        lambda c: c.dim % c.n_heads == 0 and c.head_size == c.dim // c.n_heads,
+        "dim // n_heads",
+    ),
+    ("qk_norm", lambda c: not c.qk_norm, "False"),
+    ("sliding_window", lambda c: c.sliding_window is None, "None"),
+]
+
+
+def _unmet(cfg: ModelConfig, needs: list[Need]) -> list[str]:
+    return [
+        f"{field}={getattr(cfg, field)!r} blocks export (needs {need})"
+        for field, ok, need in needs
+        if not ok(cfg)
+    ]
+
+
+# ----------------------------------------------------------------------------------------------
+# Families
+
+
+@dataclass(frozen=True)
+class Family:
+    """One HF architecture: its classes, weight names and config translations."""
+
+    model_type: str
+    config_class: str
+    model_class: str
+    weights: dict[str, str | Rule]
+    ignored: tuple[str, ...]  # regexes of HF tensors skipped knowingly
+    prefix: str  # base-model prefix, absent from some older checkpoints' tensor names
+    from_hf: Callable[[Any, list[str]], dict[str, Any]]
+    to_hf: Callable[[ModelConfig], dict[str, Any]]
+    needs: list[Need]
+
+
+FAMILIES: dict[str, Family] = {
+    "llama": Family(
+        model_type="llama",
+        config_class="LlamaConfig",
+        model_class="LlamaForCausalLM",
+        weights=LLAMA_WEIGHTS,
+        ignored=LLAMA_IGNORED,
+        prefix="model.",
+        from_hf=_llama_from_hf,
+        to_hf=_llama_to_hf,
+        needs=LLAMA_NEEDS,
+    ),
+    "mistral": Family(
+        model_type="mistral",
+        config_class="MistralConfig",
+        model_class="MistralForCausalLM",
+        weights=LLAMA_WEIGHTS,
+        ignored=LLAMA_IGNORED,
+        prefix="model.",
+        from_hf=_mistral_from_hf,
+        to_hf=_mistral_to_hf,
+        needs=MISTRAL_NEEDS,
+    ),
+    "qwen3": Family(
+        model_type="qwen3",
+        config_class="Qwen3Config",
+        model_class="Qwen3ForCausalLM",
+        weights=LLAMA_WEIGHTS,
+        ignored=LLAMA_IGNORED,
+        prefix="model.",
+        from_hf=_qwen3_from_hf,
+        to_hf=_qwen3_to_hf,
+        needs=QWEN3_NEEDS,
+    ),
+    "gpt2": Family(
+        model_type="gpt2",
+        config_class="GPT2Config",
+        model_class="GPT2LMHeadModel",
+        weights=GPT2_WEIGHTS,
+        ignored=GPT2_IGNORED,
+        prefix="transformer.",
+        from_hf=_gpt2_from_hf,
+        to_hf=_gpt2_to_hf,
+        needs=GPT2_NEEDS,
+    ),
+}
+# export tries the families of the config's position encoding in this order and takes the first
+# that represents the config exactly
+EXPORT_ORDER = {"learned": ("gpt2",), "rope": ("llama", "mistral", "qwen3")}
+
+
+def _family_of(hf_config: Any) -> Family:
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type not in FAMILIES:
+        raise ConversionError(
+            f"model_type={model_type!r} is not supported; supported: {', '.join(FAMILIES)}"
+        )
+    return FAMILIES[model_type]
+
+
+def config_from_hf(hf_config: Any) -> ModelConfig:
+    """The ``ModelConfig`` computing the same function as ``hf_config`` (a LlamaConfig,
+    MistralConfig, Qwen3Config or GPT2Config); ``ConversionError`` listing every setting that
+    has no exact counterpart."""
+    family = _family_of(hf_config)
+    problems: list[str] = []
+    fields = family.from_hf(hf_config, problems)
+    _fail(problems, f"cannot convert {family.config_class} to llm-foundry")
+    return ModelConfig(**fields)
+
+
+def choose_family(cfg: ModelConfig, family: str | None = None) -> Family:
+    """The HF family that represents ``cfg`` exactly (``family`` forces one: llama, mistral,
+    qwen3, gpt2); ``ConversionError`` naming each field that blocks export."""
+    _fail(_unmet(cfg, COMMON_NEEDS), "cannot export to Hugging Face")
+    if family is not None and family not in FAMILIES:
+        raise ConversionError(f"family={family!r} is not one of {', '.join(FAMILIES)}")
+    problems: list[str] = []
+    for name in (family,) if family else EXPORT_ORDER[cfg.pos_encoding]:
+        unmet = _unmet(cfg, FAMILIES[name].needs)
+        if not unmet:
+            return FAMILIES[name]
+        problems += [f"{name}: {u}" for u in unmet]
+    _fail(problems, "cannot export to Hugging Face: no family represents this config exactly")
+    raise AssertionError("unreachable")
+
+
+def config_to_hf(
+    cfg: ModelConfig, family: str | None = None, **overrides: Any
+) -> transformers.PretrainedConfig:
+    """The HF config of the family that represents ``cfg`` exactly. Token ids (bos, eos, pad)
+    are not part of a ``ModelConfig``: they default to None; pass them in ``overrides``."""
+    fam = choose_family(cfg, family)
+    kwargs = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
+    kwargs.update(fam.to_hf(cfg))
+    kwargs.update(overrides)
+    hf_config = getattr(transformers, fam.config_class)(**kwargs)
+    hf_config.architectures = [fam.model_class]
+    return hf_config
+
+
+# ----------------------------------------------------------------------------------------------
+# Weights
+
+
+def _expand(weights: dict[str, str | Rule], n_layers: int) -> dict[str, Rule]:
+    """The name table with ``{i}`` expanded for every layer: full HF name -> Rule."""
+    out: dict[str, Rule] = {}
+    for hf, ours in weights.items():
+        rule = ours if isinstance(ours, Rule) else Rule((ours,))
+        for i in range(n_layers) if "{i}" in hf else (0,):
+            out[hf.format(i=i)] = Rule(tuple(o.format(i=i) for o in rule.ours), rule.conv1d)
+    return out
+
+
+def hf_to_ours(
+    hf_tensors: dict[str, torch.Tensor], cfg: ModelConfig, family: Family, shapes: dict
+) -> dict[str, torch.Tensor]:
+    """Rename and re-lay HF tensors into our state dict (``shapes``: our name -> shape).
+    Strict: every one of our tensors filled, every HF tensor used or knowingly ignored."""
+    rules = _expand(family.weights, cfg.n_layers)
+    ours: dict[str, torch.Tensor] = {}
+    unexpected: list[str] = []
+    problems: list[str] = []
+    for name, tensor in hf_tensors.items():
+        key = name if name in rules else family.prefix + name
+        if key not in rules or not all(n in shapes for n in rules[key].ours):
+            if not any(re.search(p, name) for p in family.ignored):
+                unexpected.append(name)
+            continue
+        if key == "lm_head.weight" and cfg.tie_embeddings:
+            continue  # the model ties the head to the embedding, as HF does with this config
+        rule = rules[key]
+        t = tensor.t() if rule.conv1d else tensor
+        want = [shapes[n] for n in rule.ours]
+        fused = (sum(s[0] for s in want), *want[0][1:])
+        if tuple(t.shape) != fused:
+            problems.append(f"{name}: shape {tuple(tensor.shape)} does not fit {rule.ours} {want}")
+            continue
+        for n, part in zip(rule.ours, t.split([s[0] for s in want]), strict=True):
+            ours[n] = part.contiguous()
+    if cfg.tie_embeddings and "tok_emb.weight" in ours:
+        ours["lm_head.weight"] = ours["tok_emb.weight"]
+    missing = sorted(set(shapes) - set(ours))
+    if missing:
+        problems.append(f"no HF tensor for our {missing}")
+    if unexpected:
+        problems.append(f"HF tensors with no place in the model: {sorted(unexpected)}")
+    _fail(problems, f"cannot load {family.model_class} weights")
+    return ours
+
+
+def ours_to_hf(
+    state: dict[str, torch.Tensor], cfg: ModelConfig, family: Family
+) -> dict[str, torch.Tensor]:
+    """Our state dict as HF tensors (CPU, contiguous); a tied head is stored once, as HF does."""
+    rules = _expand(family.weights, cfg.n_layers)
+    out: dict[str, torch.Tensor] = {}
+    used: set[str] = set()
+    if cfg.tie_embeddings:
+        used.add("lm_head.weight")
+        rules.pop("lm_head.weight")
+    for key, rule in rules.items():
+        if not all(n in state for n in rule.ours):
+            continue
+        t = torch.cat([state[n].detach() for n in rule.ours])
+        out[key] = (t.t() if rule.conv1d else t).to("cpu").contiguous()
+        used.update(rule.ours)
+    left = sorted(set(state) - used)
+    _fail([f"no {family.model_class} tensor for our {left}"] if left else [], "cannot export")
+    return out
+
+
+def _check_against_hf(tensors: dict[str, torch.Tensor], hf_config: Any, family: Family) -> None:
+    """Compare names and shapes with those of the HF model built on the meta device (no memory):
+    what ``from_pretrained`` will expect."""
+    with torch.device("meta"):
+        reference = getattr(transformers, family.model_class)(hf_config)
+    expected = {k: tuple(v.shape) for k, v in reference.state_dict().items()}
+    if getattr(hf_config, "tie_word_embeddings", False):
+        expected.pop("lm_head.weight", None)
+    got = {k: tuple(v.shape) for k, v in tensors.items()}
+    problems = [f"missing {k} {s}" for k, s in sorted(expected.items()) if k not in got]
+    problems += [f"unexpected {k}" for k in sorted(set(got) - set(expected))]
+    problems += [
+        f"{k}: shape {got[k]}, {family.model_class} expects {s}"
+        for k, s in sorted(expected.items())
+        if k in got and got[k] != s
+    ]
+    _fail(problems, f"exported tensors do not match {family.model_class}")
+
+
+def read_safetensors_dir(path: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of an HF checkpoint directory: ``model.safetensors``, or the shards named by
+    ``model.safetensors.index.json``. Pickle files (``pytorch_model.bin``) are never read."""
+    path = Path(path)
+    index = path / INDEX_FILE
+    weight_map: dict[str, str] = {}
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted(set(weight_map.values()))
+    elif (path / WEIGHTS_FILE).exists():
+        files = [WEIGHTS_FILE]
+    else:
+        files = sorted(p.name for p in path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(
+            f"no *.safetensors file in {path}; only safetensors checkpoints are read "
+            "(pytorch_model.bin is a pickle and is never loaded: re-save the model with "
+            "transformers' save_pretrained, which writes safetensors)"
+        )
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        part = load_file(str(path / file))
+        twice = sorted(tensors.keys() & part.keys())
+        if twice:
+            raise ConversionError(f"{path}: tensors {twice} appear in more than one shard")
+        tensors.update(part)
+    absent = sorted(set(weight_map) - set(tensors))
+    if absent:
+        raise ConversionError(f"{index} lists tensors that no shard holds: {absent}")
+    return tensors
+
+
+# ----------------------------------------------------------------------------------------------
+# Models
+
+
+def from_hf(model_or_dir: Any, dtype: torch.dtype | None = None) -> Transformer:
+    """Our ``Transformer`` (eval mode, float32 unless ``dtype``) computing the same function as
+    an HF ``*ForCausalLM`` given in memory or as a checkpoint directory (config.json +
+    safetensors, possibly sharded)."""
+    if isinstance(model_or_dir, (str, Path)):
+        path = Path(model_or_dir)
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"{path / 'config.json'} not found: not an HF checkpoint")
+        hf_config = transformers.AutoConfig.from_pretrained(str(path))
+        hf_tensors = read_safetensors_dir(path)
+    elif isinstance(model_or_dir, transformers.PreTrainedModel):
+        hf_config = model_or_dir.config
+        hf_tensors = model_or_dir.state_dict()
+    else:
+        raise TypeError(
+            "from_hf takes a transformers PreTrainedModel or a checkpoint directory; "
+            f"got {type(model_or_dir).__name__}"
+        )
+    cfg = config_from_hf(hf_config)
+    family = _family_of(hf_config)
+    model = Transformer(cfg)
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        model.load_state_dict(hf_to_ours(hf_tensors, cfg, family, shapes), strict=True)
+    if dtype is not None:
+        model = model.to(dtype)
+    return model.eval()
+
+
+def to_hf(
+    model: torch.nn.Module, out_dir: str | Path, family: str | None = None, **overrides: Any
+) -> Path:
+    """Write ``model`` as an HF checkpoint directory (config.json + model.safetensors) that
+    ``AutoModelForCausalLM.from_pretrained(out_dir)`` loads with no missing or unexpected keys.
+    ``family`` forces the HF architecture; ``overrides`` go to the HF config (e.g. token ids)."""
+    model = unwrap(model)
+    cfg: ModelConfig = model.cfg
+    hf_config = config_to_hf(cfg, family, **overrides)
+    fam = _family_of(hf_config)
+    tensors = ours_to_hf(model.state_dict(), cfg, fam)
+    _check_against_hf(tensors, hf_config, fam)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    hf_config.save_pretrained(str(out))
+    save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+    return out
+
+
+def _copy_tokenizer(src: Path, dst: Path) -> None:
+    """Bring ``tokenizer.json`` along when there is one (ours is an HF tokenizers file too)."""
+    if (src / TOKENIZER_FILE).exists():
+        shutil.copyfile(src / TOKENIZER_FILE, dst / TOKENIZER_FILE)
+
+
+def convert_from_hf(src_dir: str | Path, out_ckpt: str | Path) -> Path:
+    """``llm-foundry convert --from-hf DIR --out CKPT``: an HF checkpoint directory to our
+    checkpoint format (``llm_foundry.checkpoint``). Returns the checkpoint directory."""
+    out = save_checkpoint(from_hf(src_dir), out_ckpt)
+    _copy_tokenizer(Path(src_dir), out)
+    return out
+
+
+def convert_to_hf(ckpt_dir: str | Path, out_dir: str | Path, family: str | None = None) -> Path:
+    """``llm-foundry convert --to-hf CKPT --out DIR``: our checkpoint to an HF directory."""
+    out = to_hf(load_checkpoint(ckpt_dir), out_dir, family)
+    _copy_tokenizer(Path(ckpt_dir), out)
+    return out

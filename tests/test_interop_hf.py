@@ -1,0 +1,382 @@
+"""Parity with Hugging Face ``transformers``: from_hf / to_hf give the same logits and the same
+greedy continuations as the HF model, for LLaMA (MHA, GQA, MQA, tied, untied, biases), Mistral
+(sliding window shorter than the sequence), Qwen3 (QK-norm, explicit head_dim) and GPT-2.
+
+Every model is tiny, fp32, CPU and built in-process from a config (no hub access). HF initialises
+norms to one and biases to zero, which would hide swapped or dropped norm/bias tensors, so every
+1-D parameter is perturbed before comparing.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from llm_foundry.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from llm_foundry.config import ModelConfig  # noqa: E402
+from llm_foundry.interop.hf import (  # noqa: E402
+    ConversionError,
+    config_from_hf,
+    config_to_hf,
+    convert_from_hf,
+    convert_to_hf,
+    from_hf,
+    to_hf,
+)
+from llm_foundry.models.transformer import Transformer  # noqa: E402
+from llm_foundry.presets import get_preset  # noqa: E402
+
+VOCAB, B, T, NEW = 97, 2, 17, 10
+TOL = 1e-4
+SIZES = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2)
+LLAMA_SIZES = dict(SIZES, max_position_embeddings=64, rms_norm_eps=1e-5)
+
+
+def _llama(**kw):
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**LLAMA_SIZES, **kw}))
+
+
+def _mistral(**kw):
+    return transformers.MistralForCausalLM(transformers.MistralConfig(**{**LLAMA_SIZES, **kw}))
+
+
+def _qwen3(**kw):
+    cfg = dict(LLAMA_SIZES, rms_norm_eps=1e-6, rope_theta=1e6, **kw)
+    return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**cfg))
+
+
+def _gpt2(**kw):
+    sizes = dict(vocab_size=VOCAB, n_embd=64, n_layer=3, n_head=4, n_positions=64)
+    tokens = dict(bos_token_id=None, eos_token_id=None)
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(**sizes, **tokens, **kw))
+
+
+CASES = {
+    "llama_mha": lambda: _llama(num_attention_heads=4, num_key_value_heads=4),
+    "llama_gqa_tied": lambda: _llama(
+        num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=True
+    ),
+    "llama_mqa": lambda: _llama(num_attention_heads=4, num_key_value_heads=1),
+    "llama_bias_geglu_linear_rope": lambda: _llama(
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attention_bias=True,
+        mlp_bias=True,
+        hidden_act="gelu_pytorch_tanh",
+        rope_theta=500.0,
+        rope_scaling={"rope_type": "linear", "factor": 2.0},
+    ),
+    "mistral_window": lambda: _mistral(
+        num_attention_heads=4, num_key_value_heads=2, sliding_window=5
+    ),
+    "qwen3": lambda: _qwen3(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=24, tie_word_embeddings=True
+    ),
+    "qwen3_window": lambda: _qwen3(
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        use_sliding_window=True,
+        sliding_window=6,
+        max_window_layers=0,
+    ),
+    "gpt2": lambda: _gpt2(),
+    "gpt2_untied_gelu": lambda: _gpt2(
+        activation_function="gelu", n_inner=80, tie_word_embeddings=False
+    ),
+}
+
+
+def _hf_model(name: str):
+    """The HF model of case ``name``: seeded, eager attention, every 1-D parameter perturbed."""
+    torch.manual_seed(sum(map(ord, name)))
+    model = CASES[name]()
+    model.config._attn_implementation = "eager"
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 1:  # norm weights (ones) and biases (zeros) at init
+                p.add_(0.2 * torch.randn_like(p))
+    return model.eval()
+
+
+def _tokens(seed: int = 0, length: int = T) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (B, length), generator=torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
+def _ours_logits(model: Transformer, x: torch.Tensor) -> torch.Tensor:
+    return model(x)[0]
+
+
+@torch.no_grad()
+def _hf_logits(model, x: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=x).logits
+
+
+@torch.no_grad()
+def _greedy(model: Transformer, x: torch.Tensor, n: int) -> torch.Tensor:
+    """Greedy decoding that recomputes the whole sequence at every step (no cache)."""
+    for _ in range(n):
+        nxt = model(x)[0][:, -1].argmax(-1, keepdim=True)
+        x = torch.cat([x, nxt], dim=1)
+    return x
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert a.shape == b.shape
+    return (a - b).abs().max().item()
+
+
+def _load_hf_dir(path):
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path), output_loading_info=True, attn_implementation="eager"
+    )
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert not info["mismatched_keys"], info
+    return model.eval()
+
+
+# ----------------------------------------------------------------------------------------------
+# Parity
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_from_hf_to_hf_parity(name, tmp_path):
+    hf = _hf_model(name)
+    ours = from_hf(hf)
+    assert not ours.training
+    x = _tokens()
+    ref = _hf_logits(hf, x)
+    diff = _max_diff(_ours_logits(ours, x), ref)
+    print(f"\n{name}: from_hf max|diff| = {diff:.2e}")
+    assert diff <= TOL
+
+    # greedy continuation: HF generate (with its KV cache) vs our full recompute
+    want = hf.generate(
+        x,
+        attention_mask=torch.ones_like(x),
+        do_sample=False,
+        max_new_tokens=NEW,
+        min_new_tokens=NEW,
+    )
+    assert torch.equal(_greedy(ours, x, NEW), want)
+
+    # our model -> HF directory -> AutoModelForCausalLM: same architecture, same logits
+    to_hf(ours, tmp_path / "hf")
+    back = _load_hf_dir(tmp_path / "hf")
+    assert type(back).__name__ == type(hf).__name__
+    diff = _max_diff(_hf_logits(back, x), ref)
+    print(f"{name}: to_hf -> from_pretrained max|diff| = {diff:.2e}")
+    assert diff <= TOL
+
+    # the directory form of from_hf
+    again = from_hf(tmp_path / "hf")
+    assert again.cfg == ours.cfg
+    assert _max_diff(_ours_logits(again, x), _ours_logits(ours, x)) == 0.0
+
+
+def test_mistral_window_matters():
+    """The window (5) is shorter than the sequence (17): removing it must change the logits, so
+    the parity above really checks that HF's and our window masks agree."""
+    ours = from_hf(_hf_model("mistral_window"))
+    assert ours.cfg.sliding_window == 5
+    full = Transformer(ours.cfg.replace(sliding_window=None)).eval()
+    full.load_state_dict(ours.state_dict())
+    x = _tokens()
+    assert _max_diff(_ours_logits(full, x), _ours_logits(ours, x)) > 1e-3
+
+
+def test_configs_map_fields():
+    gpt2 = config_from_hf(_hf_model("gpt2").config)
+    assert (gpt2.pos_encoding, gpt2.norm, gpt2.mlp, gpt2.gelu_approx) == (
+        "learned",
+        "layernorm",
+        "gelu",
+        "tanh",
+    )
+    assert gpt2.attn_bias and gpt2.mlp_bias and gpt2.tie_embeddings and gpt2.hidden_dim == 256
+    qwen = config_from_hf(_hf_model("qwen3").config)
+    assert qwen.qk_norm and qwen.head_dim == 24 and qwen.rope_theta == 1e6
+    assert qwen.norm_eps == 1e-6 and qwen.tie_embeddings and qwen.sliding_window is None
+    assert config_from_hf(_hf_model("qwen3_window").config).sliding_window == 6
+    mqa = config_from_hf(_hf_model("llama_mqa").config)
+    assert mqa.n_kv_heads == 1 and not mqa.tie_embeddings and mqa.head_dim is None
+    lin = config_from_hf(_hf_model("llama_bias_geglu_linear_rope").config)
+    assert (lin.rope_scaling, lin.rope_factor, lin.mlp, lin.gelu_approx) == (
+        "linear",
+        2.0,
+        "geglu",
+        "tanh",
+    )
+
+
+def test_sharded_checkpoint_directory(tmp_path):
+    hf = _hf_model("llama_gqa_tied")
+    hf.save_pretrained(str(tmp_path), max_shard_size="40KB")
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    x = _tokens(1)
+    assert _max_diff(_ours_logits(from_hf(tmp_path), x), _hf_logits(hf, x)) <= TOL
+
+
+def test_gpt2_legacy_names_and_mask_buffers(tmp_path):
+    """Checkpoints from the hub name GPT-2 tensors without ``transformer.`` and carry causal-mask
+    buffers ``attn.bias`` / ``attn.masked_bias``: the prefix is optional, the buffers ignored."""
+    from safetensors.torch import save_file
+
+    hf = _hf_model("gpt2")
+    sd = {k.removeprefix("transformer."): v for k, v in hf.state_dict().items()}
+    sd.pop("lm_head.weight")
+    sd["h.0.attn.bias"] = torch.ones(1, 1, 64, 64).tril()
+    sd["h.0.attn.masked_bias"] = torch.tensor(-1e4)
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(tmp_path / "model.safetensors"))
+    hf.config.save_pretrained(str(tmp_path))
+    x = _tokens(2)
+    assert _max_diff(_ours_logits(from_hf(tmp_path), x), _hf_logits(hf, x)) <= TOL
+
+
+@pytest.mark.parametrize("preset", ["llama-shakespeare", "gpt2-shakespeare"])
+def test_export_preset_and_back(preset, tmp_path):
+    torch.manual_seed(0)
+    cfg = get_preset(preset, n_layers=2)
+    ours = Transformer(cfg).eval()
+    with torch.no_grad():
+        for p in ours.parameters():
+            if p.ndim == 1:
+                p.add_(0.2 * torch.randn_like(p))
+    x = torch.randint(0, cfg.vocab_size, (B, 33), generator=torch.Generator().manual_seed(3))
+    to_hf(ours, tmp_path)
+    diff = _max_diff(_hf_logits(_load_hf_dir(tmp_path), x), _ours_logits(ours, x))
+    print(f"\n{preset}: to_hf -> from_pretrained max|diff| = {diff:.2e}")
+    assert diff <= TOL
+    back = from_hf(tmp_path)
+    assert _max_diff(_ours_logits(back, x), _ours_logits(ours, x)) == 0.0
+
+
+def test_export_ntk_rope_folds_into_theta(tmp_path):
+    """Static NTK scaling is RoPE with base theta * factor^(hd/(hd-2)): exported exactly."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(
+        vocab_size=VOCAB,
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        hidden_dim=96,
+        max_seq_len=64,
+        rope_scaling="ntk",
+        rope_factor=4.0,
+    )
+    ours = Transformer(cfg).eval()
+    to_hf(ours, tmp_path)
+    x = _tokens(4, length=40)
+    assert _max_diff(_hf_logits(_load_hf_dir(tmp_path), x), _ours_logits(ours, x)) <= TOL
+    back = config_from_hf(transformers.AutoConfig.from_pretrained(str(tmp_path)))
+    assert back.rope_scaling == "none" and back.rope_theta == pytest.approx(10000 * 4 ** (16 / 14))
+
+
+# ----------------------------------------------------------------------------------------------
+# Our checkpoint format
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama_mha"])
+def test_checkpoint_round_trip(name, tmp_path):
+    ours = from_hf(_hf_model(name))
+    save_checkpoint(ours, tmp_path / "ckpt")
+    meta = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    assert meta["format"] == "llm-foundry" and meta["version"] == 1
+    assert ModelConfig.from_dict(meta["model"]) == ours.cfg
+    loaded = load_checkpoint(tmp_path / "ckpt")
+    assert not loaded.training
+    if ours.cfg.tie_embeddings:
+        assert loaded.lm_head.weight is loaded.tok_emb.weight
+    x = _tokens(5)
+    assert _max_diff(_ours_logits(loaded, x), _ours_logits(ours, x)) == 0.0
+
+
+def test_convert_functions(tmp_path):
+    hf = _hf_model("qwen3")
+    hf.save_pretrained(str(tmp_path / "hf"))
+    convert_from_hf(tmp_path / "hf", tmp_path / "ckpt")
+    convert_to_hf(tmp_path / "ckpt", tmp_path / "hf2")
+    x = _tokens(6)
+    ref = _hf_logits(hf, x)
+    assert _max_diff(_ours_logits(load_checkpoint(tmp_path / "ckpt"), x), ref) <= TOL
+    assert _max_diff(_hf_logits(_load_hf_dir(tmp_path / "hf2"), x), ref) <= TOL
+
+
+def test_load_checkpoint_refuses_hf_directory(tmp_path):
+    _hf_model("llama_mha").save_pretrained(str(tmp_path))
+    with pytest.raises(ValueError, match="Hugging Face checkpoint"):
+        load_checkpoint(tmp_path)
+
+
+# ----------------------------------------------------------------------------------------------
+# Refusals: each names the setting and its value
+
+
+@pytest.mark.parametrize(
+    "hf_config, needle",
+    [
+        (
+            transformers.GPT2Config(scale_attn_by_inverse_layer_idx=True),
+            "scale_attn_by_inverse_layer_idx=True",
+        ),
+        (transformers.GPT2Config(reorder_and_upcast_attn=True), "reorder_and_upcast_attn=True"),
+        (transformers.GPT2Config(activation_function="tanh"), "activation_function='tanh'"),
+        (transformers.LlamaConfig(**LLAMA_SIZES, hidden_act="relu"), "hidden_act='relu'"),
+        (
+            transformers.LlamaConfig(
+                **LLAMA_SIZES, rope_scaling={"rope_type": "dynamic", "factor": 2.0}
+            ),
+            "rope_type='dynamic'",
+        ),
+        (
+            transformers.Qwen3Config(
+                **LLAMA_SIZES, use_sliding_window=True, sliding_window=4, max_window_layers=1
+            ),
+            "max_window_layers=1",
+        ),
+        (transformers.BertConfig(), "model_type='bert'"),
+    ],
+)
+def test_unsupported_hf_setting_is_refused(hf_config, needle):
+    with pytest.raises(ConversionError) as err:
+        config_from_hf(hf_config)
+    assert needle in str(err.value)
+
+
+def test_export_refuses_alibi_and_post_norm():
+    with pytest.raises(ConversionError, match="pos_encoding='alibi' blocks export"):
+        config_to_hf(get_preset("bloom-560m", n_layers=1, vocab_size=VOCAB, dim=64, n_heads=4))
+    post = ModelConfig(vocab_size=VOCAB, dim=64, n_layers=1, n_heads=4, norm_position="post")
+    with pytest.raises(ConversionError, match="norm_position='post' blocks export"):
+        to_hf(Transformer(post), "unused-dir")
+    qk_bias = ModelConfig(
+        vocab_size=VOCAB, dim=64, n_layers=1, n_heads=4, qk_norm=True, mlp_bias=True
+    )
+    with pytest.raises(ConversionError, match="qwen3: mlp_bias=True blocks export"):
+        config_to_hf(qk_bias)
+
+
+def test_unexpected_hf_tensor_is_refused(tmp_path):
+    hf = _hf_model("llama_mha")
+    hf.save_pretrained(str(tmp_path))
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(str(tmp_path / "model.safetensors"))
+    sd["model.layers.0.self_attn.extra.weight"] = torch.zeros(3)
+    save_file(sd, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ConversionError, match="extra.weight"):
+        from_hf(tmp_path)
+
+
+def test_directory_without_safetensors_is_refused(tmp_path):
+    transformers.LlamaConfig(**LLAMA_SIZES).save_pretrained(str(tmp_path))
+    (tmp_path / "pytorch_model.bin").write_bytes(b"not read")
+    with pytest.raises(FileNotFoundError, match="safetensors"):
+        from_hf(tmp_path)
