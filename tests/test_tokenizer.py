@@ -1,0 +1,171 @@
+"""Tokenizers: exact round trips, clear errors, one-file save/load, vocabulary sizes."""
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from llm_foundry.tokenizer import (
+    BPETokenizer,
+    CharTokenizer,
+    build_tokenizer,
+    load_tokenizer,
+)
+
+# a few KB of mixed text: prose, verse, code, digits and some non-ASCII
+CORPUS = (
+    "First Citizen:\nBefore we proceed any further, hear me speak.\n\n"
+    "All:\nSpeak, speak.\n\n"
+    "First Citizen:\nYou are all resolved rather to die than to famish?\n\n"
+    "def encode(text):\n    return [stoi[c] for c in text]  # 42 ids, 3.14 each\n\n"
+    "Café, naïve, über, señor; 東京 and 北京; emoji 🙂 and ✓.\n"
+) * 12
+
+
+@pytest.fixture(scope="module")
+def bpe():
+    return BPETokenizer.train([CORPUS], vocab_size=300)
+
+
+# ----------------------------------------------------------------------------------------------
+# char
+
+
+def test_char_round_trip_and_sorted_vocabulary():
+    tok = CharTokenizer.train("hello world")
+    assert tok.chars == " dehlorw"  # sorted, as nanoGPT's shakespeare_char
+    assert tok.vocab_size == 8
+    ids = tok.encode("old hero")
+    assert ids == [tok.chars.index(c) for c in "old hero"]
+    assert tok.decode(ids) == "old hero"
+    assert (tok.bos_id, tok.eos_id, tok.pad_id) == (None, None, None)
+
+
+def test_char_unseen_character_names_it_and_its_position():
+    tok = CharTokenizer.train("abc def")
+    with pytest.raises(ValueError, match=r"character 'é' at position 4 is not in the vocabulary"):
+        tok.encode("abc é")
+    with pytest.raises(ValueError, match=r"'\\n' at position 3 .*\(7 characters"):
+        tok.encode("abc\n")
+
+
+def test_char_decode_rejects_out_of_range_ids():
+    tok = CharTokenizer.train("ab")
+    with pytest.raises(ValueError, match="token id 2 is out of range for a vocabulary of 2"):
+        tok.decode([0, 1, 2])
+    with pytest.raises(ValueError, match="token id -1"):
+        tok.decode([-1])
+
+
+def test_char_train_on_empty_text_fails():
+    with pytest.raises(ValueError, match="empty text"):
+        CharTokenizer.train("")
+
+
+def test_char_save_load(tmp_path):
+    tok = CharTokenizer.train("To be, or not to be: that is the question.\n")
+    path = tmp_path / "tokenizer.json"
+    tok.save(path)
+    assert json.loads(path.read_text()) == {"type": "char", "chars": tok.chars}
+    loaded = load_tokenizer(path)
+    assert isinstance(loaded, CharTokenizer)
+    text = "not to be, that is the question"
+    assert loaded.encode(text) == tok.encode(text)
+
+
+# ----------------------------------------------------------------------------------------------
+# BPE
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.text())
+def test_bpe_round_trips_any_unicode_text(bpe, text):
+    assert bpe.decode(bpe.encode(text)) == text
+
+
+def test_bpe_round_trips_corpus_and_unseen_scripts(bpe):
+    for text in (CORPUS, "Ελληνικά, русский, العربية, \x00\t\r\n, 𝔘𝔫𝔦𝔠𝔬𝔡𝔢", ""):
+        assert bpe.decode(bpe.encode(text)) == text
+
+
+def test_bpe_vocab_size_honoured():
+    for size in (259, 280, 300):
+        assert BPETokenizer.train([CORPUS], vocab_size=size).vocab_size == size
+
+
+def test_bpe_vocab_size_below_bytes_plus_specials_rejected():
+    with pytest.raises(ValueError, match=r">= 259 .*got 258"):
+        BPETokenizer.train([CORPUS], vocab_size=258)
+
+
+def test_bpe_merges_shorten_the_text(bpe):
+    bytes_only = BPETokenizer.train([CORPUS], vocab_size=259)  # no merges: one id per byte
+    assert len(bytes_only.encode(CORPUS)) == len(CORPUS.encode("utf-8"))
+    assert len(bpe.encode(CORPUS)) < 0.75 * len(CORPUS.encode("utf-8"))
+
+
+def test_bpe_special_tokens_distinct_and_never_read_from_text(bpe):
+    specials = (bpe.bos_id, bpe.eos_id, bpe.pad_id)
+    assert specials == (0, 1, 2)
+    assert bpe.decode(list(specials)) == "<bos><eos><pad>"
+    ids = bpe.encode("a <bos> b <eos> <pad>")  # written text, not control tokens
+    assert not set(ids) & set(specials)
+
+
+def test_bpe_save_load_identical_encodings(bpe, tmp_path):
+    path = tmp_path / "tokenizer.json"
+    bpe.save(path)
+    loaded = load_tokenizer(path)
+    assert isinstance(loaded, BPETokenizer)
+    assert loaded.vocab_size == bpe.vocab_size
+    assert (loaded.bos_id, loaded.eos_id, loaded.pad_id) == (bpe.bos_id, bpe.eos_id, bpe.pad_id)
+    for text in (CORPUS, "unseen words: zyxwvut, 日本語, <eos>"):
+        assert loaded.encode(text) == bpe.encode(text)
+
+
+def test_bpe_file_is_a_hugging_face_tokenizer_json(bpe, tmp_path):
+    from tokenizers import Tokenizer
+
+    path = tmp_path / "tokenizer.json"
+    bpe.save(path)
+    hf = Tokenizer.from_file(str(path))
+    assert hf.encode("speak, speak", add_special_tokens=False).ids == bpe.encode("speak, speak")
+
+
+def test_bpe_decode_rejects_out_of_range_ids(bpe):
+    with pytest.raises(ValueError, match=f"token id {bpe.vocab_size} is out of range"):
+        bpe.decode([5, bpe.vocab_size])
+
+
+# ----------------------------------------------------------------------------------------------
+# build / load
+
+
+def test_build_tokenizer_kinds():
+    assert isinstance(build_tokenizer("char", CORPUS), CharTokenizer)
+    assert isinstance(build_tokenizer("char", [CORPUS[:50], CORPUS[50:]]), CharTokenizer)
+    assert build_tokenizer("bpe", [CORPUS], vocab_size=270).vocab_size == 270
+
+
+def test_build_tokenizer_unknown_kind_names_the_valid_ones():
+    with pytest.raises(ValueError, match=r"unknown tokenizer kind 'wordpiece'.*char, bpe"):
+        build_tokenizer("wordpiece", CORPUS)
+
+
+def test_build_char_tokenizer_rejects_vocab_size():
+    with pytest.raises(ValueError, match="vocab_size must be None, got 100"):
+        build_tokenizer("char", CORPUS, vocab_size=100)
+
+
+def test_load_tokenizer_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nothing.json does not exist"):
+        load_tokenizer(tmp_path / "nothing.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="bad.json is not valid JSON"):
+        load_tokenizer(bad)
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"type": "wordpiece"}))
+    with pytest.raises(ValueError, match=r"other.json is neither .* keys: \['type'\]"):
+        load_tokenizer(other)
