@@ -309,6 +309,29 @@ def test_convert_functions(tmp_path):
     assert _max_diff(_hf_logits(_load_hf_dir(tmp_path / "hf2"), x), ref) <= TOL
 
 
+def test_convert_cli_both_ways(tmp_path, capsys):
+    from llm_foundry.cli import main
+
+    hf = _hf_model("gpt2")
+    hf.save_pretrained(str(tmp_path / "hf"))
+    assert main(["convert", "--from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ck")]) == 0
+    args = ["convert", "--to-hf", str(tmp_path / "ck"), "--out", str(tmp_path / "hf2"), "--json"]
+    assert main(args) == 0
+    report = json.loads(capsys.readouterr().out.split("\n", 1)[1])
+    assert report["format"] == "hf" and "model.safetensors" in report["files"]
+    x = _tokens(7)
+    ref = _hf_logits(hf, x)
+    assert _max_diff(_ours_logits(load_checkpoint(tmp_path / "ck"), x), ref) <= TOL
+    assert _max_diff(_hf_logits(_load_hf_dir(tmp_path / "hf2"), x), ref) <= TOL
+
+
+def test_convert_cli_reports_missing_directory(tmp_path, capsys):
+    from llm_foundry.cli import main
+
+    assert main(["convert", "--from-hf", str(tmp_path / "nope"), "--out", str(tmp_path / "o")]) == 2
+    assert "config.json" in capsys.readouterr().err
+
+
 def test_load_checkpoint_refuses_hf_directory(tmp_path):
     _hf_model("llama_mha").save_pretrained(str(tmp_path))
     with pytest.raises(ValueError, match="Hugging Face checkpoint"):

@@ -10,6 +10,7 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from jsonargparse import ActionConfigFile, ArgumentParser
 
@@ -83,7 +84,86 @@ def cmd_params(argv: list[str]) -> int:
     return 0
 
 
+DEFAULT_DATA = "data/shakespeare_char"
+DEFAULT_PRESET = "llama-shakespeare-char"
+
+
+def cmd_train(argv: list[str]) -> int:
+    import time
+
+    from llm_foundry.train.config import TrainConfig
+
+    def extra(p):
+        p.add_argument("--train", type=TrainConfig, default=TrainConfig(), help="training settings")
+        p.add_argument("--data", default=DEFAULT_DATA, help="directory written by `prepare`")
+        p.add_argument("--out", default=None, help="run directory (default runs/NAME-TIME)")
+        p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+
+    ns, cfg = parse_model_args(
+        "train",
+        "Train a model. With no arguments: prepare tiny Shakespeare (character level) if needed, "
+        f"train the {DEFAULT_PRESET} preset and print a sample.",
+        argv,
+        DEFAULT_PRESET,
+        extra,
+    )
+    train_cfg = _dataclass_from(TrainConfig, ns.train)
+    if ns.resume and ns.out is None:
+        raise ValueError("--resume needs --out RUN_DIR (the run to continue)")
+    out = Path(ns.out or f"runs/{ns.preset or 'custom'}-{time.strftime('%Y%m%d-%H%M%S')}")
+    data = Path(ns.data)
+    if ns.data == DEFAULT_DATA and not (data / "meta.json").exists():
+        from llm_foundry.data import prepare
+
+        print(f"preparing the default corpus (tiny Shakespeare, characters) in {data}")
+        prepare(data, dataset="shakespeare", tokenizer="char")
+    from llm_foundry.train.run import train_and_report
+
+    train_and_report(cfg, train_cfg, data, out, resume=ns.resume)
+    return 0
+
+
+def cmd_convert(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="llm-foundry convert",
+        description="Convert between HF transformers checkpoint directories (Llama, Mistral, "
+        "Qwen3, GPT-2 families) and llm-foundry checkpoints.",
+    )
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--from-hf", metavar="DIR", help="HF directory (config.json + safetensors)")
+    src.add_argument("--to-hf", metavar="CKPT", help="llm-foundry checkpoint directory")
+    p.add_argument("--out", required=True, help="directory to write")
+    p.add_argument(
+        "--family",
+        choices=["llama", "mistral", "qwen3", "gpt2"],
+        default=None,
+        help="HF architecture for --to-hf (default: inferred from the config)",
+    )
+    p.add_argument("--json", action="store_true", help="print what was written as JSON")
+    ns = p.parse_args(argv)
+    from llm_foundry.interop.hf import convert_from_hf, convert_to_hf
+
+    if ns.from_hf:
+        out = convert_from_hf(ns.from_hf, ns.out)
+        what = {"from": ns.from_hf, "to": str(out), "format": "llm-foundry"}
+    else:
+        out = convert_to_hf(ns.to_hf, ns.out, ns.family)
+        what = {"from": ns.to_hf, "to": str(out), "format": "hf"}
+    what["files"] = sorted(f.name for f in Path(out).iterdir())
+    print(json.dumps(what, indent=2) if ns.json else f"wrote {what['format']} checkpoint to {out}")
+    return 0
+
+
+def _dataclass_from(cls, value):
+    """jsonargparse hands back a Namespace for dataclass arguments: build (and validate) it."""
+    if isinstance(value, cls):
+        return value
+    return cls.from_dict(dict(value))
+
+
 COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
+    "train": (cmd_train, "train a model (no arguments: the Shakespeare demo)"),
+    "convert": (cmd_convert, "convert checkpoints to and from HF transformers"),
     "params": (cmd_params, "parameter, FLOP and KV-cache accounting for a config"),
 }
 
