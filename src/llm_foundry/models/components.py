@@ -26,8 +26,8 @@ from llm_foundry.config import ModelConfig
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm (Zhang & Sennrich 2019): x / sqrt(mean(x^2) + eps) * weight. x: (..., D)."""
-    x32 = x.float()  # the mean of squares overflows in fp16 and loses precision in bf16
-    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    # in fp32: the mean of squares overflows in fp16 and loses precision in bf16
+    normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)  # one fused kernel
     return weight * normed.type_as(x)
 
 
