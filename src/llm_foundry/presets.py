@@ -140,6 +140,31 @@ PRESETS: dict[str, dict[str, Any]] = {
         hidden_dim=1024,
         max_seq_len=256,
     ),
+    # nanoGPT's CPU recipe model for shakespeare_char (4 layers, 4 heads, 128 dim, block 64, no
+    # bias, exact GELU): the GPT-2-style baseline of benchmarks/bench_shakespeare.py
+    "gpt2-shakespeare-char": dict(
+        GPT2_FAMILY,
+        vocab_size=65,
+        dim=128,
+        n_layers=4,
+        n_heads=4,
+        max_seq_len=64,
+        attn_bias=False,
+        mlp_bias=False,
+        norm_bias=False,
+        gelu_approx="none",
+    ),
+    # the default of `llm-foundry train`: LLaMA style at the same budget, sized for 2 CPU cores
+    "llama-shakespeare-char": dict(
+        LLAMA_FAMILY,
+        vocab_size=65,
+        dim=128,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=2,
+        hidden_dim=384,
+        max_seq_len=256,
+    ),
 }
 
 
