@@ -1,0 +1,92 @@
+"""TrainConfig: every training knob. Defaults are nanoGPT's documented CPU recipe for
+tinyshakespeare (block 64, batch 12, lr 1e-3 cosine to 1e-4 over 2000 steps, 100 warmup,
+AdamW betas (0.9, 0.99), weight decay 0.1, clip 1.0)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from llm_foundry.config import ConfigError, _one_of, _suggest
+
+SCHEDULES = ("cosine", "linear", "constant", "wsd")
+DTYPES = ("fp32", "bf16", "fp16")
+DEVICES = ("auto", "cpu", "cuda", "mps")
+ON_NONFINITE = ("stop", "skip")
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation, evaluation, checkpointing and runtime settings of one training run."""
+
+    batch_size: int = 12  # sequences per micro-batch (per rank when distributed)
+    block_size: int = 64  # tokens per sequence
+    grad_accum: int = 1  # micro-batches per optimizer step
+    max_steps: int = 2000  # optimizer steps
+    lr: float = 1e-3  # peak learning rate
+    min_lr: float = 1e-4  # floor of the decay
+    warmup_steps: int = 100  # linear warmup from 0 to lr
+    schedule: str = "cosine"  # cosine | linear | constant | wsd (warmup-stable-decay)
+    decay_frac: float = 0.2  # wsd: fraction of max_steps spent decaying at the end
+    weight_decay: float = 0.1  # AdamW decoupled decay on matrices only
+    beta1: float = 0.9
+    beta2: float = 0.99
+    grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
+    eval_interval: int = 250  # steps between validation passes
+    eval_batches: int = 20  # batches per validation pass
+    checkpoint_interval: int = 500  # steps between checkpoints (and one at the end)
+    keep_last: int = 2  # checkpoints kept besides the best-by-validation one
+    seed: int = 1337
+    dtype: str = "fp32"  # fp32 | bf16 (autocast) | fp16 (autocast + grad scaler)
+    compile: bool = False  # torch.compile the model
+    device: str = "auto"  # auto | cpu | cuda | mps
+    on_nonfinite: str = "stop"  # stop (with a message) | skip the step and count it
+    sample_tokens: int = 300  # characters/tokens of sample text printed at the end (0: none)
+    tensorboard: bool = False  # also log metrics to TensorBoard (needs the tensorboard extra)
+    progress: bool = True  # show a progress bar
+
+    def __post_init__(self) -> None:
+        p: list[str] = []
+        for name in ("batch_size", "block_size", "grad_accum", "max_steps", "eval_batches"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                p.append(f"{name}={v!r} must be a positive integer")
+        for name in ("warmup_steps", "eval_interval", "checkpoint_interval", "keep_last"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 0:
+                p.append(f"{name}={v!r} must be a non-negative integer")
+        _one_of(p, "schedule", self.schedule, SCHEDULES)
+        _one_of(p, "dtype", self.dtype, DTYPES)
+        _one_of(p, "device", self.device, DEVICES)
+        _one_of(p, "on_nonfinite", self.on_nonfinite, ON_NONFINITE)
+        if not self.lr > 0:
+            p.append(f"lr={self.lr!r} must be > 0")
+        if not 0 <= self.min_lr <= self.lr:
+            p.append(f"min_lr={self.min_lr!r} must be in [0, lr={self.lr}]")
+        if not 0 < self.decay_frac <= 1:
+            p.append(f"decay_frac={self.decay_frac!r} must be in (0, 1]")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                p.append(f"{name}={getattr(self, name)!r} must be in [0, 1)")
+        if self.grad_clip < 0 or self.weight_decay < 0:
+            p.append("grad_clip and weight_decay must be >= 0")
+        if p:
+            raise ConfigError(p, name="TrainConfig")
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.block_size * self.grad_accum
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ConfigError(
+                [f"unknown field {k!r}{_suggest(k, known)}" for k in unknown], name="TrainConfig"
+            )
+        return cls(**d)

@@ -1,0 +1,59 @@
+"""A whole training run as the CLI runs it: train, plot, sample, summarise."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from llm_foundry.config import ModelConfig
+from llm_foundry.generate import generate
+from llm_foundry.plots import plot_losses
+from llm_foundry.tokenizer import load_tokenizer
+from llm_foundry.train.config import TrainConfig
+from llm_foundry.train.trainer import RunResult, Trainer
+
+
+def sample_text(model, tokenizer, n_tokens: int, seed: int, prompt: str = "\n") -> str:
+    """A short sample from ``model`` (temperature 0.8, top-k 50), prompt included."""
+    try:
+        ids = tokenizer.encode(prompt)
+    except ValueError:
+        ids = [tokenizer.bos_id or 0]
+    device = next(model.parameters()).device
+    idx = torch.tensor([ids], dtype=torch.long, device=device)
+    limit = model.cfg.max_seq_len - len(ids)
+    out = generate(model, idx, min(n_tokens, limit), temperature=0.8, top_k=50, seed=seed)
+    return tokenizer.decode(out[0].tolist())
+
+
+def train_and_report(
+    model_cfg: ModelConfig, train_cfg: TrainConfig, data: Path, out: Path, resume: bool = False
+) -> RunResult:
+    trainer = Trainer(model_cfg, train_cfg, data, out, resume=resume)
+    n = trainer.model.num_params()
+    print(
+        f"model: {n:,} parameters ({trainer.model.num_params(non_embedding=True):,} non-embedding)"
+        f" | device {trainer.device} | {train_cfg.tokens_per_step:,} tokens/step"
+        f" | run dir {out}"
+    )
+    result = trainer.run()
+    plot_losses(out / "metrics.jsonl", out / "loss.png", title=f"{out.name}: {n / 1e6:.2f}M params")
+    summary = dict(
+        step=result.step,
+        last_train_loss=result.last_train_loss,
+        best_val_loss=result.best_val_loss,
+        skipped_steps=result.skipped_steps,
+        interrupted=result.interrupted,
+        checkpoint=str(result.checkpoint) if result.checkpoint else None,
+    )
+    if train_cfg.sample_tokens and not result.interrupted:
+        tok = load_tokenizer(data / "tokenizer.json")
+        text = sample_text(trainer.model, tok, train_cfg.sample_tokens, train_cfg.seed)
+        (out / "sample.txt").write_text(text)
+        print("\n--- sample (temperature 0.8, top-k 50) ---" + text + "\n---")
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    best = f"{result.best_val_loss:.4f}" if result.best_val_loss is not None else "n/a"
+    print(f"done: step {result.step}, best val loss {best}; curves in {out / 'loss.png'}")
+    return result

@@ -1,0 +1,344 @@
+"""The training loop: AdamW, schedule, clipping, evaluation, crash-safe checkpoints, exact resume.
+
+One step = ``grad_accum`` micro-batches, one clip, one optimizer update. Everything a resumed run
+needs to continue bit for bit (weights, optimizer moments, RNG and data-sampler states) goes into
+each checkpoint; ``metrics.jsonl`` is cut back to the checkpoint's step on resume.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import platform
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+import llm_foundry
+from llm_foundry.config import ModelConfig
+from llm_foundry.data import BatchSampler, load_meta, load_split
+from llm_foundry.models import Transformer
+from llm_foundry.train.config import TrainConfig
+from llm_foundry.train.schedule import lr_at
+from llm_foundry.train.state import (
+    latest_checkpoint,
+    load_train_checkpoint,
+    prune_checkpoints,
+    save_train_checkpoint,
+    write_json_atomic,
+)
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss or gradient norm became NaN/inf."""
+
+
+def resolve_device(name: str) -> torch.device:
+    if name != "auto":
+        return torch.device(name)
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class RunResult:
+    step: int
+    last_train_loss: float | None
+    best_val_loss: float | None
+    val_history: list = field(default_factory=list)
+    interrupted: bool = False
+    skipped_steps: int = 0
+    checkpoint: Path | None = None
+
+
+class MetricsLog:
+    """``metrics.jsonl``: one JSON object a line, flushed as written."""
+
+    def __init__(self, path: Path, resume_step: int | None):
+        self.path = path
+        if resume_step is not None and path.exists():  # drop what came after the checkpoint
+            kept = [
+                line
+                for line in path.read_text().splitlines()
+                if line.strip() and json.loads(line)["step"] <= resume_step
+            ]
+            path.write_text("".join(line + "\n" for line in kept))
+        elif resume_step is None:
+            path.write_text("")
+        self.file = open(path, "a")
+
+    def write(self, record: dict) -> None:
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class Trainer:
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        train_cfg: TrainConfig,
+        data_dir: str | Path,
+        out_dir: str | Path,
+        resume: bool = False,
+    ):
+        self.tc = train_cfg
+        self.data_dir = Path(data_dir)
+        self.out = Path(out_dir)
+        self.ckpt_root = self.out / "checkpoints"
+        self.meta = load_meta(self.data_dir)
+        if model_cfg.vocab_size != self.meta["vocab_size"]:
+            print(
+                f"note: model.vocab_size set to {self.meta['vocab_size']} "
+                f"(the tokenizer in {self.data_dir}; the config said {model_cfg.vocab_size})"
+            )
+            model_cfg = model_cfg.replace(vocab_size=self.meta["vocab_size"])
+        self.mc = model_cfg
+        self.device = resolve_device(train_cfg.device)
+        torch.manual_seed(train_cfg.seed)
+        self.model = Transformer(model_cfg).to(self.device)
+        self.forward = torch.compile(self.model) if train_cfg.compile else self.model
+        fused = self.device.type in ("cuda", "cpu")
+        self.optimizer = torch.optim.AdamW(
+            self.model.param_groups(train_cfg.weight_decay),
+            lr=train_cfg.lr,
+            betas=(train_cfg.beta1, train_cfg.beta2),
+            fused=fused,
+        )
+        self.amp_dtype = AUTOCAST_DTYPES[train_cfg.dtype]
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=train_cfg.dtype == "fp16")
+        self.train_data = load_split(self.data_dir, "train")
+        self.val_data = load_split(self.data_dir, "val")
+        self.sampler = BatchSampler(
+            self.train_data, train_cfg.block_size, train_cfg.batch_size, seed=train_cfg.seed
+        )
+        self.step = 0
+        self.best_val = math.inf
+        self.best_name: str | None = None
+        self.skipped = 0
+        self.resumed_from: Path | None = None
+        if resume:
+            self._resume()
+        self.out.mkdir(parents=True, exist_ok=True)
+        self._write_run_info()
+
+    # ------------------------------------------------------------------------------------------
+    def _resume(self) -> None:
+        path = latest_checkpoint(self.ckpt_root)
+        if path is None:
+            raise FileNotFoundError(
+                f"--resume: no checkpoint in {self.ckpt_root} (latest.json missing); "
+                "start without --resume"
+            )
+        state = load_train_checkpoint(path, self.model, self.optimizer)
+        self.sampler.load_state_dict(state["sampler"])
+        if state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+        self.step = state["step"]
+        self.best_val = state.get("best_val", math.inf)
+        self.best_name = state.get("best_name")
+        self.skipped = state.get("skipped", 0)
+        self.resumed_from = path
+        print(f"resumed from {path} at step {self.step}")
+
+    def _write_run_info(self) -> None:
+        info = dict(
+            model=self.mc.to_dict(),
+            train=self.tc.to_dict(),
+            data=dict(dir=str(self.data_dir), meta=self.meta),
+            llm_foundry=llm_foundry.__version__,
+            torch=torch.__version__,
+            python=platform.python_version(),
+            device=str(self.device),
+            device_name=torch.cuda.get_device_name()
+            if self.device.type == "cuda"
+            else platform.processor() or platform.machine(),
+            threads=torch.get_num_threads(),
+            argv=sys.argv,
+            params=self.model.num_params(),
+            resumed_from=str(self.resumed_from) if self.resumed_from else None,
+        )
+        write_json_atomic(self.out / "run.json", info)
+
+    # ------------------------------------------------------------------------------------------
+    def _autocast(self):
+        if self.amp_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.amp_dtype)
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean loss over ``eval_batches`` fixed validation batches (the same ones every time)."""
+        self.model.eval()
+        sampler = BatchSampler(
+            self.val_data, self.tc.block_size, self.tc.batch_size, seed=self.tc.seed + 1
+        )
+        total = 0.0
+        for _ in range(self.tc.eval_batches):
+            x, y = (t.to(self.device) for t in sampler.next())
+            with self._autocast():
+                total += self.forward(x, y)[1].item()
+        self.model.train()
+        return total / self.tc.eval_batches
+
+    def save(self) -> Path:
+        state = dict(
+            sampler=self.sampler.state_dict(),
+            scaler=self.scaler.state_dict() if self.scaler.is_enabled() else None,
+            best_val=self.best_val if math.isfinite(self.best_val) else None,
+            best_name=self.best_name,
+            skipped=self.skipped,
+            model_config=self.mc.to_dict(),
+            train_config=self.tc.to_dict(),
+        )
+        tok = self.data_dir / "tokenizer.json"
+        path = save_train_checkpoint(
+            self.ckpt_root, self.step, self.model, self.optimizer, state, tok
+        )
+        prune_checkpoints(self.ckpt_root, self.tc.keep_last, {self.best_name or "", path.name})
+        return path
+
+    def _train_step(self) -> tuple[float, float, bool]:
+        """One optimizer step; returns (loss, grad_norm, applied)."""
+        tc = self.tc
+        lr = lr_at(self.step, tc)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        loss_sum = torch.zeros((), device=self.device)
+        for _ in range(tc.grad_accum):
+            x, y = (t.to(self.device, non_blocking=True) for t in self.sampler.next())
+            with self._autocast():
+                loss = self.forward(x, y)[1] / tc.grad_accum
+            self.scaler.scale(loss).backward()
+            loss_sum += loss.detach()
+        self.scaler.unscale_(self.optimizer)
+        max_norm = tc.grad_clip if tc.grad_clip > 0 else math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        loss_value, norm_value = loss_sum.item(), grad_norm.item()  # the one host sync per step
+        # fp16's grad scaler skips overflowing steps itself; only a bad loss is fatal there
+        bad_norm = not math.isfinite(norm_value) and not self.scaler.is_enabled()
+        if not math.isfinite(loss_value) or bad_norm:
+            self.optimizer.zero_grad(set_to_none=True)
+            return loss_value, norm_value, False
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss_value, norm_value, True
+
+    # ------------------------------------------------------------------------------------------
+    def run(self) -> RunResult:
+        tc = self.tc
+        metrics = MetricsLog(self.out / "metrics.jsonl", self.step if self.resumed_from else None)
+        stop = {"signal": None}
+
+        def request_stop(signum, frame):
+            stop["signal"] = signal.Signals(signum).name
+
+        old = {s: signal.signal(s, request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
+        tb = _tensorboard(self.out) if tc.tensorboard else None
+        last_loss, last_ckpt, val_history = None, self.resumed_from, []
+        bar = tqdm(
+            total=tc.max_steps,
+            initial=self.step,
+            disable=not tc.progress,
+            dynamic_ncols=True,
+            desc="train",
+        )
+        flops_per_token = self.model.flops_per_token(tc.block_size)
+        t_start = time.perf_counter()
+        self.model.train()
+        try:
+            while self.step < tc.max_steps:
+                t0 = time.perf_counter()
+                loss, grad_norm, applied = self._train_step()
+                if not applied:
+                    if tc.on_nonfinite == "stop":
+                        where = last_ckpt or "none saved yet"
+                        raise TrainingDiverged(
+                            f"non-finite loss ({loss}) or gradient norm ({grad_norm}) at step "
+                            f"{self.step + 1}; the update was not applied and no checkpoint was "
+                            f"written. Last good checkpoint: {where}. Lower train.lr, raise "
+                            "train.warmup_steps, or set train.on_nonfinite=skip."
+                        )
+                    self.skipped += 1
+                self.step += 1
+                dt = time.perf_counter() - t0
+                tps = tc.tokens_per_step / dt
+                last_loss = loss
+                rec = dict(
+                    step=self.step,
+                    loss=loss,
+                    lr=lr_at(self.step - 1, tc),
+                    grad_norm=grad_norm,
+                    tokens_per_s=tps,
+                    flops_per_s=tps * flops_per_token,
+                    time=time.perf_counter() - t_start,
+                )
+                metrics.write(rec)
+                if tb:
+                    for k in ("loss", "lr", "grad_norm", "tokens_per_s"):
+                        tb.add_scalar(f"train/{k}", rec[k], self.step)
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss:.4f}", lr=f"{rec['lr']:.2e}", tok_s=f"{tps:,.0f}")
+                final = self.step == tc.max_steps
+                save_now = (
+                    tc.checkpoint_interval and self.step % tc.checkpoint_interval == 0
+                ) or final
+                if (tc.eval_interval and self.step % tc.eval_interval == 0) or final:
+                    val = self.evaluate()
+                    val_history.append((self.step, val))
+                    metrics.write(dict(step=self.step, val_loss=val, val_ppl=math.exp(val)))
+                    if tb:
+                        tb.add_scalar("val/loss", val, self.step)
+                    bar.write(f"step {self.step}: train loss {loss:.4f}, val loss {val:.4f}")
+                    if val < self.best_val:  # the best model is always on disk
+                        self.best_val, self.best_name = val, f"step_{self.step:06d}"
+                        save_now = True
+                if save_now or stop["signal"]:
+                    last_ckpt = self.save()
+                if stop["signal"]:
+                    bar.write(
+                        f"{stop['signal']}: saved {last_ckpt} at step {self.step}; "
+                        "continue with --resume"
+                    )
+                    break
+        finally:
+            bar.close()
+            metrics.close()
+            if tb:
+                tb.close()
+            for s, handler in old.items():
+                signal.signal(s, handler)
+        return RunResult(
+            step=self.step,
+            last_train_loss=last_loss,
+            best_val_loss=self.best_val if math.isfinite(self.best_val) else None,
+            val_history=val_history,
+            interrupted=stop["signal"] is not None,
+            skipped_steps=self.skipped,
+            checkpoint=last_ckpt,
+        )
+
+
+def _tensorboard(out: Path):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as e:
+        raise ImportError(
+            "train.tensorboard=true needs TensorBoard: pip install 'llm-foundry[tensorboard]'"
+        ) from e
+    return SummaryWriter(str(out / "tensorboard"))

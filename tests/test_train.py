@@ -1,0 +1,304 @@
+"""The trainer: exact resume after a real SIGKILL, clean exit on SIGTERM, non-finite steps,
+crash-safe checkpoints that load without pickle, and a run directory that describes itself."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from llm_foundry.cli import main
+from llm_foundry.config import ConfigError, ModelConfig
+from llm_foundry.data import prepare
+from llm_foundry.train import state as train_state
+from llm_foundry.train.config import TrainConfig
+from llm_foundry.train.trainer import Trainer, TrainingDiverged
+
+SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
+
+# tiny, but with dropout so that a resume must restore torch's RNG state too
+TINY = dict(vocab_size=65, dim=32, n_layers=2, n_heads=2, max_seq_len=32, dropout=0.1)
+TINY_FLAGS = [f"--model.{k}={v}" for k, v in TINY.items()] + [
+    "--model.pos_encoding=rope",
+    "--model.norm=rmsnorm",
+    "--model.mlp=swiglu",
+]
+TRAIN_FLAGS = [
+    "--train.batch_size=4",
+    "--train.block_size=32",
+    "--train.eval_interval=10",
+    "--train.eval_batches=2",
+    "--train.warmup_steps=5",
+    "--train.sample_tokens=0",
+    "--train.progress=false",
+]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    """A small character-level corpus (Shakespeare when the shared copy is there)."""
+    root = tmp_path_factory.mktemp("data")
+    if SHAKESPEARE.exists():
+        text = SHAKESPEARE.read_text()[:60_000]
+    else:
+        text = "".join(
+            f"Line {i}: to be, or not to be, that is the question.\n" for i in range(900)
+        )
+    (root / "corpus.txt").write_text(text)
+    prepare(root / "char", text_files=[root / "corpus.txt"], tokenizer="char", progress=False)
+    return root / "char"
+
+
+def _cli(data_dir: Path, out: Path, *extra: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "llm_foundry",
+        "train",
+        "--data",
+        str(data_dir),
+        "--out",
+        str(out),
+        *TINY_FLAGS,
+        *TRAIN_FLAGS,
+        *extra,
+    ]
+
+
+def _losses(run: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def _latest_step(run: Path) -> int | None:
+    try:
+        return json.loads((run / "checkpoints" / "latest.json").read_text())["step"]
+    except (FileNotFoundError, json.JSONDecodeError, KeyError):
+        return None
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.pop("LLM_FOUNDRY_SHAKESPEARE", None)
+    return env
+
+
+# ----------------------------------------------------------------------------------------------
+# Exact resume with a real kill
+
+
+def test_resume_after_sigkill_gives_the_same_losses(data_dir, tmp_path):
+    steps, kill_after = 200, 20
+    common = [f"--train.max_steps={steps}", f"--train.checkpoint_interval={kill_after}"]
+    full = tmp_path / "full"
+    subprocess.run(_cli(data_dir, full, *common), check=True, env=_env(), capture_output=True)
+
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(
+        _cli(data_dir, killed, *common),
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 120
+    while _latest_step(killed) is None and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL, "the run ended before it could be killed"
+    at = _latest_step(killed)
+    assert at is not None and at < steps
+    # what the killed run logged past its checkpoint is dropped on resume
+    subprocess.run(
+        _cli(data_dir, killed, *common, "--resume"), check=True, env=_env(), capture_output=True
+    )
+    a, b = _losses(full), _losses(killed)
+    assert sorted(a) == sorted(b) == list(range(1, steps + 1))
+    assert [a[s] for s in a] == [b[s] for s in a]  # bit for bit, every step
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_cleanly(data_dir, tmp_path):
+    run = tmp_path / "run"
+    proc = subprocess.Popen(
+        _cli(data_dir, run, "--train.max_steps=100000", "--train.checkpoint_interval=0"),
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    metrics = run / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 15:
+            break
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    assert "SIGTERM: saved" in out and "--resume" in out
+    step = _latest_step(run)
+    assert step is not None and step == max(_losses(run))
+    assert (run / "checkpoints" / f"step_{step:06d}" / "model.safetensors").exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# In-process trainer
+
+
+def _trainer(data_dir, out, resume=False, **train):
+    cfg = dict(
+        batch_size=4,
+        block_size=32,
+        max_steps=12,
+        eval_interval=4,
+        eval_batches=2,
+        warmup_steps=2,
+        checkpoint_interval=4,
+        sample_tokens=0,
+        progress=False,
+    )
+    cfg.update(train)
+    return Trainer(ModelConfig(**TINY), TrainConfig(**cfg), data_dir, out, resume=resume)
+
+
+def _poison_at(trainer: Trainer, bad_step: int) -> None:
+    """Make the forward pass return a NaN loss on optimizer step ``bad_step`` (1-based)."""
+    real = trainer.forward
+
+    def forward(x, y=None, **kw):
+        logits, loss = real(x, y, **kw)
+        if y is not None and trainer.model.training and trainer.step + 1 == bad_step:
+            loss = loss * float("nan")
+        return logits, loss
+
+    trainer.forward = forward
+
+
+def test_nonfinite_loss_stops_and_names_the_last_good_checkpoint(data_dir, tmp_path):
+    t = _trainer(data_dir, tmp_path / "run")
+    _poison_at(t, 7)
+    good = tmp_path / "run" / "checkpoints" / "step_000004"
+    with pytest.raises(TrainingDiverged) as err:
+        t.run()
+    msg = str(err.value)
+    assert "step 7" in msg and str(good) in msg and "on_nonfinite=skip" in msg
+    before = (good / "model.safetensors").read_bytes()
+    assert _latest_step(tmp_path / "run") == 4  # nothing written after the bad step
+    assert not (tmp_path / "run" / "checkpoints" / "step_000007").exists()
+    assert (good / "model.safetensors").read_bytes() == before
+    assert max(_losses(tmp_path / "run")) == 6
+
+
+def test_nonfinite_loss_can_be_skipped_and_counted(data_dir, tmp_path):
+    t = _trainer(data_dir, tmp_path / "run", on_nonfinite="skip")
+    _poison_at(t, 3)
+    weights = {k: v.clone() for k, v in t.model.state_dict().items()}
+    result = t.run()
+    assert result.skipped_steps == 1 and result.step == 12
+    losses = _losses(tmp_path / "run")
+    assert math.isnan(losses[3]) and all(math.isfinite(v) for s, v in losses.items() if s != 3)
+    assert any(not torch.equal(weights[k], v) for k, v in t.model.state_dict().items())
+
+
+def test_a_crash_during_save_never_breaks_latest(data_dir, tmp_path, monkeypatch):
+    t = _trainer(data_dir, tmp_path / "run", max_steps=8)
+    t.run()  # checkpoints at 4 and 8
+    root = tmp_path / "run" / "checkpoints"
+    assert _latest_step(tmp_path / "run") == 8
+
+    def crash(*args, **kwargs):
+        raise OSError("disk full (simulated)")
+
+    monkeypatch.setattr(train_state, "save_file", crash)
+    t.step = 9
+    with pytest.raises(OSError, match="simulated"):
+        t.save()
+    assert _latest_step(tmp_path / "run") == 8  # the pointer still names a complete checkpoint
+    assert not (root / "step_000009").exists()
+    assert list(root.glob(".tmp-*"))  # the half-written one is only a hidden temporary
+    monkeypatch.undo()
+    t.save()  # the next save cleans it up
+    assert not list(root.glob(".tmp-*")) and _latest_step(tmp_path / "run") == 9
+
+
+def test_checkpoints_hold_no_pickle_and_load_without_torch_load(data_dir, tmp_path, monkeypatch):
+    t = _trainer(data_dir, tmp_path / "run", max_steps=4)
+    t.run()
+    ckpt = tmp_path / "run" / "checkpoints" / "step_000004"
+    names = sorted(p.name for p in ckpt.iterdir())
+    assert names == [
+        "config.json",
+        "model.safetensors",
+        "optimizer.safetensors",
+        "state.json",
+        "tokenizer.json",
+    ]
+
+    def no_pickle(*a, **k):
+        raise AssertionError("torch.load (pickle) must not be used to load checkpoints")
+
+    monkeypatch.setattr(torch, "load", no_pickle)
+    resumed = _trainer(data_dir, tmp_path / "run", resume=True, max_steps=6)
+    assert resumed.step == 4
+    for k, v in t.model.state_dict().items():
+        assert torch.equal(v, resumed.model.state_dict()[k])
+    opt_a = t.optimizer.state_dict()["state"]
+    opt_b = resumed.optimizer.state_dict()["state"]
+    assert all(torch.equal(opt_a[i]["exp_avg"], opt_b[i]["exp_avg"]) for i in opt_a)
+
+
+def test_keeps_the_last_k_and_the_best(data_dir, tmp_path):
+    t = _trainer(data_dir, tmp_path / "run", max_steps=20, checkpoint_interval=2, keep_last=2)
+    t.best_val = -1.0  # no evaluation can beat it, so the first "best" stays the only best
+    t.best_name = "step_000002"
+    (tmp_path / "run" / "checkpoints" / "step_000002").mkdir(parents=True)
+    t.run()
+    kept = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step_*"))
+    assert kept == ["step_000002", "step_000018", "step_000020"]
+
+
+def test_run_directory_describes_itself(data_dir, tmp_path, capsys):
+    run = tmp_path / "run"
+    args = ["train", "--data", str(data_dir), "--out", str(run), *TINY_FLAGS[:-3]]
+    args += [a for a in TRAIN_FLAGS if "sample_tokens" not in a]
+    args += ["--train.max_steps=20", "--train.sample_tokens=40", "--train.checkpoint_interval=10"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "--- sample" in out and "best val loss" in out
+    info = json.loads((run / "run.json").read_text())
+    assert info["torch"] == torch.__version__ and info["device"] == "cpu"
+    assert info["model"]["dim"] == 32 and info["train"]["max_steps"] == 20
+    assert {"llm_foundry", "python", "params", "argv"} <= set(info)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "loss" in r]
+    evals = [r for r in rows if "val_loss" in r]
+    assert [r["step"] for r in steps] == list(range(1, 21))
+    assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "time"} <= set(steps[0])
+    assert [r["step"] for r in evals] == [10, 20]
+    assert evals[-1]["val_ppl"] == pytest.approx(math.exp(evals[-1]["val_loss"]))
+    assert steps[-1]["loss"] < steps[0]["loss"]
+    assert (run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len((run / "sample.txt").read_text()) > 1
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["step"] == 20 and summary["best_val_loss"] == min(r["val_loss"] for r in evals)
+
+
+def test_cli_errors_name_the_problem(data_dir, tmp_path, capsys):
+    assert main(["train", "--data", str(data_dir), "--resume"]) == 2
+    assert "--resume needs --out" in capsys.readouterr().err
+    assert main(["train", "--data", str(tmp_path / "none"), "--out", str(tmp_path / "r")]) == 2
+    assert "prepare" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="schedule='cosin' is not one of"):
+        TrainConfig(schedule="cosin")
+    with pytest.raises(ConfigError, match="unknown field 'lrr'"):
+        TrainConfig.from_dict({"lrr": 1e-3})
+    empty = tmp_path / "empty"
+    assert main(["train", "--data", str(data_dir), "--out", str(empty), "--resume"]) == 2
+    assert "no checkpoint" in capsys.readouterr().err
