@@ -1,0 +1,461 @@
+"""``llm-foundry inspect WHAT``: PNG plots of learning-rate schedules, attention patterns and
+position encodings (RoPE, sinusoidal, ALiBi).
+
+Plotting functions (``plot_*``) take plain numbers and a path and return the path; ``main``
+parses arguments, computes the numbers and prints the path written (or JSON with ``--json``).
+Every figure has a fixed size in inches at ``DPI`` dots per inch, so its pixel size is known.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import struct
+import sys
+from pathlib import Path
+
+DPI = 100
+WHATS = ("lr", "attention", "rope", "sinusoidal", "alibi")
+
+
+def _plt():
+    """pyplot on the Agg backend, imported late so ``llm-foundry --help`` stays fast."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display needed (servers, CI)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=DPI)  # no bbox_inches="tight": the pixel size stays figsize * DPI
+    _plt().close(fig)
+    return path
+
+
+def png_size(path: str | Path) -> tuple[int, int]:
+    """(width, height) in pixels, read from the PNG's IHDR chunk."""
+    head = Path(path).read_bytes()[:24]
+    if head[:8] != b"\x89PNG\r\n\x1a\n":
+        raise ValueError(f"{path} is not a PNG file")
+    return struct.unpack(">II", head[16:24])
+
+
+def _token_label(s: str, width: int = 6) -> str:
+    """A short printable tick label: whitespace made visible, long tokens cut."""
+    s = s.replace(" ", "·").replace("\n", "\\n").replace("\t", "\\t")
+    s = "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in s)
+    return s if len(s) <= width else s[: width - 1] + "…"
+
+
+def _token_ticks(ax, tokens: list[str], max_ticks: int, fontsize: float) -> None:
+    """Label every k-th token so at most ``max_ticks`` labels share an axis."""
+    step = max(1, math.ceil(len(tokens) / max_ticks))
+    ticks = list(range(0, len(tokens), step))
+    labels = [_token_label(tokens[i]) for i in ticks]
+    ax.set_xticks(ticks, labels, rotation=90, fontsize=fontsize)
+    ax.set_yticks(ticks, labels, fontsize=fontsize)
+
+
+# ----------------------------------------------------------------------------------------------
+# Plots
+
+
+def lr_curves(train_cfg, compare: bool = False) -> dict[str, list[float]]:
+    """schedule name -> lr of steps 0..max_steps: ``train_cfg``'s, or every schedule's."""
+    import dataclasses
+
+    from llm_foundry.train.schedule import SCHEDULES, lr_at
+
+    names = list(SCHEDULES) if compare else [train_cfg.schedule]
+    cfgs = {n: dataclasses.replace(train_cfg, schedule=n) for n in names}
+    return {n: [lr_at(s, c) for s in range(train_cfg.max_steps + 1)] for n, c in cfgs.items()}
+
+
+def plot_lr(train_cfg, path: str | Path, compare: bool = False) -> Path:
+    """lr(step) for steps 0..max_steps; ``compare`` overlays every schedule on the same knobs."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(8, 4.5), layout="constrained")
+    for name, lrs in lr_curves(train_cfg, compare).items():
+        mine = name == train_cfg.schedule  # the configured schedule stands out
+        ax.plot(range(len(lrs)), lrs, lw=2.2 if mine else 1.2, label=name)
+    if train_cfg.warmup_steps:
+        ax.axvline(train_cfg.warmup_steps, color="gray", ls=":", lw=1, label="end of warmup")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("learning rate")
+    ax.set_title(
+        f"{train_cfg.schedule}: warmup {train_cfg.warmup_steps}, {train_cfg.max_steps} steps, "
+        f"lr {train_cfg.lr:g} -> {train_cfg.min_lr:g}"
+    )
+    ax.grid(alpha=0.3)
+    ax.legend()
+    return _save(fig, path)
+
+
+def attention_figsize(n_rows: int, n_cols: int) -> tuple[float, float]:
+    """Inches of an attention figure: one big panel, or a grid of cells shrunk to fit ~24 in."""
+    if n_rows == n_cols == 1:
+        return 6.5, 6.0
+    cell = min(3.0, max(1.5, 24 / max(n_rows, n_cols)))
+    return cell * n_cols + 1.0, cell * n_rows + 0.5  # room for the colorbar and the title
+
+
+def plot_attention(weights, tokens: list[str], path: str | Path, layers=None, heads=None) -> Path:
+    """Heatmaps of attention probabilities ``weights`` (L, H, T, T): row = query, column = key.
+
+    ``layers`` and ``heads`` name the rows and columns shown (default 0..L-1, 0..H-1)."""
+    import numpy as np
+
+    plt = _plt()
+    w = np.asarray(weights, dtype=np.float32)
+    n_rows, n_cols, T = w.shape[0], w.shape[1], w.shape[2]
+    layers = list(range(n_rows)) if layers is None else list(layers)
+    heads = list(range(n_cols)) if heads is None else list(heads)
+    single = n_rows == n_cols == 1
+    size = attention_figsize(n_rows, n_cols)
+    fig, axes = plt.subplots(n_rows, n_cols, figsize=size, squeeze=False, layout="constrained")
+    cell = (size[0] - (0 if single else 1.0)) / n_cols  # inches per panel: how many labels fit
+    for r in range(n_rows):
+        for c in range(n_cols):
+            ax = axes[r, c]
+            # the future (above the diagonal) is masked to exactly 0: show it blank, not dark
+            img = np.where(np.tril(np.ones((T, T), dtype=bool)), w[r, c], np.nan)
+            im = ax.imshow(img, cmap="viridis", vmin=0.0, vmax=1.0, interpolation="nearest")
+            ax.set_title(f"layer {layers[r]} head {heads[c]}", fontsize=10 if single else 8)
+            _token_ticks(ax, tokens, max(4, int(cell * 8)), 7 if single else 5)
+            if single:
+                ax.set_xlabel("key (attended to)")
+                ax.set_ylabel("query (attending)")
+    fig.colorbar(im, ax=axes, shrink=0.8, label="attention probability")
+    return _save(fig, path)
+
+
+def plot_rope(
+    curves: dict[str, list[float]], cos_table, path: str | Path, context: int, title: str
+) -> Path:
+    """Left: wavelength (tokens per full turn) of each dimension pair for each scaling in
+    ``curves`` (name -> inv_freq). Right: cos of the rotation angle, position x pair."""
+    import numpy as np
+
+    plt = _plt()
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.5), layout="constrained")
+    for name, inv_freq in curves.items():
+        wl = 2 * math.pi / np.asarray(inv_freq, dtype=np.float64)
+        ax.plot(range(len(wl)), wl, "o-", ms=3, lw=1.5, label=name)
+    ax.axhline(context, color="gray", ls=":", lw=1, label=f"context {context}")
+    ax.set_yscale("log")
+    ax.set_xlabel("dimension pair i (features i and i + head_dim/2)")
+    ax.set_ylabel("wavelength 2π / inv_freq (tokens)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    im = ax2.imshow(np.asarray(cos_table), aspect="auto", cmap="RdBu", vmin=-1, vmax=1)
+    ax2.set_xlabel("dimension pair i")
+    ax2.set_ylabel("position")
+    ax2.set_title("cos(position · inv_freq): fast pairs left, slow pairs right", fontsize=10)
+    fig.colorbar(im, ax=ax2)
+    return _save(fig, path)
+
+
+def plot_sinusoidal(table, path: str | Path) -> Path:
+    """The (T, D) sinusoidal table: even features sin, odd cos, slower to the right."""
+    import numpy as np
+
+    plt = _plt()
+    t = np.asarray(table)
+    fig, ax = plt.subplots(figsize=(8, 5), layout="constrained")
+    im = ax.imshow(t, aspect="auto", cmap="RdBu", vmin=-1, vmax=1, interpolation="nearest")
+    ax.set_xlabel("feature (even: sin, odd: cos)")
+    ax.set_ylabel("position")
+    ax.set_title(f"sinusoidal positions: {t.shape[0]} positions x {t.shape[1]} features")
+    fig.colorbar(im, ax=ax)
+    return _save(fig, path)
+
+
+def alibi_figsize(n_heads: int) -> tuple[float, float]:
+    cols = min(4, n_heads)
+    return 3.0 * cols + 1.0, 3.0 * math.ceil(n_heads / cols) + 0.5
+
+
+def plot_alibi(slopes: list[float], length: int, path: str | Path) -> Path:
+    """Each head's bias slope * (key - query) over ``length`` positions; the future is blank."""
+    import numpy as np
+
+    plt = _plt()
+    n = len(slopes)
+    cols, rows = min(4, n), math.ceil(n / min(4, n))
+    fig, axes = plt.subplots(
+        rows, cols, figsize=alibi_figsize(n), squeeze=False, layout="constrained"
+    )
+    dist = np.arange(length)[None, :] - np.arange(length)[:, None]  # key - query, <= 0: past
+    low = -max(slopes) * max(1, length - 1)  # one color scale for all heads: slopes compare
+    for h, ax in enumerate(axes.flat):
+        if h >= n:
+            ax.axis("off")
+            continue
+        bias = np.where(dist <= 0, slopes[h] * dist, np.nan)
+        im = ax.imshow(bias, cmap="magma", vmin=low, vmax=0, interpolation="nearest")
+        ax.set_title(f"head {h}: slope {slopes[h]:.4g} = 2^{math.log2(slopes[h]):.3g}", fontsize=8)
+        ax.set_xlabel("key", fontsize=7)
+        ax.set_ylabel("query", fontsize=7)
+        ax.tick_params(labelsize=6)
+    fig.colorbar(im, ax=axes, shrink=0.8, label="bias added to the attention score")
+    return _save(fig, path)
+
+
+# ----------------------------------------------------------------------------------------------
+# Sub-commands
+
+
+def _common(p) -> None:
+    """--out and --json, shared by every sub-command."""
+    what = p.prog.split()[-1]
+    p.add_argument("--out", default=f"inspect_{what}.png", help="PNG file to write")
+    p.add_argument("--json", action="store_true", help="print the plotted numbers as JSON")
+
+
+def _report(ns, path: Path, **numbers) -> int:
+    if ns.json:
+        w, h = png_size(path)
+        print(json.dumps({"path": str(path), "width": w, "height": h, **numbers}, indent=2))
+    else:
+        print(f"wrote {path}")
+    return 0
+
+
+def cmd_lr(argv: list[str]) -> int:
+    from jsonargparse import ActionConfigFile, ArgumentParser
+
+    from llm_foundry.train.config import TrainConfig
+    from llm_foundry.train.schedule import SCHEDULES
+
+    p = ArgumentParser(
+        prog="llm-foundry inspect lr",
+        description="Plot the learning rate of every step 0..max_steps.",
+        exit_on_error=False,
+    )
+    p.add_argument("--config", action=ActionConfigFile, help="YAML/JSON file with a train: section")
+    p.add_argument("--train", type=TrainConfig, default=TrainConfig(), help="training settings")
+    p.add_argument("--compare", action="store_true", help=f"overlay {', '.join(SCHEDULES)}")
+    _common(p)
+    ns = p.parse_args(argv)
+    # jsonargparse hands back a Namespace for a dataclass argument: build (and validate) it
+    cfg = ns.train if isinstance(ns.train, TrainConfig) else TrainConfig.from_dict(dict(ns.train))
+    path = plot_lr(cfg, ns.out, compare=ns.compare)
+    return _report(ns, path, train=cfg.to_dict(), lr=lr_curves(cfg, ns.compare))
+
+
+def _load_model(ns, cfg):
+    """(model, tokenizer or None, source): a checkpoint, or a randomly initialised preset."""
+    import torch
+
+    from llm_foundry.checkpoint import load_checkpoint
+    from llm_foundry.models import Transformer
+    from llm_foundry.tokenizer import load_tokenizer
+
+    if ns.checkpoint:
+        ckpt = Path(ns.checkpoint)
+        if not ckpt.is_dir():
+            raise FileNotFoundError(f"--checkpoint {ckpt}: no such directory")
+        tok_file = Path(ns.tokenizer) if ns.tokenizer else ckpt / "tokenizer.json"
+        tok = load_tokenizer(tok_file) if ns.tokenizer or tok_file.exists() else None
+        return load_checkpoint(ckpt), tok, str(ckpt)
+    torch.manual_seed(0)  # the demo shows the same random model every run
+    tok = load_tokenizer(ns.tokenizer) if ns.tokenizer else None
+    return Transformer(cfg).eval(), tok, f"random {ns.preset or 'custom'} model"
+
+
+def _pick(name: str, value: int | None, n: int) -> list[int]:
+    """All of 0..n-1, or the one index asked for (checked)."""
+    if value is None:
+        return list(range(n))
+    if not 0 <= value < n:
+        raise ValueError(
+            f"--{name} {value} is out of range: the model has {n} {name}s (0..{n - 1})"
+        )
+    return [value]
+
+
+def cmd_attention(argv: list[str]) -> int:
+    import torch
+
+    from llm_foundry.cli import parse_model_args
+
+    def extra(p):
+        p.add_argument("--checkpoint", default=None, help="checkpoint directory to load")
+        p.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the ckpt's)")
+        p.add_argument("--prompt", default="To be, or not to be, that is the question")
+        p.add_argument("--layer", type=int, default=None, help="one layer (default: all)")
+        p.add_argument("--head", type=int, default=None, help="one head (default: all)")
+        p.add_argument("--max-tokens", type=int, default=64, help="show at most this many")
+        _common(p)
+
+    ns, cfg = parse_model_args(
+        "inspect attention",
+        "Heatmaps of attention probabilities (query x key) for a prompt: every layer x head, or "
+        "one. Load --checkpoint DIR, or build a random --preset NAME for a demo.",
+        argv,
+        None,
+        extra,
+    )
+    if not ns.checkpoint and not ns.preset:
+        raise ValueError("inspect attention needs --checkpoint DIR or --preset NAME")
+    if ns.checkpoint and ns.preset:
+        raise ValueError("give --checkpoint or --preset, not both (the checkpoint has a config)")
+    if not ns.prompt:
+        raise ValueError("--prompt is empty: attention needs at least one token")
+    if ns.max_tokens < 1:
+        raise ValueError(f"--max-tokens {ns.max_tokens} must be >= 1")
+    model, tok, source = _load_model(ns, cfg)
+    mc = model.cfg
+    if tok is not None:
+        ids = tok.encode(ns.prompt)
+        tokens = [tok.decode([i]) for i in ids]
+    else:  # no tokenizer: the prompt's UTF-8 bytes stand in for ids (fine for a random model)
+        raw = ns.prompt.encode("utf-8")
+        ids = [b % mc.vocab_size for b in raw]
+        tokens = [chr(b) if b < 128 else f"\\x{b:02x}" for b in raw]
+    keep = min(len(ids), ns.max_tokens, mc.max_seq_len)
+    if keep < len(ids):
+        print(f"note: the prompt has {len(ids)} tokens; showing the first {keep}", file=sys.stderr)
+    ids, tokens = ids[:keep], tokens[:keep]
+    layers = _pick("layer", ns.layer, mc.n_layers)
+    heads = _pick("head", ns.head, mc.n_heads)
+    with torch.no_grad():
+        per_layer = model.attention_weights(torch.tensor([ids]))  # L x (1, H, T, T)
+    w = torch.stack([per_layer[i][0, heads] for i in layers]).float()  # (L', H', T, T)
+    path = plot_attention(w.numpy(), tokens, ns.out, layers, heads)
+    single = len(layers) == len(heads) == 1
+    return _report(
+        ns,
+        path,
+        source=source,
+        tokens=tokens,
+        layers=layers,
+        heads=heads,
+        weights=w[0, 0].tolist() if single else None,
+    )
+
+
+def cmd_rope(argv: list[str]) -> int:
+    import torch
+
+    from llm_foundry.cli import parse_model_args
+    from llm_foundry.models.components import rope_cos_sin, rope_inv_freq
+
+    def extra(p):
+        p.add_argument("--factor", type=float, default=None, help="overlay linear/ntk scaling")
+        p.add_argument("--length", type=int, default=None, help="positions in the cos heatmap")
+        _common(p)
+
+    ns, cfg = parse_model_args(
+        "inspect rope",
+        "RoPE rotation speed and wavelength of each dimension pair; with --factor F (or a model "
+        "with rope_scaling) also the linear and NTK-scaled ones.",
+        argv,
+        None,
+        extra,
+    )
+    hd, theta = cfg.head_size, cfg.rope_theta
+    factor = ns.factor or (cfg.rope_factor if cfg.rope_scaling != "none" else None)
+    if factor is not None and factor < 1:
+        raise ValueError(f"--factor {factor} must be >= 1 (a context extension factor)")
+    curves = {"none": rope_inv_freq(hd, theta)}
+    if factor and factor > 1:
+        for kind in ("linear", "ntk"):
+            curves[f"{kind} x{factor:g}"] = rope_inv_freq(hd, theta, kind, factor)
+    length = ns.length or min(cfg.max_seq_len, 1024)
+    if length < 1:
+        raise ValueError(f"--length {length} must be >= 1")
+    own = rope_inv_freq(hd, theta, cfg.rope_scaling, cfg.rope_factor)  # what the model uses
+    cos, _ = rope_cos_sin(torch.arange(length), own)
+    title = f"head_dim {hd}, theta {theta:g}, scaling {cfg.rope_scaling}"
+    if cfg.pos_encoding != "rope":
+        title += f" (this model uses {cfg.pos_encoding} positions)"
+    path = plot_rope(
+        {k: v.tolist() for k, v in curves.items()},
+        cos[:, : hd // 2].numpy(),
+        ns.out,
+        cfg.max_seq_len,
+        title,
+    )
+    inv = {k: v.tolist() for k, v in curves.items()}
+    wavelength = {k: [2 * math.pi / f for f in v] for k, v in inv.items()}
+    return _report(
+        ns, path, head_dim=hd, theta=theta, inv_freq=inv, wavelength=wavelength, length=length
+    )
+
+
+def cmd_sinusoidal(argv: list[str]) -> int:
+    import torch
+
+    from llm_foundry.models.components import sinusoidal_table
+
+    p = argparse.ArgumentParser(
+        prog="llm-foundry inspect sinusoidal",
+        description="The fixed sin/cos position table (Vaswani et al. 2017) as a heatmap.",
+    )
+    p.add_argument("--dim", type=int, default=64, help="model width (even)")
+    p.add_argument("--length", type=int, default=128, help="positions")
+    _common(p)
+    ns = p.parse_args(argv)
+    if ns.dim < 2 or ns.dim % 2:
+        raise ValueError(f"--dim {ns.dim} must be an even number >= 2")
+    if ns.length < 1:
+        raise ValueError(f"--length {ns.length} must be >= 1")
+    table = sinusoidal_table(torch.arange(ns.length), ns.dim)
+    path = plot_sinusoidal(table.numpy(), ns.out)
+    wavelength = [2 * math.pi * 10000.0 ** (i / ns.dim) for i in range(0, ns.dim, 2)]
+    return _report(ns, path, dim=ns.dim, length=ns.length, wavelength=wavelength)
+
+
+def cmd_alibi(argv: list[str]) -> int:
+    from llm_foundry.models.components import alibi_slopes
+
+    p = argparse.ArgumentParser(
+        prog="llm-foundry inspect alibi",
+        description="ALiBi attention biases slope * (key - query), one panel per head.",
+    )
+    p.add_argument("--n-heads", type=int, default=8, help="attention heads")
+    p.add_argument("--length", type=int, default=16, help="positions")
+    _common(p)
+    ns = p.parse_args(argv)
+    if ns.n_heads < 1:
+        raise ValueError(f"--n-heads {ns.n_heads} must be >= 1")
+    if ns.length < 1:
+        raise ValueError(f"--length {ns.length} must be >= 1")
+    slopes = alibi_slopes(ns.n_heads).tolist()
+    path = plot_alibi(slopes, ns.length, ns.out)
+    return _report(ns, path, n_heads=ns.n_heads, length=ns.length, slopes=slopes)
+
+
+COMMANDS = {
+    "lr": (cmd_lr, "learning rate against the step (--compare: every schedule)"),
+    "attention": (cmd_attention, "attention heatmaps of a checkpoint (or random preset)"),
+    "rope": (cmd_rope, "RoPE wavelengths per dimension pair, with linear/NTK scaling"),
+    "sinusoidal": (cmd_sinusoidal, "the sinusoidal position table"),
+    "alibi": (cmd_alibi, "ALiBi bias matrices, one per head"),
+}
+USAGE = (
+    "usage: llm-foundry inspect WHAT [options] [--out FILE.png] [--json]\n\nWHAT:\n"
+    + "\n".join(f"  {name:<11} {help_}" for name, (_, help_) in COMMANDS.items())
+)
+
+
+def main(argv: list[str]) -> int:
+    """Dispatch ``inspect WHAT ...`` on ``argv[0]``."""
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    if argv[0] not in COMMANDS:
+        raise ValueError(
+            f"unknown inspect sub-command {argv[0]!r}; choose one of {', '.join(WHATS)}"
+        )
+    try:
+        return COMMANDS[argv[0]][0](argv[1:])
+    except argparse.ArgumentError as e:  # jsonargparse (exit_on_error=False): a usage error
+        raise ValueError(f"inspect {argv[0]}: {e}") from None

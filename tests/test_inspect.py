@@ -1,0 +1,153 @@
+"""`llm-foundry inspect`: every sub-command writes a real, non-blank PNG of a known size."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from llm_foundry.checkpoint import save_checkpoint
+from llm_foundry.config import ConfigError, ModelConfig
+from llm_foundry.inspection import main, png_size
+from llm_foundry.models import Transformer
+from llm_foundry.tokenizer import CharTokenizer
+from llm_foundry.train.config import TrainConfig
+from llm_foundry.train.schedule import lr_at
+
+TEXT = "To be, or not to be, that is the question."
+
+
+def assert_png(path, width, height):
+    """A readable PNG of width x height pixels whose pixels are not all the same."""
+    assert png_size(path) == (width, height)
+    with Image.open(path) as im:
+        assert im.size == (width, height)
+        assert np.asarray(im.convert("RGB"), dtype=np.float32).var() > 0
+
+
+def run_json(capsys, argv):
+    assert main(argv + ["--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    torch.manual_seed(0)
+    tok = CharTokenizer.train(TEXT)
+    cfg = ModelConfig(vocab_size=tok.vocab_size, dim=32, n_layers=2, n_heads=2, max_seq_len=64)
+    d = save_checkpoint(Transformer(cfg), tmp_path_factory.mktemp("ckpt"))
+    tok.save(d / "tokenizer.json")
+    return d
+
+
+# ----------------------------------------------------------------------------------------------
+def test_lr_plot_and_values(tmp_path, capsys):
+    out = tmp_path / "lr.png"
+    args = ["--train.schedule", "wsd", "--train.max_steps", "500", "--train.warmup_steps", "20"]
+    rep = run_json(capsys, ["lr", *args, "--out", str(out)])
+    assert_png(out, 800, 450)
+    assert rep["path"] == str(out) and (rep["width"], rep["height"]) == (800, 450)
+    cfg = TrainConfig(schedule="wsd", max_steps=500, warmup_steps=20)
+    lrs = rep["lr"]["wsd"]
+    assert len(lrs) == 501
+    assert lrs[0] == pytest.approx(lr_at(0, cfg)) and lrs[500] == pytest.approx(lr_at(500, cfg))
+    assert lrs[0] == pytest.approx(cfg.lr / 20) and lrs[500] == pytest.approx(cfg.min_lr)
+
+
+def test_lr_compare_and_config_file(tmp_path, capsys):
+    conf = tmp_path / "c.yaml"
+    conf.write_text("train:\n  schedule: linear\n  max_steps: 50\n  warmup_steps: 0\n")
+    out = tmp_path / "lr.png"
+    rep = run_json(capsys, ["lr", "--config", str(conf), "--compare", "--out", str(out)])
+    assert_png(out, 800, 450)
+    assert set(rep["lr"]) == {"cosine", "linear", "constant", "wsd"}
+    assert rep["train"]["schedule"] == "linear"
+    cfg = TrainConfig(schedule="linear", max_steps=50, warmup_steps=0)
+    assert rep["lr"]["linear"][25] == pytest.approx(lr_at(25, cfg))
+    assert rep["lr"]["constant"][50] == pytest.approx(cfg.lr)
+
+
+def test_lr_invalid_override():
+    with pytest.raises(ConfigError, match="schedule='step'"):
+        main(["lr", "--train.schedule", "step", "--out", "unused.png"])
+    with pytest.raises(ValueError, match="--train.nope"):
+        main(["lr", "--train.nope", "1"])
+
+
+def test_attention_grid(ckpt, tmp_path, capsys):
+    out = tmp_path / "att.png"
+    argv = ["attention", "--checkpoint", str(ckpt), "--prompt", "to be", "--out", str(out)]
+    assert main(argv) == 0
+    assert capsys.readouterr().out.strip() == f"wrote {out}"
+    assert_png(out, 700, 650)  # 2 layers x 2 heads of 3-inch cells, at 100 dpi
+
+
+def test_attention_one_head_json(ckpt, tmp_path, capsys):
+    out = tmp_path / "att.png"
+    argv = ["attention", "--checkpoint", str(ckpt), "--prompt", "not to be", "--out", str(out)]
+    rep = run_json(capsys, argv + ["--layer", "1", "--head", "0"])
+    assert_png(out, 650, 600)
+    assert rep["tokens"] == list("not to be") and rep["layers"] == [1] and rep["heads"] == [0]
+    w = np.array(rep["weights"])
+    assert w.shape == (9, 9)
+    assert np.allclose(w.sum(-1), 1, atol=1e-5) and np.allclose(np.triu(w, 1), 0)
+
+
+def test_attention_errors(ckpt, tmp_path):
+    base = ["attention", "--checkpoint", str(ckpt), "--prompt", "to be"]
+    with pytest.raises(ValueError, match=r"--layer 2 is out of range.* 2 layers \(0\.\.1\)"):
+        main(base + ["--layer", "2"])
+    with pytest.raises(ValueError, match=r"--head -1 is out of range.* 2 heads \(0\.\.1\)"):
+        main(base + ["--head", "-1"])
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        main(["attention", "--checkpoint", str(tmp_path / "nowhere")])
+    with pytest.raises(ValueError, match="'z'"):  # not in the char vocabulary
+        main(["attention", "--checkpoint", str(ckpt), "--prompt", "zzz"])
+
+
+def test_attention_random_preset_without_tokenizer(tmp_path, capsys):
+    out = tmp_path / "att.png"
+    argv = ["attention", "--preset", "gpt2-shakespeare-char", "--model.n_layers", "1"]
+    rep = run_json(capsys, argv + ["--prompt", "héllo", "--out", str(out)])
+    assert_png(out, 1300, 350)  # 1 layer x all 4 heads
+    assert rep["tokens"] == ["h", "\\xc3", "\\xa9", "l", "l", "o"]  # UTF-8 bytes as ids
+
+
+def test_rope(tmp_path, capsys):
+    out = tmp_path / "rope.png"
+    argv = ["rope", "--model.head_dim", "16", "--model.rope_theta", "100", "--factor", "4"]
+    rep = run_json(capsys, argv + ["--out", str(out)])
+    assert_png(out, 1200, 450)
+    assert set(rep["inv_freq"]) == {"none", "linear x4", "ntk x4"}
+    none, lin = rep["inv_freq"]["none"], rep["inv_freq"]["linear x4"]
+    assert len(none) == 8 and none[0] == pytest.approx(1.0) and lin[0] == pytest.approx(0.25)
+    assert rep["wavelength"]["none"][1] == pytest.approx(2 * np.pi * 100 ** (2 / 16), rel=1e-5)
+    assert rep["inv_freq"]["ntk x4"][0] == pytest.approx(1.0)  # NTK keeps the fastest pair
+
+
+def test_sinusoidal(tmp_path, capsys):
+    out = tmp_path / "sin.png"
+    rep = run_json(capsys, ["sinusoidal", "--dim", "32", "--length", "50", "--out", str(out)])
+    assert_png(out, 800, 500)
+    assert len(rep["wavelength"]) == 16 and rep["wavelength"][0] == pytest.approx(2 * np.pi)
+    with pytest.raises(ValueError, match="--dim 7 must be an even number"):
+        main(["sinusoidal", "--dim", "7"])
+
+
+def test_alibi(tmp_path, capsys):
+    out = tmp_path / "alibi.png"
+    rep = run_json(capsys, ["alibi", "--n-heads", "6", "--length", "10", "--out", str(out)])
+    assert_png(out, 1300, 650)  # 4 columns x 2 rows
+    assert rep["slopes"][:4] == pytest.approx([2**-2, 2**-4, 2**-6, 2**-8])
+    assert rep["slopes"][4:] == pytest.approx([2**-1, 2**-3])
+
+
+def test_default_out_and_dispatch(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["alibi", "--n-heads", "2", "--length", "4"]) == 0
+    assert capsys.readouterr().out.strip() == "wrote inspect_alibi.png"
+    assert_png(tmp_path / "inspect_alibi.png", 700, 350)
+    assert main([]) == 0 and "sinusoidal" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="unknown inspect sub-command 'heads'; choose one of lr"):
+        main(["heads"])
