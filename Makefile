@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/llm-foundry params --preset llama2-7b
+	$(BIN)/llm-foundry train
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

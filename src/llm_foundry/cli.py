@@ -84,6 +84,43 @@ def cmd_params(argv: list[str]) -> int:
     return 0
 
 
+def cmd_prepare(argv: list[str]) -> int:
+    from llm_foundry.data import DATASETS, prepare
+    from llm_foundry.tokenizer import TOKENIZER_KINDS
+
+    p = argparse.ArgumentParser(
+        prog="llm-foundry prepare",
+        description="Tokenize a corpus into train.bin/val.bin (uint16 or uint32 memmaps), "
+        "tokenizer.json and meta.json.",
+    )
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--dataset", choices=DATASETS, help="a known corpus (fetched and cached)")
+    src.add_argument("--text", nargs="+", metavar="FILE", help="your own UTF-8 text files")
+    p.add_argument("--tokenizer", choices=TOKENIZER_KINDS, default="char")
+    p.add_argument("--vocab-size", type=int, default=None, help="BPE vocabulary size")
+    p.add_argument("--val-fraction", type=float, default=0.1, help="last fraction kept for val")
+    p.add_argument("--out", required=True, help="directory to write")
+    p.add_argument("--json", action="store_true", help="print meta.json")
+    ns = p.parse_args(argv)
+    meta = prepare(
+        ns.out,
+        dataset=ns.dataset,
+        text_files=ns.text,
+        tokenizer=ns.tokenizer,
+        vocab_size=ns.vocab_size,
+        val_fraction=ns.val_fraction,
+    )
+    if ns.json:
+        print(json.dumps(meta, indent=2))
+    else:
+        print(
+            f"wrote {ns.out}: {meta['train_tokens']:,} train + {meta['val_tokens']:,} val tokens "
+            f"({meta['dtype']}), {meta['tokenizer']} tokenizer with {meta['vocab_size']:,} "
+            f"entries; source {meta['source']}"
+        )
+    return 0
+
+
 DEFAULT_DATA = "data/shakespeare_char"
 DEFAULT_PRESET = "llama-shakespeare-char"
 
@@ -161,9 +198,17 @@ def _dataclass_from(cls, value):
     return cls.from_dict(dict(value))
 
 
+def _inspect(argv: list[str]) -> int:
+    from llm_foundry import inspection
+
+    return inspection.main(argv)
+
+
 COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
+    "prepare": (cmd_prepare, "tokenize a corpus into train/val token files"),
     "train": (cmd_train, "train a model (no arguments: the Shakespeare demo)"),
     "convert": (cmd_convert, "convert checkpoints to and from HF transformers"),
+    "inspect": (_inspect, "PNG plots: lr schedule, attention, RoPE, sinusoidal table, ALiBi"),
     "params": (cmd_params, "parameter, FLOP and KV-cache accounting for a config"),
 }
 
