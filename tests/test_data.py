@@ -426,3 +426,16 @@ def test_missing_meta_or_split_file(tmp_path):
         load_split(tmp_path, "val")
     with pytest.raises(ValueError, match="unknown split 'test'; valid: train, val"):
         load_split(tmp_path, "test")
+
+
+def test_prepare_cli(tmp_path, capsys):
+    from llm_foundry.cli import main
+
+    src = tmp_path / "a.txt"
+    src.write_text("hello world, hello data pipeline\n" * 50)
+    assert main(["prepare", "--text", str(src), "--out", str(tmp_path / "d"), "--json"]) == 0
+    meta = json.loads(capsys.readouterr().out)
+    assert meta["tokenizer"] == "char" and meta["dtype"] == "uint16"
+    assert (tmp_path / "d" / "train.bin").stat().st_size == 2 * meta["train_tokens"]
+    assert main(["prepare", "--text", str(tmp_path / "missing.txt"), "--out", str(tmp_path)]) == 2
+    assert "missing.txt" in capsys.readouterr().err

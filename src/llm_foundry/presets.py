@@ -163,7 +163,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         n_heads=4,
         n_kv_heads=2,
         hidden_dim=384,
-        max_seq_len=256,
+        max_seq_len=64,
     ),
 }
 

@@ -15,16 +15,19 @@ from llm_foundry.train.config import TrainConfig
 from llm_foundry.train.trainer import RunResult, Trainer
 
 
-def sample_text(model, tokenizer, n_tokens: int, seed: int, prompt: str = "\n") -> str:
-    """A short sample from ``model`` (temperature 0.8, top-k 50), prompt included."""
+def sample_text(
+    model, tokenizer, n_tokens: int, seed: int, context: int, prompt: str = "\n"
+) -> str:
+    """A short sample from ``model`` (temperature 0.8, top-k 50), prompt included, seeing at
+    most ``context`` tokens (the training block) at a time."""
     try:
         ids = tokenizer.encode(prompt)
     except ValueError:
         ids = [tokenizer.bos_id or 0]
     device = next(model.parameters()).device
     idx = torch.tensor([ids], dtype=torch.long, device=device)
-    limit = model.cfg.max_seq_len - len(ids)
-    out = generate(model, idx, min(n_tokens, limit), temperature=0.8, top_k=50, seed=seed)
+    context = min(context, model.cfg.max_seq_len)
+    out = generate(model, idx, n_tokens, temperature=0.8, top_k=50, seed=seed, context=context)
     return tokenizer.decode(out[0].tolist())
 
 
@@ -50,7 +53,9 @@ def train_and_report(
     )
     if train_cfg.sample_tokens and not result.interrupted:
         tok = load_tokenizer(data / "tokenizer.json")
-        text = sample_text(trainer.model, tok, train_cfg.sample_tokens, train_cfg.seed)
+        text = sample_text(
+            trainer.model, tok, train_cfg.sample_tokens, train_cfg.seed, train_cfg.block_size
+        )
         (out / "sample.txt").write_text(text)
         print("\n--- sample (temperature 0.8, top-k 50) ---" + text + "\n---")
     (out / "summary.json").write_text(json.dumps(summary, indent=2))

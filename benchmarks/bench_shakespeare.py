@@ -1,0 +1,253 @@
+"""nanoGPT's CPU recipe on tiny Shakespeare (characters), run with this project's trainer.
+
+Recipe (nanoGPT README, "I only have a macbook"): 4 layers, 4 heads, 128 dim, block 64, batch 12,
+lr 1e-3 cosine to 1e-4 over 2000 steps with 100 warmup, AdamW (0.9, 0.99), weight decay 0.1,
+clip 1.0, no dropout, 20 eval batches. It is TrainConfig's default.
+
+Two parts, both in one run:
+  speed    ms per training step of the same model and batches, interleaved round-robin so that
+           machine noise hits every contender alike: HF transformers' GPT2LMHeadModel (an
+           independent implementation, as a same-run baseline), our GPT-2-style model at the
+           identical architecture (preset gpt2-shakespeare-char), and our LLaMA-style default
+           (llama-shakespeare-char), each eager and torch.compile'd.
+  quality  the full recipe through `Trainer` (the path `llm-foundry train` takes) for both
+           families: final val loss, wall time (compile included), and when val loss first
+           reached nanoGPT's 1.886.
+
+    python benchmarks/bench_shakespeare.py [--json] [--steps 2000] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from llm_foundry.data import prepare
+from llm_foundry.models import Transformer
+from llm_foundry.presets import get_preset
+from llm_foundry.train.config import TrainConfig
+from llm_foundry.train.trainer import Trainer
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
+NANOGPT = dict(ms_per_iter_eager=59.0, ms_per_iter_compiled=40.0, wall_s=130.0, val_loss=1.886)
+TARGET = NANOGPT["val_loss"]
+
+
+def data_dir(root: Path) -> Path:
+    """tiny Shakespeare (the shared copy when present, else the default corpus), characters."""
+    out = root / "shakespeare_char"
+    if not (out / "meta.json").exists():
+        if SHARED.exists():
+            prepare(out, text_files=[SHARED], tokenizer="char", progress=False)
+        else:
+            prepare(out, dataset="shakespeare", tokenizer="char", progress=False)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Speed: one training step, side by side
+
+
+def hf_gpt2(vocab: int):
+    import transformers
+
+    cfg = transformers.GPT2Config(
+        vocab_size=vocab,
+        n_embd=128,
+        n_layer=4,
+        n_head=4,
+        n_positions=64,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        activation_function="gelu",
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+    model = transformers.GPT2LMHeadModel(cfg)
+    model.config._attn_implementation = "sdpa"
+    return model
+
+
+class Contender:
+    """A model + AdamW + one jitted-or-not step function over fixed batches."""
+
+    def __init__(self, name: str, model: torch.nn.Module, compile: bool, hf: bool = False):
+        self.name, self.model, self.hf = name, model, hf
+        self.fwd = torch.compile(model) if compile else model
+        groups = model.param_groups(0.1) if hasattr(model, "param_groups") else model.parameters()
+        # fused AdamW where we ship it; HF gets torch's default (what its users get)
+        self.opt = torch.optim.AdamW(groups, lr=1e-3, betas=(0.9, 0.99), fused=not hf)
+        self.times: list[float] = []
+        self.params = sum(p.numel() for p in model.parameters())
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        if self.hf:
+            loss = self.fwd(input_ids=x, labels=None).logits
+            loss = torch.nn.functional.cross_entropy(loss.flatten(0, 1), y.flatten())
+        else:
+            loss = self.fwd(x, y)[1]
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        loss.item()  # one host sync per step, as the trainer does for logging
+
+
+def speed(vocab: int, rounds: int, steps: int) -> list[dict]:
+    torch.manual_seed(0)
+    contenders = [Contender("HF transformers GPT2LMHeadModel", hf_gpt2(vocab), False, hf=True)]
+    for preset in ("gpt2-shakespeare-char", "llama-shakespeare-char"):
+        for comp in (False, True):
+            model = Transformer(get_preset(preset, vocab_size=vocab, max_seq_len=64))
+            contenders.append(Contender(f"{preset} {'compiled' if comp else 'eager'}", model, comp))
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, vocab, (2, 12, 64), generator=g) for _ in range(steps)]
+    for c in contenders:  # warm up (and compile) outside the timed rounds
+        t = time.perf_counter()
+        for x, y in batches[:5]:
+            c.step(x, y)
+        c.warmup_s = time.perf_counter() - t
+    for _ in range(rounds):
+        for c in contenders:
+            t = time.perf_counter()
+            for x, y in batches:
+                c.step(x, y)
+            c.times.append((time.perf_counter() - t) / steps * 1e3)
+    rows = []
+    hf_ms = statistics.median(contenders[0].times)
+    for c in contenders:
+        ms = statistics.median(c.times)
+        flops = (
+            c.model.flops_per_token(64) if hasattr(c.model, "flops_per_token") else None
+        ) or contenders[1].model.flops_per_token(64)
+        rows.append(
+            dict(
+                name=c.name,
+                params=c.params,
+                ms_per_iter=round(ms, 1),
+                ms_rounds=[round(t, 1) for t in c.times],
+                speedup_vs_hf=round(hf_ms / ms, 2),
+                speedup_vs_nanogpt_eager=round(NANOGPT["ms_per_iter_eager"] / ms, 2),
+                gflop_per_s=round(flops * 12 * 64 / ms / 1e6, 1),
+                warmup_s=round(c.warmup_s, 1),
+            )
+        )
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# Quality: the whole recipe through the trainer
+
+
+def full_run(preset: str, data: Path, out: Path, steps: int, **train) -> dict:
+    tc = TrainConfig(max_steps=steps, sample_tokens=0, progress=False, **train)
+    t0 = time.perf_counter()
+    trainer = Trainer(get_preset(preset, max_seq_len=64), tc, data, out)
+    result = trainer.run()
+    wall = time.perf_counter() - t0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    step_time = {r["step"]: r["time"] for r in rows if "loss" in r}
+    evals = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
+    hit = next(((s, v) for s, v in evals if v <= TARGET), None)
+    steps_timed = [r for r in rows if "loss" in r][10:]
+    ms = statistics.median(tc.tokens_per_step / r["tokens_per_s"] * 1e3 for r in steps_timed)
+    return dict(
+        preset=preset,
+        train={k: v for k, v in train.items()},
+        steps=result.step,
+        final_val_loss=round(evals[-1][1], 4),
+        best_val_loss=round(result.best_val_loss, 4),
+        wall_s=round(wall, 1),
+        median_ms_per_iter=round(ms, 1),
+        reached_target_at_step=hit[0] if hit else None,
+        reached_target_after_s=round(step_time[hit[0]], 1) if hit else None,
+        target_time_fraction_of_nanogpt=round(step_time[hit[0]] / NANOGPT["wall_s"], 2)
+        if hit
+        else None,
+        val_curve=[(s, round(v, 4)) for s, v in evals],
+    )
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=2000, help="steps of each full run")
+    ap.add_argument("--rounds", type=int, default=5, help="timed rounds per contender")
+    ap.add_argument("--round-steps", type=int, default=40, help="steps per timed round")
+    ap.add_argument("--quick", action="store_true", help="100-step runs, 2 rounds (a smoke test)")
+    ap.add_argument("--skip-quality", action="store_true", help="speed part only")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    if args.quick:
+        args.steps, args.rounds, args.round_steps = 100, 2, 10
+    root = Path(tempfile.mkdtemp(prefix="bench_shakespeare-"))
+    data = data_dir(root)
+    vocab = json.loads((data / "meta.json").read_text())["vocab_size"]
+    report = dict(
+        machine=dict(
+            cpu=platform.processor() or platform.machine(),
+            threads=torch.get_num_threads(),
+            torch=torch.__version__,
+            python=platform.python_version(),
+        ),
+        date=time.strftime("%Y-%m-%d"),
+        command="python benchmarks/bench_shakespeare.py " + " ".join(sys.argv[1:]),
+        nanogpt_reference=NANOGPT,
+        speed=speed(vocab, args.rounds, args.round_steps),
+    )
+    # the trainer's progress lines go to stderr so that --json prints only JSON on stdout
+    if not args.skip_quality:
+        evals = dict(eval_interval=max(args.steps // 20, 1), eval_batches=20)
+        with contextlib.redirect_stdout(sys.stderr):
+            report["quality"] = [
+                full_run("gpt2-shakespeare-char", data, root / "gpt2", args.steps, **evals),
+                full_run("llama-shakespeare-char", data, root / "llama", args.steps, **evals),
+                full_run(
+                    "llama-shakespeare-char",
+                    data,
+                    root / "llama-c",
+                    args.steps,
+                    compile=True,
+                    **evals,
+                ),
+            ]
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(
+        f"{report['date']}  torch {report['machine']['torch']}  {report['machine']['threads']} threads"
+    )
+    print("\nspeed: one training step at batch 12 x 64 (median of rounds)")
+    print(f"{'model':<40}{'params':>10}{'ms/iter':>9}{'vs HF':>7}{'vs nanoGPT':>11}{'GFLOP/s':>9}")
+    for r in report["speed"]:
+        print(
+            f"{r['name']:<40}{r['params']:>10,}{r['ms_per_iter']:>9}{r['speedup_vs_hf']:>7}"
+            f"{r['speedup_vs_nanogpt_eager']:>11}{r['gflop_per_s']:>9}"
+        )
+    for q in report.get("quality", []):
+        comp = " (compiled)" if q["train"].get("compile") else ""
+        hit = q["reached_target_at_step"]
+        when = (
+            f"val <= {TARGET} at step {hit} after {q['reached_target_after_s']} s "
+            f"({q['target_time_fraction_of_nanogpt']:.0%} of nanoGPT's {NANOGPT['wall_s']:.0f} s)"
+            if hit
+            else f"never reached val <= {TARGET}"
+        )
+        print(
+            f"\n{q['preset']}{comp}: {q['steps']} steps in {q['wall_s']} s "
+            f"({q['median_ms_per_iter']} ms/iter), final val loss {q['final_val_loss']}; {when}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
