@@ -77,3 +77,28 @@ def test_cache_overflow_message():
     cache = model.new_cache(1, 8)
     with pytest.raises(ValueError, match="KV cache full"):
         model(torch.randint(0, 37, (1, 9)), cache=cache)
+
+
+@pytest.mark.parametrize(
+    "pe,kind,window",
+    [
+        ("rope", "gqa", None),
+        ("alibi", "mha", None),
+        ("learned", "mha", None),
+        ("sinusoidal", "mqa", None),
+        ("none", "mha", None),
+        ("rope", "gqa", 4),
+    ],
+)
+def test_batched_ragged_prompts_equal_each_alone(pe, kind, window):
+    from llm_foundry.generate import generate_batch
+
+    torch.manual_seed(0)
+    model = Transformer(tiny(pos_encoding=pe, n_kv_heads=KV_HEADS[kind], sliding_window=window))
+    model.eval()
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 37, (n,), generator=g).tolist() for n in (3, 9, 6)]
+    batched = generate_batch(model, prompts, 12, temperature=0)
+    for p, row in zip(prompts, batched, strict=True):
+        alone = generate(model, torch.tensor([p]), 12, temperature=0)[0].tolist()
+        assert row == alone

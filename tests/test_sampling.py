@@ -89,3 +89,18 @@ def test_past_max_seq_len():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         generate(learned, torch.zeros(1, 4, dtype=torch.long), 4)  # fits: no warning
+
+
+def test_cropped_context_equals_recompute_on_the_last_tokens():
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=40, dim=32, n_layers=2, n_heads=4, max_seq_len=16))
+    model.eval()
+    idx = torch.randint(0, 40, (2, 5))
+    out = generate(model, idx, 30, temperature=0, context=8)  # 35 tokens with learned positions
+    ref = idx
+    for _ in range(30):
+        nxt = model(ref[:, -8:])[0][:, -1].argmax(-1, keepdim=True)
+        ref = torch.cat([ref, nxt], dim=1)
+    assert torch.equal(out, ref)
+    with pytest.raises(ValueError, match="context=17 must be in"):
+        generate(model, idx, 2, context=17)

@@ -23,18 +23,41 @@ def stream(
     repetition_penalty: float | None = None,
     eos_id: int | None = None,
     seed: int | None = None,
+    context: int | None = None,
+    pad: torch.Tensor | None = None,
 ) -> Iterator[torch.Tensor]:
-    """Yield the next tokens (B,) one step at a time for prompts ``idx`` (B, T)."""
+    """Yield the next tokens (B,) one step at a time for prompts ``idx`` (B, T).
+
+    ``pad`` (B,): row b of ``idx`` starts with pad[b] left-padding tokens, which are masked out
+    and do not count as positions (see ``generate_batch``).
+
+    ``context=N`` feeds only the last N tokens each step, recomputed without a cache (as
+    nanoGPT samples): slower, but a model never sees more context than it was trained on.
+    """
+    if context is not None:
+        yield from _stream_cropped(
+            model,
+            idx,
+            max_new_tokens,
+            context,
+            dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p),
+            repetition_penalty,
+            eos_id,
+            seed,
+        )
+        return
     total = idx.shape[1] + max_new_tokens
-    if total > model.cfg.max_seq_len:
+    longest = total - (int(pad.min()) if pad is not None else 0)  # positions the longest row uses
+    if longest > model.cfg.max_seq_len:
         if model.cfg.pos_encoding == "learned":
             raise ValueError(
-                f"prompt ({idx.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) = {total} is "
+                f"prompt ({longest - max_new_tokens} tokens) + max_new_tokens ({max_new_tokens}) "
+                f"= {longest} is "
                 f"past max_seq_len={model.cfg.max_seq_len}, and learned positions have no row "
                 "beyond it: shorten the prompt or max_new_tokens"
             )
         warnings.warn(
-            f"generating {total} tokens past the trained context {model.cfg.max_seq_len} "
+            f"generating {longest} tokens past the trained context {model.cfg.max_seq_len} "
             f"({model.cfg.pos_encoding} positions run on, but quality may drop)",
             stacklevel=2,
         )
@@ -45,6 +68,7 @@ def stream(
         generator = torch.Generator(device=idx.device).manual_seed(seed)
     done = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)
     cache = model.new_cache(idx.shape[0], total)
+    cache.pad = pad
     seen = idx
     step_input = idx  # the whole prompt first (prefill), then one new token a step
     try:
@@ -73,7 +97,57 @@ def stream(
         model.train(was_training)
 
 
+@torch.no_grad()
+def _stream_cropped(model, idx, max_new_tokens, context, filters, penalty, eos_id, seed):
+    """``stream`` with a sliding context of ``context`` tokens and no KV cache."""
+    if not 0 < context <= model.cfg.max_seq_len:
+        raise ValueError(f"context={context} must be in [1, max_seq_len={model.cfg.max_seq_len}]")
+    was_training = model.training
+    model.eval()
+    generator = torch.Generator(device=idx.device).manual_seed(seed) if seed is not None else None
+    done = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)
+    seq = idx
+    try:
+        for _ in range(max_new_tokens):
+            logits = model(seq[:, -context:], last_only=True)[0][:, -1, :]
+            if penalty is not None and penalty != 1.0:
+                logits = apply_repetition_penalty(logits, seq, penalty)
+            nxt = sample_next(logits, generator=generator, **filters)
+            if eos_id is not None:
+                nxt = nxt.masked_fill(done, eos_id)
+                done |= nxt == eos_id
+            seq = torch.cat([seq, nxt[:, None]], dim=1)
+            yield nxt
+            if eos_id is not None and bool(done.all()):
+                break
+    finally:
+        model.train(was_training)
+
+
 def generate(model, idx: torch.Tensor, max_new_tokens: int, **kwargs) -> torch.Tensor:
     """Prompt and continuation (B, T + new); ``temperature=0`` is greedy. See ``stream``."""
     new = list(stream(model, idx, max_new_tokens, **kwargs))
     return torch.cat([idx, torch.stack(new, dim=1)], dim=1) if new else idx
+
+
+def generate_batch(
+    model, prompts: list[list[int]], max_new_tokens: int, **kwargs
+) -> list[list[int]]:
+    """Prompts of different lengths in one batch: left-padded, the pads masked out and skipped
+    by the positions, so each row's tokens equal generating that prompt alone (greedy).
+    Returns each prompt followed by its continuation (cut after ``eos_id`` if given)."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("generate_batch needs at least one prompt and no empty prompt")
+    device = next(model.parameters()).device
+    longest = max(len(p) for p in prompts)
+    pad = torch.tensor([longest - len(p) for p in prompts], device=device)
+    idx = torch.tensor([[0] * (longest - len(p)) + list(p) for p in prompts], device=device)
+    steps = list(stream(model, idx, max_new_tokens, pad=pad, **kwargs))
+    new = torch.stack(steps, dim=1).tolist() if steps else [[] for _ in prompts]
+    eos = kwargs.get("eos_id")
+    out = []
+    for p, row in zip(prompts, new, strict=True):
+        if eos is not None and eos in row:
+            row = row[: row.index(eos) + 1]
+        out.append(list(p) + row)
+    return out

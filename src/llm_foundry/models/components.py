@@ -121,8 +121,9 @@ class NoPosition(nn.Module):
 
     has_bias = False  # whether ``bias`` returns a tensor
 
-    def embed(self, x: torch.Tensor, start: int) -> torch.Tensor:
-        """Add absolute positions start..start+T-1 to the embeddings x: (B, T, D)."""
+    def embed(self, x: torch.Tensor, start: int, pad: torch.Tensor | None = None) -> torch.Tensor:
+        """Add absolute positions start..start+T-1 to the embeddings x: (B, T, D); row b counts
+        from its first real token when ``pad`` (B,) says it has pad[b] left-padding tokens."""
         return x
 
     def rotate(self, q: torch.Tensor, k: torch.Tensor, start: int):
@@ -134,6 +135,18 @@ class NoPosition(nn.Module):
         return None
 
 
+def _row_positions(start: int, T: int, pad: torch.Tensor, limit: int | None = None):
+    """Per-row positions (B, T) of left-padded rows: slot start + t of row b is position
+    start + t - pad[b] (pads clamp to 0; they are masked out anyway)."""
+    pos = (torch.arange(start, start + T, device=pad.device)[None] - pad[:, None]).clamp(min=0)
+    if limit is not None and start + T - int(pad.min()) > limit:
+        raise ValueError(
+            f"position {start + T - 1 - int(pad.min())} is past max_seq_len={limit}: learned "
+            "absolute positions have no row beyond it; use a shorter input or rope/alibi"
+        )
+    return pos
+
+
 class LearnedPosition(NoPosition):
     """A trained table of max_seq_len position vectors (GPT-2); it has no row past the end."""
 
@@ -142,8 +155,10 @@ class LearnedPosition(NoPosition):
         self.max_seq_len = cfg.max_seq_len
         self.emb = nn.Embedding(cfg.max_seq_len, cfg.dim)
 
-    def embed(self, x, start):
+    def embed(self, x, start, pad=None):
         end = start + x.shape[1]
+        if pad is not None:
+            return x + self.emb(_row_positions(start, x.shape[1], pad, self.max_seq_len))
         if end > self.max_seq_len:
             raise ValueError(
                 f"position {end - 1} is past max_seq_len={self.max_seq_len}: learned absolute "
@@ -161,7 +176,11 @@ class SinusoidalPosition(NoPosition):
         super().__init__()
         self.dim = cfg.dim
 
-    def embed(self, x, start):
+    def embed(self, x, start, pad=None):
+        if pad is not None:
+            pos = _row_positions(start, x.shape[1], pad)  # (B, T)
+            table = sinusoidal_table(pos.flatten(), self.dim).view(*pos.shape, self.dim)
+            return x + table.to(x.dtype)
         pos = torch.arange(start, start + x.shape[1], device=x.device)
         return x + sinusoidal_table(pos, self.dim).to(x.dtype)
 
@@ -241,6 +260,16 @@ def attention_mask(
     mask = torch.zeros(allowed.shape, dtype=dtype, device=q_pos.device)
     mask = mask.masked_fill(~allowed, float("-inf"))[None]  # (1, T, S)
     return mask if bias is None else mask + bias
+
+
+def padding_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+    """Additive mask (B, 1, T, S) hiding left-padding keys: row b's positions < pad[b] are pads.
+    A pad query still sees itself, so its softmax has one finite term (no NaN in the cache)."""
+    is_pad = k_pos[None, :] < pad[:, None]  # (B, S)
+    itself = q_pos[:, None] == k_pos[None, :]  # (T, S)
+    hide = is_pad[:, None, :] & ~itself[None]  # (B, T, S)
+    zeros = torch.zeros(hide.shape, device=hide.device)
+    return zeros.masked_fill(hide, float("-inf"))[:, None]
 
 
 def manual_attention(

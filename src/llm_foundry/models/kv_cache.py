@@ -31,6 +31,7 @@ class KVCache:
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
         self.slot_pos = torch.full((self.size,), EMPTY, dtype=torch.long, device=device)
         self.length = 0  # tokens cached so far: the position of the next token
+        self.pad: torch.Tensor | None = None  # (B,) left-padding tokens per row of a ragged batch
 
     @property
     def nbytes(self) -> int:

@@ -24,6 +24,7 @@ from llm_foundry.models.components import (
     build_block,
     build_norm,
     build_position,
+    padding_mask,
 )
 from llm_foundry.models.kv_cache import KVCache
 
@@ -113,7 +114,8 @@ class Transformer(nn.Module):
         """Embeddings and blocks: idx (B, T) -> final hidden states (B, T, D), attention weights."""
         T = idx.shape[1]
         start = cache.length if cache is not None else 0
-        x = self.drop(self.emb_norm(self.pos.embed(self.tok_emb(idx), start)))
+        pad = cache.pad if cache is not None else None  # left padding of batched prompts
+        x = self.drop(self.emb_norm(self.pos.embed(self.tok_emb(idx), start, pad)))
         mask = None  # plain causal over the T tokens alone: SDPA's own causal kernel
         if self.needs_mask or cache is not None:
             q_pos = torch.arange(start, start + T, device=idx.device)
@@ -121,6 +123,8 @@ class Transformer(nn.Module):
             mask = attention_mask(
                 q_pos, k_pos, self.cfg.sliding_window, self.pos.bias(q_pos, k_pos)
             )
+            if pad is not None:
+                mask = mask + padding_mask(q_pos, k_pos, pad)
         weights = []
         for i, layer in enumerate(self.layers):
             kv = (cache, i) if cache is not None else None
