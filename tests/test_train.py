@@ -302,3 +302,13 @@ def test_cli_errors_name_the_problem(data_dir, tmp_path, capsys):
     empty = tmp_path / "empty"
     assert main(["train", "--data", str(data_dir), "--out", str(empty), "--resume"]) == 2
     assert "no checkpoint" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_mixed_precision_runs_and_keeps_fp32_weights(data_dir, tmp_path, dtype):
+    t = _trainer(data_dir, tmp_path / dtype, max_steps=4, dtype=dtype, checkpoint_interval=0)
+    result = t.run()
+    losses = _losses(tmp_path / dtype)
+    assert result.step == 4 and all(math.isfinite(v) for v in losses.values())
+    assert all(p.dtype == torch.float32 for p in t.model.parameters())
+    assert t.scaler.is_enabled() == (dtype == "fp16")
