@@ -102,3 +102,11 @@ def test_batched_ragged_prompts_equal_each_alone(pe, kind, window):
     for p, row in zip(prompts, batched, strict=True):
         alone = generate(model, torch.tensor([p]), 12, temperature=0)[0].tolist()
         assert row == alone
+
+
+def test_compiled_decode_equals_eager():
+    torch.manual_seed(0)
+    model = Transformer(tiny(pos_encoding="rope", n_kv_heads=2)).eval()
+    idx = torch.randint(0, 37, (2, 5))
+    eager = generate(model, idx, 8, temperature=0)
+    assert torch.equal(generate(model, idx, 8, temperature=0, compile=True), eager)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -25,8 +26,13 @@ def stream(
     seed: int | None = None,
     context: int | None = None,
     pad: torch.Tensor | None = None,
+    compile: bool = False,
 ) -> Iterator[torch.Tensor]:
     """Yield the next tokens (B,) one step at a time for prompts ``idx`` (B, T).
+
+    ``compile=True`` runs the one-token decode step through ``torch.compile`` (compiled once per
+    model, with a dynamic cache length): it fuses the many small kernels between the matrix
+    multiplies. The first call pays the compilation.
 
     ``pad`` (B,): row b of ``idx`` starts with pad[b] left-padding tokens, which are masked out
     and do not count as positions (see ``generate_batch``).
@@ -72,8 +78,10 @@ def stream(
     seen = idx
     step_input = idx  # the whole prompt first (prefill), then one new token a step
     try:
-        for _ in range(max_new_tokens):
-            logits = model(step_input, cache=cache, last_only=True)[0][:, -1, :]  # (B, V)
+        decode = _compiled(model) if compile else model
+        for i in range(max_new_tokens):
+            step = model if i == 0 else decode  # prefill eager: its shape is seen once
+            logits = step(step_input, cache=cache, last_only=True)[0][:, -1, :]  # (B, V)
             if repetition_penalty is not None and repetition_penalty != 1.0:
                 logits = apply_repetition_penalty(logits, seen, repetition_penalty)
             nxt = sample_next(
@@ -95,6 +103,16 @@ def stream(
                 break
     finally:
         model.train(was_training)
+
+
+_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _compiled(model):
+    """``torch.compile(model)`` made once per model and kept while the model lives."""
+    if model not in _COMPILED:
+        _COMPILED[model] = torch.compile(model, dynamic=True)
+    return _COMPILED[model]
 
 
 @torch.no_grad()

@@ -1,0 +1,227 @@
+"""Decode speed: llm-foundry's KV-cache generation vs HF transformers `generate`, same weights.
+
+For two LLaMA-style sizes (the `llama-shakespeare` preset, 9.5M, and a 124.7M config: 768 dim,
+12 layers, 12 heads, 4 KV heads, vocab 32000, MLP 2048), a random HF `LlamaForCausalLM` is built
+and imported with `interop.hf.from_hf`, so both sides hold identical weights. Greedy, fp32, a
+16-token prompt, 128 new tokens, batch 1 and 8; contenders interleaved round by round and the
+median kept. Tokens are checked equal to HF's.
+
+Next to each number: the physical bound at batch 1, bytes read per decoded token (fp32 weights +
+the KV cache at mean context) over this machine's memory bandwidth, measured here two ways: a
+streaming reduction (`tensor.sum()` over 1 GiB) and what a matrix-vector product actually streams
+(`F.linear` of one vector with 100 distinct weight matrices). Then KV-cache bytes for MHA, GQA
+and MQA at the same size and context.
+
+    python benchmarks/bench_generate.py [--json] [--rounds 3] [--new 128] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+import transformers
+
+from llm_foundry.generate import generate
+from llm_foundry.interop.hf import from_hf
+from llm_foundry.models import Transformer
+from llm_foundry.presets import get_preset
+
+SIZES = {
+    "llama-shakespeare (9.5M)": dict(
+        vocab_size=65,
+        hidden_size=384,
+        num_hidden_layers=6,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        intermediate_size=1024,
+        max_position_embeddings=256,
+    ),
+    "llama-124M": dict(
+        vocab_size=32000,
+        hidden_size=768,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        intermediate_size=2048,
+        max_position_embeddings=1024,
+    ),
+}
+PROMPT = 16
+
+
+def bandwidth() -> dict:
+    """Bytes/s of a streaming read (sum) and of gemv over weights that do not fit in cache."""
+    x = torch.randn(256 * 1024 * 1024)  # 1 GiB fp32
+    x.sum()
+    t = time.perf_counter()
+    for _ in range(5):
+        x.sum()
+    read = x.numel() * 4 * 5 / (time.perf_counter() - t)
+    del x
+    ws = [torch.randn(1024, 768) for _ in range(100)]  # 315 MB
+    v = torch.randn(1, 768)
+    for w in ws:
+        F.linear(v, w)
+    t = time.perf_counter()
+    for _ in range(3):
+        for w in ws:
+            F.linear(v, w)
+    gemv = sum(w.numel() for w in ws) * 4 * 3 / (time.perf_counter() - t)
+    return dict(sum_gb_s=round(read / 1e9, 1), gemv_gb_s=round(gemv / 1e9, 1))
+
+
+def contenders(hf, ours, idx, new):
+    def hf_generate():
+        return hf.generate(
+            idx,
+            attention_mask=torch.ones_like(idx),
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=None,
+        )
+
+    return {
+        "HF transformers generate": hf_generate,
+        "llm-foundry generate (eager)": lambda: generate(ours, idx, new, temperature=0),
+        "llm-foundry generate (compiled decode)": lambda: generate(
+            ours, idx, new, temperature=0, compile=True
+        ),
+    }
+
+
+@torch.no_grad()
+def measure(size: str, hf_cfg: dict, batch: int, new: int, rounds: int) -> dict:
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf_cfg)).eval()
+    ours = from_hf(hf)
+    idx = torch.randint(0, hf_cfg["vocab_size"], (batch, PROMPT))
+    fns = contenders(hf, ours, idx, new)
+    outputs, warm = {}, {}
+    for name, fn in fns.items():  # warm-up; compiles the decode step once
+        t = time.perf_counter()
+        outputs[name] = fn()
+        warm[name] = time.perf_counter() - t
+    reference = outputs["HF transformers generate"]
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+    hf_tps = batch * new / statistics.median(times["HF transformers generate"])
+    rows = []
+    for name in fns:
+        tps = batch * new / statistics.median(times[name])
+        rows.append(
+            dict(
+                name=name,
+                tokens_per_s=round(tps, 1),
+                vs_hf=round(tps / hf_tps, 2),
+                same_tokens_as_hf=bool(torch.equal(outputs[name], reference)),
+                first_call_s=round(warm[name], 1),
+            )
+        )
+    params = sum(p.numel() for p in ours.parameters())
+    mean_ctx = PROMPT + new / 2
+    kv = ours.kv_cache_bytes_per_token(4) * mean_ctx
+    return dict(
+        size=size,
+        batch=batch,
+        params=params,
+        bytes_per_token_b1=int(params * 4 + kv),
+        rows=rows,
+    )
+
+
+def kv_table(context: int = 1024) -> list[dict]:
+    """KV-cache bytes of the 124M config with 12 (MHA), 4 (GQA) and 1 (MQA) KV heads."""
+    out = []
+    for name, kv in (("MHA", 12), ("GQA", 4), ("MQA", 1)):
+        cfg = get_preset("llama-shakespeare", vocab_size=32000, dim=768, n_layers=12, n_heads=12)
+        cfg = cfg.replace(n_kv_heads=kv, hidden_dim=2048, max_seq_len=context)
+        with torch.device("meta"):
+            model = Transformer(cfg)
+        per_token = model.kv_cache_bytes_per_token(2)
+        out.append(
+            dict(
+                attention=name,
+                n_kv_heads=kv,
+                bytes_per_token_bf16=per_token,
+                mib_per_sequence_bf16=round(per_token * context / 2**20, 1),
+                mib_per_sequence_fp32=round(2 * per_token * context / 2**20, 1),
+            )
+        )
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--new", type=int, default=128, help="new tokens per generation")
+    ap.add_argument("--quick", action="store_true", help="small model only, 2 rounds, 32 tokens")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    sizes = dict(list(SIZES.items())[:1]) if args.quick else SIZES
+    if args.quick:
+        args.rounds, args.new = 2, 32
+    bw = bandwidth()
+    results = [
+        measure(size, cfg, batch, args.new, args.rounds)
+        for size, cfg in sizes.items()
+        for batch in (1, 8)
+    ]
+    for r in results:
+        r["bound_tokens_per_s_sum_bw"] = round(bw["sum_gb_s"] * 1e9 / r["bytes_per_token_b1"], 1)
+        r["bound_tokens_per_s_gemv_bw"] = round(bw["gemv_gb_s"] * 1e9 / r["bytes_per_token_b1"], 1)
+    report = dict(
+        date=time.strftime("%Y-%m-%d"),
+        command="python benchmarks/bench_generate.py " + " ".join(sys.argv[1:]),
+        machine=dict(
+            cpu=platform.processor() or platform.machine(),
+            threads=torch.get_num_threads(),
+            torch=torch.__version__,
+            transformers=transformers.__version__,
+        ),
+        bandwidth=bw,
+        results=results,
+        kv_cache_124m_ctx1024=kv_table(),
+    )
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(
+        f"{report['date']}  torch {torch.__version__}  transformers {transformers.__version__}; "
+        f"bandwidth: sum {bw['sum_gb_s']} GB/s, gemv {bw['gemv_gb_s']} GB/s"
+    )
+    for r in results:
+        print(
+            f"\n{r['size']}, batch {r['batch']} ({r['params']:,} params; batch-1 bound "
+            f"{r['bound_tokens_per_s_sum_bw']} tok/s at sum bandwidth, "
+            f"{r['bound_tokens_per_s_gemv_bw']} at gemv bandwidth)"
+        )
+        for row in r["rows"]:
+            print(
+                f"  {row['name']:<42}{row['tokens_per_s']:>9} tok/s  {row['vs_hf']:>5}x HF"
+                f"  same tokens: {row['same_tokens_as_hf']}"
+            )
+    print("\nKV cache, 124M config at context 1024:")
+    for k in report["kv_cache_124m_ctx1024"]:
+        print(
+            f"  {k['attention']} ({k['n_kv_heads']} KV heads): {k['bytes_per_token_bf16']:,} B/token"
+            f" bf16, {k['mib_per_sequence_bf16']} MiB/sequence bf16, "
+            f"{k['mib_per_sequence_fp32']} MiB fp32"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
