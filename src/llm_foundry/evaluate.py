@@ -1,0 +1,197 @@
+"""Perplexity per context length, with non-overlapping or sliding windows.
+
+Non-overlapping (``stride=None``): the token stream is cut into windows of ``context + 1`` tokens
+sharing one token at each seam; every target is scored once, each seeing 0..context-1 tokens
+before it. Sliding (``stride=S``): windows start every S tokens and only their last S targets are
+scored (the first window scores all), so every scored token sees at least ``context - S`` tokens
+of history: closer to what the model does at its full context, at context/S times the compute.
+
+``with_rope_scaling`` rebuilds a RoPE model with position interpolation or NTK-aware scaling
+(same weights, no retraining), to evaluate past the trained context.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from llm_foundry.models.transformer import IGNORE_INDEX, Transformer
+
+
+def windows(n_tokens: int, context: int, stride: int | None) -> list[tuple[int, int]]:
+    """(start, first scored target offset) of every window over a stream of n_tokens.
+
+    A window covers tokens start..start+context (context inputs, context targets); targets
+    before the offset are context only (not scored)."""
+    step = stride or context
+    out, start = [], 0
+    while start + context + 1 <= n_tokens:
+        out.append((start, 0 if (start == 0 or stride is None) else context - step))
+        start += step
+    return out
+
+
+@torch.no_grad()
+def evaluate_tokens(
+    model: Transformer,
+    tokens: np.ndarray | torch.Tensor,
+    context: int,
+    stride: int | None = None,
+    batch_size: int = 8,
+    max_windows: int | None = None,
+) -> dict:
+    """Mean next-token loss and perplexity of ``model`` on ``tokens`` (1-D) at ``context``.
+
+    Returns {"context", "stride", "loss", "ppl", "scored_tokens", "windows"}, or, when the model
+    cannot run at this length (learned positions past their table), {"status": "cannot run",
+    "reason": ...}."""
+    if stride is not None and not 0 < stride <= context:
+        raise ValueError(f"stride={stride} must be in [1, context={context}]")
+    cfg = model.cfg
+    if cfg.pos_encoding == "learned" and context > cfg.max_seq_len:
+        return dict(
+            context=context,
+            stride=stride,
+            status="cannot run",
+            reason=f"learned positions have {cfg.max_seq_len} rows; context {context} needs more",
+        )
+    data = torch.as_tensor(np.asarray(tokens, dtype=np.int64))
+    spans = windows(len(data), context, stride)
+    if max_windows is not None:
+        spans = spans[:max_windows]
+    if not spans:
+        raise ValueError(
+            f"{len(data):,} tokens are fewer than one window of context + 1 = {context + 1}"
+        )
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    offsets = torch.arange(context + 1)
+    for i in range(0, len(spans), batch_size):
+        chunk = spans[i : i + batch_size]
+        starts = torch.tensor([s for s, _ in chunk])
+        w = data[starts[:, None] + offsets]  # (b, context + 1)
+        x, y = w[:, :-1].clone(), w[:, 1:].clone()
+        for row, (_, skip) in enumerate(chunk):
+            y[row, :skip] = IGNORE_INDEX  # history only
+        logits, _ = model(x.to(device))
+        losses = torch.nn.functional.cross_entropy(
+            logits.flatten(0, 1).float(),
+            y.flatten().to(device),
+            ignore_index=IGNORE_INDEX,
+            reduction="sum",
+        )
+        total += losses.item()
+        count += int((y != IGNORE_INDEX).sum())
+    model.train(was_training)
+    loss = total / count
+    return dict(
+        context=context,
+        stride=stride,
+        loss=loss,
+        ppl=math.exp(loss),
+        scored_tokens=count,
+        windows=len(spans),
+    )
+
+
+def with_rope_scaling(model: Transformer, scaling: str, factor: float) -> Transformer:
+    """The same weights in a model whose RoPE uses ``scaling`` (linear | ntk) by ``factor``."""
+    if model.cfg.pos_encoding != "rope":
+        raise ValueError(
+            f"rope scaling needs pos_encoding='rope'; this model has {model.cfg.pos_encoding!r}"
+        )
+    cfg = model.cfg.replace(rope_scaling=scaling, rope_factor=factor)
+    scaled = Transformer(cfg).to(next(model.parameters()).device)
+    scaled.load_state_dict(model.state_dict())
+    return scaled.eval()
+
+
+# ----------------------------------------------------------------------------------------------
+# llm-foundry eval
+
+
+def _load_tokens(ns, ckpt: Path) -> tuple[np.ndarray, str]:
+    if ns.text:
+        from llm_foundry.tokenizer import load_tokenizer
+
+        tok_file = ckpt / "tokenizer.json"
+        if not tok_file.exists():
+            raise FileNotFoundError(f"--text needs a tokenizer; {tok_file} does not exist")
+        text = Path(ns.text).read_text(encoding="utf-8")
+        return np.array(load_tokenizer(tok_file).encode(text), dtype=np.int64), ns.text
+    from llm_foundry.data import load_meta, open_tokens
+
+    path = Path(ns.data)
+    meta = load_meta(path.parent)
+    return np.asarray(open_tokens(path, meta["dtype"])), str(path)
+
+
+def format_table(rows: list[dict]) -> str:
+    lines = [f"{'context':>8} {'stride':>7} {'loss':>8} {'ppl':>9} {'tokens':>10}", "-" * 46]
+    for r in rows:
+        stride = r["stride"] or "-"
+        if r.get("status") == "cannot run":
+            lines.append(f"{r['context']:>8} {stride:>7}   cannot run: {r['reason']}")
+        else:
+            lines.append(
+                f"{r['context']:>8} {stride:>7} {r['loss']:>8.4f} {r['ppl']:>9.3f} "
+                f"{r['scored_tokens']:>10,}"
+            )
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    from llm_foundry.checkpoint import load_checkpoint
+
+    p = argparse.ArgumentParser(
+        prog="llm-foundry eval",
+        description="Loss and perplexity per context length (non-overlapping or sliding windows).",
+    )
+    p.add_argument("--checkpoint", required=True, help="llm-foundry checkpoint directory")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--data", help="a token file written by prepare (e.g. data/x/val.bin)")
+    src.add_argument("--text", help="a UTF-8 text file, encoded with the checkpoint's tokenizer")
+    p.add_argument("--context", default="256", help="comma-separated context lengths")
+    p.add_argument("--stride", type=int, default=None, help="sliding windows with this stride")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--max-windows", type=int, default=None, help="evaluate at most N windows")
+    p.add_argument("--rope-scaling", choices=["linear", "ntk"], default=None)
+    p.add_argument("--rope-factor", type=float, default=None)
+    p.add_argument("--json", action="store_true")
+    ns = p.parse_args(argv)
+    try:
+        contexts = [int(c) for c in ns.context.split(",")]
+    except ValueError:
+        raise ValueError(f"--context takes integers like 256,512; got {ns.context!r}") from None
+    ckpt = Path(ns.checkpoint)
+    model = load_checkpoint(ckpt)
+    if ns.rope_scaling:
+        if ns.rope_factor is None:
+            raise ValueError("--rope-scaling needs --rope-factor F (e.g. 2 for twice the context)")
+        model = with_rope_scaling(model, ns.rope_scaling, ns.rope_factor)
+    tokens, source = _load_tokens(ns, ckpt)
+    rows = [
+        evaluate_tokens(model, tokens, c, ns.stride, ns.batch_size, ns.max_windows)
+        for c in contexts
+    ]
+    report = dict(
+        checkpoint=str(ckpt),
+        source=source,
+        rope_scaling=ns.rope_scaling,
+        rope_factor=ns.rope_factor,
+        trained_context=model.cfg.max_seq_len,
+        results=rows,
+    )
+    if ns.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(f"{ckpt} on {source} (max_seq_len {model.cfg.max_seq_len})")
+        print(format_table(rows))
+    return 0

@@ -1,0 +1,107 @@
+"""Perplexity evaluation: windows, sliding strides, learned-position limits, RoPE scaling."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from llm_foundry.checkpoint import save_checkpoint
+from llm_foundry.config import ModelConfig
+from llm_foundry.evaluate import evaluate_tokens, main, windows, with_rope_scaling
+from llm_foundry.models import Transformer
+from llm_foundry.tokenizer import CharTokenizer
+
+
+def _model(**kw) -> Transformer:
+    torch.manual_seed(0)
+    base = dict(vocab_size=23, dim=32, n_layers=2, n_heads=4, max_seq_len=16)
+    return Transformer(ModelConfig(**{**base, **kw})).eval()
+
+
+def _tokens(n: int = 200) -> np.ndarray:
+    return np.random.default_rng(0).integers(0, 23, n)
+
+
+def test_windows_cover_every_target_once():
+    n, ctx = 100, 16
+    for stride in (None, 16, 5, 1):
+        scored = []
+        for start, skip in windows(n, ctx, stride):
+            scored += list(range(start + 1 + skip, start + ctx + 1))
+        assert scored == list(range(1, len(scored) + 1))  # contiguous, no repeats
+        assert scored[-1] > n - 1 - (stride or ctx) - 1
+
+
+def test_non_overlapping_loss_equals_a_manual_computation():
+    model, toks = _model(pos_encoding="rope"), _tokens()
+    r = evaluate_tokens(model, toks, 16, batch_size=3)
+    t = torch.as_tensor(toks)
+    losses = []
+    for s in range(0, len(toks) - 16, 16):
+        logits = model(t[None, s : s + 16])[0][0]
+        losses.append(F.cross_entropy(logits, t[s + 1 : s + 17], reduction="none"))
+    ref = torch.cat(losses).mean().item()
+    assert r["loss"] == pytest.approx(ref, rel=1e-5) and r["ppl"] == pytest.approx(math.exp(ref))
+    assert r["scored_tokens"] == 16 * r["windows"]
+    assert evaluate_tokens(model, toks, 16, stride=16)["loss"] == pytest.approx(r["loss"])
+
+
+def test_sliding_windows_score_each_token_with_long_history():
+    model, toks = _model(pos_encoding="alibi"), _tokens()
+    r = evaluate_tokens(model, toks, 16, stride=4)
+    t = torch.as_tensor(toks)
+    first = F.cross_entropy(model(t[None, :16])[0][0], t[1:17], reduction="none")
+    parts = [first]
+    for s in range(4, len(toks) - 16, 4):
+        logits = model(t[None, s : s + 16])[0][0][-4:]
+        parts.append(F.cross_entropy(logits, t[s + 13 : s + 17], reduction="none"))
+    assert r["loss"] == pytest.approx(torch.cat(parts).mean().item(), rel=1e-5)
+
+
+def test_learned_positions_past_their_table_cannot_run():
+    r = evaluate_tokens(_model(pos_encoding="learned"), _tokens(), 32)
+    assert r["status"] == "cannot run" and "16 rows" in r["reason"]
+    assert "loss" in evaluate_tokens(_model(pos_encoding="learned"), _tokens(), 16)
+
+
+def test_rope_scaling_keeps_weights_and_changes_long_context_only_as_configured():
+    model, toks = _model(pos_encoding="rope"), _tokens(400)
+    same = with_rope_scaling(model, "linear", 1.0)
+    assert evaluate_tokens(same, toks, 32)["loss"] == pytest.approx(
+        evaluate_tokens(model, toks, 32)["loss"], rel=1e-6
+    )
+    scaled = with_rope_scaling(model, "ntk", 4.0)
+    assert scaled.cfg.rope_scaling == "ntk" and torch.equal(
+        scaled.tok_emb.weight, model.tok_emb.weight
+    )
+    assert evaluate_tokens(scaled, toks, 32)["loss"] != evaluate_tokens(model, toks, 32)["loss"]
+    with pytest.raises(ValueError, match="pos_encoding='rope'"):
+        with_rope_scaling(_model(pos_encoding="alibi"), "linear", 2.0)
+
+
+def test_errors():
+    with pytest.raises(ValueError, match="fewer than one window"):
+        evaluate_tokens(_model(), _tokens(10), 16)
+    with pytest.raises(ValueError, match="stride=20"):
+        evaluate_tokens(_model(), _tokens(), 16, stride=20)
+
+
+def test_cli_table_and_json(tmp_path, capsys):
+    text = "the quick brown fox jumps over the lazy dog. " * 20
+    tok = CharTokenizer.train(text)
+    model = _model(vocab_size=tok.vocab_size, pos_encoding="learned")
+    save_checkpoint(model, tmp_path / "ck")
+    tok.save(tmp_path / "ck" / "tokenizer.json")
+    (tmp_path / "t.txt").write_text(text)
+    args = ["--checkpoint", str(tmp_path / "ck"), "--text", str(tmp_path / "t.txt")]
+    assert main([*args, "--context", "8,16,32", "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert [r["context"] for r in rep["results"]] == [8, 16, 32]
+    assert rep["results"][2]["status"] == "cannot run" and rep["results"][0]["ppl"] > 1
+    assert main([*args, "--context", "8", "--stride", "4"]) == 0
+    assert "cannot run" not in capsys.readouterr().out
