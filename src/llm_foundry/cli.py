@@ -204,9 +204,23 @@ def _inspect(argv: list[str]) -> int:
     return inspection.main(argv)
 
 
+def _generate(argv: list[str]) -> int:
+    from llm_foundry import generate_cli
+
+    return generate_cli.main(argv)
+
+
+def _eval(argv: list[str]) -> int:
+    from llm_foundry import evaluate
+
+    return evaluate.main(argv)
+
+
 COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "prepare": (cmd_prepare, "tokenize a corpus into train/val token files"),
     "train": (cmd_train, "train a model (no arguments: the Shakespeare demo)"),
+    "generate": (_generate, "sample text from a checkpoint (ours or HF), streaming"),
+    "eval": (_eval, "loss and perplexity per context length"),
     "convert": (cmd_convert, "convert checkpoints to and from HF transformers"),
     "inspect": (_inspect, "PNG plots: lr schedule, attention, RoPE, sinusoidal table, ALiBi"),
     "params": (cmd_params, "parameter, FLOP and KV-cache accounting for a config"),
