@@ -1,4 +1,6 @@
-"""``llm-foundry generate``: text, streaming, stop strings, interactive loop, HF directories."""
+"""``llm-foundry generate``: greedy text equal to the Python API, streaming equal to the finished
+text (stop strings and multi-byte characters included), seeds, the interactive loop on stdin,
+--json, training run directories, HF directories (with and without a tokenizer) and errors."""
 
 from __future__ import annotations
 
@@ -13,27 +15,25 @@ from llm_foundry.cli import main
 from llm_foundry.config import ModelConfig
 from llm_foundry.generate import generate
 from llm_foundry.models import Transformer
-from llm_foundry.tokenizer import CharTokenizer
+from llm_foundry.tokenizer import BPETokenizer, CharTokenizer
 
 TEXT = "to be or not to be, that is the question. whether tis nobler in the mind\n" * 5
+
+
+def _save(path, tok, seed: int = 0, **kw) -> Transformer:
+    """A tiny random model over ``tok``'s vocabulary, saved with the tokenizer at ``path``."""
+    torch.manual_seed(seed)
+    cfg = dict(vocab_size=tok.vocab_size, dim=32, n_layers=2, n_heads=2, max_seq_len=64)
+    model = Transformer(ModelConfig(**{**cfg, **kw})).eval()
+    save_checkpoint(model, path)
+    tok.save(path / "tokenizer.json")
+    return model
 
 
 @pytest.fixture()
 def ckpt(tmp_path):
     tok = CharTokenizer.train(TEXT)
-    torch.manual_seed(0)
-    model = Transformer(
-        ModelConfig(
-            vocab_size=tok.vocab_size,
-            dim=32,
-            n_layers=2,
-            n_heads=2,
-            max_seq_len=64,
-            pos_encoding="learned",
-        )
-    ).eval()
-    save_checkpoint(model, tmp_path / "ck")
-    tok.save(tmp_path / "ck" / "tokenizer.json")
+    model = _save(tmp_path / "ck", tok)
     return tmp_path / "ck", model, tok
 
 
@@ -42,68 +42,258 @@ def _run(capsys, *args) -> str:
     return capsys.readouterr().out
 
 
-def test_greedy_text_equals_the_python_api(ckpt, capsys):
+def _fails(capsys, *args) -> str:
+    assert main(["generate", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("llm-foundry generate: error: ")
+    return err
+
+
+def _greedy_text(model, tok, prompt: str, n: int) -> str:
+    out = generate(model, torch.tensor([tok.encode(prompt)]), n, temperature=0)
+    return tok.decode(out[0].tolist())
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def test_greedy_equals_the_python_api(ckpt, capsys):
     path, model, tok = ckpt
     args = ["--checkpoint", str(path), "--prompt", "to be", "--temperature", "0"]
     out = _run(capsys, *args, "--max-new-tokens", "20")
-    ref = generate(model, torch.tensor([tok.encode("to be")]), 20, temperature=0)
-    assert out == tok.decode(ref[0].tolist()) + "\n"
-    assert _run(capsys, *args, "--max-new-tokens", "20", "--stream") == out
-    rep = json.loads(_run(capsys, *args, "--max-new-tokens", "20", "--json"))
-    assert rep["new_tokens"] == 20 and rep["prompt"] + rep["completion"] == out[:-1]
-    assert rep["tokens"] == ref[0].tolist()
+    assert out == _greedy_text(model, tok, "to be", 20) + "\n"
+    # sampling filters are ignored at temperature 0
+    assert _run(capsys, *args, "--max-new-tokens", "20", "--top-k", "3", "--top-p", "0.5") == out
 
 
-def test_stop_string_and_seed(ckpt, capsys):
-    path, model, tok = ckpt
-    base = ["--checkpoint", str(path), "--prompt", "t", "--max-new-tokens", "40", "--json"]
-    full = json.loads(_run(capsys, *base, "--temperature", "0"))["completion"]
-    stop = full[5:7]
-    cut = json.loads(_run(capsys, *base, "--temperature", "0", "--stop", stop))["completion"]
-    assert cut == full[: full.find(stop)]
-    a = _run(capsys, *base, "--seed", "7", "--top-k", "5")
-    b = _run(capsys, *base, "--seed", "7", "--top-k", "5")
-    assert json.loads(a)["tokens"] == json.loads(b)["tokens"]
-
-
-def test_interactive_loop_reads_prompts_until_empty_line(ckpt, capsys, monkeypatch):
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--temperature", "0"],
+        ["--temperature", "1.0", "--seed", "3", "--top-p", "0.9"],
+        ["--temperature", "0.7", "--seed", "5", "--min-p", "0.05", "--repetition-penalty", "1.3"],
+    ],
+)
+def test_stream_prints_the_same_text(ckpt, capsys, extra):
     path, _, _ = ckpt
-    monkeypatch.setattr("sys.stdin", io.StringIO("to be\nthe q\n\n"))
-    out = _run(capsys, "--checkpoint", str(path), "--interactive", "--temperature", "0",
-               "--max-new-tokens", "5")  # fmt: skip
-    assert out.count("> ") == 3 and "to be" in out and "the q" in out
+    args = ["--checkpoint", str(path), "--prompt", "whether", "--max-new-tokens", "30", *extra]
+    assert _run(capsys, *args, "--stream") == _run(capsys, *args)
 
 
-def test_run_directory_and_hf_directory(ckpt, tmp_path, capsys):
-    import transformers
+def test_stop_string_cuts_the_continuation(ckpt, capsys):
+    path, _, _ = ckpt
+    base = ["--checkpoint", str(path), "--prompt", "t", "--max-new-tokens", "40"]
+    base += ["--temperature", "1.0", "--seed", "1"]  # varied text (greedy repeats itself)
+    full = json.loads(_run(capsys, *base, "--json"))["completion"]
+    assert len(full) == 40
+    # a stop string whose first character shows up before the stop string does: streaming must
+    # hold that character back until it knows whether the stop string follows
+    i = next(i for i in range(1, 38) if full.find(full[i]) < full.find(full[i : i + 2]))
+    stop = full[i : i + 2]
+    rec = json.loads(_run(capsys, *base, "--stop", stop, "zz", "--json"))
+    assert rec["completion"] == full[: full.find(stop)] and stop not in rec["completion"]
+    assert rec["stop_reason"] == "stop" and rec["new_tokens"] == full.find(stop) + 2
+    text = _run(capsys, *base, "--stop", stop, "zz")
+    assert text == "t" + full[: full.find(stop)] + "\n"
+    assert _run(capsys, *base, "--stop", stop, "zz", "--stream") == text
+    # stop strings that never complete change nothing, streamed or not
+    never = [full[3] + "~", full[-1] + "#"]
+    whole = "t" + full + "\n"
+    assert _run(capsys, *base, "--stop", *never) == whole
+    assert _run(capsys, *base, "--stop", *never, "--stream") == whole
 
+
+def test_seed_reproducible(ckpt, capsys):
+    path, _, _ = ckpt
+    base = ["--checkpoint", str(path), "--prompt", "to", "--max-new-tokens", "16"]
+    base += ["--temperature", "1.0", "--json"]
+
+    def tokens(seed: str) -> list[int]:
+        return json.loads(_run(capsys, *base, "--seed", seed))["tokens"]
+
+    assert tokens("7") == tokens("7")
+    assert tokens("7") != tokens("8")
+
+
+def test_json_fields(ckpt, capsys):
     path, model, tok = ckpt
-    run = tmp_path / "run"
-    (run / "checkpoints").mkdir(parents=True)
-    path.rename(run / "checkpoints" / "step_000010")
-    (run / "checkpoints" / "latest.json").write_text(json.dumps({"path": "step_000010"}))
-    out = _run(capsys, "--checkpoint", str(run), "--prompt", "to", "--temperature", "0",
-               "--max-new-tokens", "3")  # fmt: skip
-    assert out.startswith("to") and len(out) == len("to") + 3 + 1
+    args = ["--checkpoint", str(path), "--prompt", "to be", "--temperature", "0", "--json"]
+    rec = json.loads(_run(capsys, *args, "--max-new-tokens", "12"))
+    assert {"prompt", "completion", "tokens", "new_tokens", "tokens_per_s"} <= set(rec)
+    ref = generate(model, torch.tensor([tok.encode("to be")]), 12, temperature=0)[0].tolist()
+    assert rec["tokens"] == ref and rec["new_tokens"] == 12 and rec["prompt_tokens"] == 5
+    assert rec["prompt"] == "to be" and rec["prompt"] + rec["completion"] == tok.decode(ref)
+    assert rec["stop_reason"] == "length" and rec["tokens_per_s"] > 0
 
+
+def test_interactive_loop_on_stdin(ckpt, capsys, monkeypatch):
+    path, model, tok = ckpt
+    args = ["--checkpoint", str(path), "--interactive", "--temperature", "0"]
+    args += ["--max-new-tokens", "8"]
+    want = [_greedy_text(model, tok, p, 8)[len(p) :] for p in ("to be", "the q")]
+    for ending in ("\n\nnot read\n", "\nexit\nnot read\n", "\n"):  # empty line, exit, EOF
+        monkeypatch.setattr("sys.stdin", io.StringIO("to be\nthe q" + ending))
+        assert main(["generate", *args]) == 0
+        cap = capsys.readouterr()
+        assert cap.out == "".join(w + "\n" for w in want)
+        assert cap.err.count("> ") == 3
+    monkeypatch.setattr("sys.stdin", io.StringIO("to be\nthe q\n"))
+    assert _run(capsys, *args, "--stream") == "".join(w + "\n" for w in want)
+    monkeypatch.setattr("sys.stdin", io.StringIO("to be\nthe q\n"))
+    recs = [json.loads(line) for line in _run(capsys, *args, "--json").splitlines()]
+    assert len(recs) == 2
+    assert [r["completion"] for r in recs] == want and recs[1]["prompt"] == "the q"
+
+
+def test_run_directory_resolves_the_latest_checkpoint(tmp_path, capsys):
+    from llm_foundry.train.state import save_train_checkpoint
+
+    tok = CharTokenizer.train(TEXT)
+    tok.save(tmp_path / "tokenizer.json")
+    root = tmp_path / "run" / "checkpoints"
+    models = []
+    for step in (10, 20):
+        torch.manual_seed(step)
+        cfg = ModelConfig(vocab_size=tok.vocab_size, dim=32, n_layers=2, n_heads=2, max_seq_len=64)
+        model = Transformer(cfg).eval()
+        opt = torch.optim.AdamW(model.parameters())
+        save_train_checkpoint(
+            root, step, model, opt, {}, tokenizer_path=tmp_path / "tokenizer.json"
+        )
+        models.append(model)
+    want = _greedy_text(models[1], tok, "to", 10) + "\n"
+    assert want != _greedy_text(models[0], tok, "to", 10) + "\n"
+    for where in (tmp_path / "run", root, root / "step_000020"):
+        args = ["--checkpoint", str(where), "--prompt", "to", "--temperature", "0"]
+        assert _run(capsys, *args, "--max-new-tokens", "10") == want
+    args = ["--checkpoint", str(root / "step_000010"), "--prompt", "to", "--temperature", "0"]
+    assert _run(capsys, *args, "--max-new-tokens", "10") != want
+
+
+def test_multibyte_characters_stream_whole(tmp_path, capsys, monkeypatch):
+    """Byte-level BPE with no merges: every non-ASCII character spans several tokens. The model's
+    tokens are scripted so the output is known; eos ends the text."""
+    import llm_foundry.generate as gen
+
+    tok = BPETokenizer.train("héllo ☃ wörld", vocab_size=259)
+    path = tmp_path / "bpe"
+    _save(path, tok)
+    script = tok.encode("é ☃ ö!") + [tok.eos_id] + tok.encode("never")
+
+    def scripted(model, idx, max_new_tokens, **kw):
+        for t in script[:max_new_tokens]:
+            yield torch.tensor([t])
+
+    monkeypatch.setattr(gen, "stream", scripted)
+    args = ["--checkpoint", str(path), "--prompt", "h", "--max-new-tokens", "50"]
+    out = _run(capsys, *args, "--stream")
+    assert out == "hé ☃ ö!\n" and _run(capsys, *args) == out
+    rec = json.loads(_run(capsys, *args, "--json"))
+    assert rec["completion"] == "é ☃ ö!" and rec["stop_reason"] == "eos"
+    assert rec["tokens"][-1] == tok.eos_id and rec["new_tokens"] == len(tok.encode("é ☃ ö!")) + 1
+    assert _run(capsys, *args, "--stream", "--stop", "☃") == "hé \n"
+    assert _run(capsys, *args, "--stream", "--ignore-eos").startswith("hé ☃ ö!<eos>never")
+
+
+# ----------------------------------------------------------------------------------------------
+# HF transformers directories
+
+
+def _hf_llama(tmp_path):
+    transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
-        vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-    )  # fmt: skip
+        vocab_size=50,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     hf = transformers.LlamaForCausalLM(cfg).eval()
     hf.save_pretrained(str(tmp_path / "hf"))
-    out = _run(capsys, "--checkpoint", str(tmp_path / "hf"), "--prompt-ids", "1,2,3",
-               "--temperature", "0", "--max-new-tokens", "6")  # fmt: skip
-    ref = hf.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=6, do_sample=False,
-                      eos_token_id=None, pad_token_id=0)  # fmt: skip
+    return hf, tmp_path / "hf"
+
+
+def test_hf_directory_with_prompt_ids(tmp_path, capsys):
+    hf, path = _hf_llama(tmp_path)
+    base = ["--checkpoint", str(path), "--prompt-ids", "1,2,3", "--temperature", "0"]
+    out = _run(capsys, *base, "--max-new-tokens", "12", "--ignore-eos")
+    ref = hf.generate(
+        torch.tensor([[1, 2, 3]]),
+        max_new_tokens=12,
+        min_new_tokens=12,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
     assert out.split() == [str(t) for t in ref[0].tolist()]
+    assert _run(capsys, *base, "--max-new-tokens", "12", "--ignore-eos", "--stream") == out
+    # config.json's eos_token_id (2) ends generation the way HF's generate does
+    eos = hf.config.eos_token_id
+    rec = json.loads(_run(capsys, *base, "--max-new-tokens", "40", "--json"))
+    ref = hf.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=40, do_sample=False)
+    assert rec["tokens"] == ref[0].tolist()
+    assert rec["stop_reason"] == ("eos" if eos in rec["tokens"][3:] else "length")
+    err = _fails(capsys, "--checkpoint", str(path), "--prompt", "hello")
+    assert "no tokenizer.json" in err and "--prompt-ids" in err
+    assert "out of range" in _fails(capsys, "--checkpoint", str(path), "--prompt-ids", "1,50")
+
+
+def test_hf_directory_with_its_own_tokenizer_file(tmp_path, capsys):
+    """A tokenizer.json that is not one of ours (a word-level HF tokenizers file) is used as is."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    hf, path = _hf_llama(tmp_path)
+    words = ["[UNK]"] + sorted(set(TEXT.replace(",", " ").replace(".", " ").split()))
+    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tk.decoder = decoders.WordPiece()  # joins words with spaces
+    tk.save(str(path / "tokenizer.json"))
+    args = ["--checkpoint", str(path), "--prompt", "to be or", "--temperature", "0"]
+    args += ["--max-new-tokens", "6", "--ignore-eos"]
+    ids = tk.encode("to be or").ids
+    ref = hf.generate(
+        torch.tensor([ids]), max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0
+    )[0].tolist()
+    rec = json.loads(_run(capsys, *args, "--json"))
+    assert rec["tokens"] == ref and rec["prompt"] == "to be or"
+    assert rec["prompt"] + rec["completion"] == tk.decode(ref)
+    assert _run(capsys, *args, "--stream") == _run(capsys, *args) == tk.decode(ref) + "\n"
+
+
+# ----------------------------------------------------------------------------------------------
+# Errors: exit status 2 and a message naming the problem
 
 
 def test_errors(ckpt, tmp_path, capsys):
     path, _, _ = ckpt
-    assert main(["generate", "--checkpoint", str(tmp_path / "nope")]) == 2
-    assert "no such directory" in capsys.readouterr().err
-    long = ["--checkpoint", str(path), "--prompt", "to be", "--max-new-tokens", "100"]
-    assert main(["generate", *long]) == 2  # learned positions: 64 rows
-    assert "max_seq_len=64" in capsys.readouterr().err
+    missing = tmp_path / "nope"
+    err = _fails(capsys, "--checkpoint", str(missing), "--prompt", "to")
+    assert str(missing) in err and "no such directory" in err
+    (tmp_path / "empty").mkdir()
+    err = _fails(capsys, "--checkpoint", str(tmp_path / "empty"), "--prompt", "to")
+    assert str(tmp_path / "empty") in err and "latest.json" in err
+    (tmp_path / "odd").mkdir()
+    (tmp_path / "odd" / "config.json").write_text("{}")
+    assert "neither" in _fails(capsys, "--checkpoint", str(tmp_path / "odd"), "--prompt", "to")
+    assert "not in the vocabulary" in _fails(capsys, "--checkpoint", str(path), "--prompt", "Z")
+    assert "--interactive" in _fails(capsys, "--checkpoint", str(path))
+
+
+def test_past_max_seq_len(tmp_path, capsys):
+    tok = CharTokenizer.train(TEXT)
+    _save(tmp_path / "learned", tok, pos_encoding="learned")
+    prompt = TEXT[:60]
+    args = ["--checkpoint", str(tmp_path / "learned"), "--prompt", prompt, "--temperature", "0"]
+    for mode in ([], ["--stream"]):
+        err = _fails(capsys, *args, "--max-new-tokens", "5", *mode)
+        assert "= 65 is past max_seq_len=64" in err and "learned positions" in err
+    assert _run(capsys, *args, "--max-new-tokens", "4").startswith(prompt)  # 60 + 4 = 64 fits
+    # RoPE runs on past the trained context, with generate's warning
+    _save(tmp_path / "rope", tok)
+    args[1] = str(tmp_path / "rope")
+    with pytest.warns(UserWarning, match="past the trained context 64"):
+        out = _run(capsys, *args, "--max-new-tokens", "8")
+    assert len(out) == 60 + 8 + 1

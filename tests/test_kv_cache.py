@@ -104,9 +104,34 @@ def test_batched_ragged_prompts_equal_each_alone(pe, kind, window):
         assert row == alone
 
 
-def test_compiled_decode_equals_eager():
+@pytest.mark.parametrize("batch", [1, 2])  # batch 1 decodes through the fused matvec
+def test_compiled_decode_equals_eager(batch):
     torch.manual_seed(0)
-    model = Transformer(tiny(pos_encoding="rope", n_kv_heads=2)).eval()
-    idx = torch.randint(0, 37, (2, 5))
+    model = Transformer(tiny(pos_encoding="rope", n_kv_heads=2, attn_bias=True)).eval()
+    idx = torch.randint(0, 37, (batch, 5))
     eager = generate(model, idx, 8, temperature=0)
     assert torch.equal(generate(model, idx, 8, temperature=0, compile=True), eager)
+
+
+def test_linear_matvec_equals_linear():
+    from llm_foundry.models.components import Linear, matvec
+
+    layer = Linear(24, 40, bias=True)
+    x = torch.randn(1, 1, 24)
+    assert torch.allclose(matvec(x, layer.weight) + layer.bias, layer(x), atol=1e-5)
+    compiled = torch.compile(layer)
+    assert torch.allclose(compiled(x), layer(x), atol=1e-5)
+
+
+def test_batched_repetition_penalty_ignores_padding():
+    from llm_foundry.generate import generate_batch
+
+    torch.manual_seed(0)
+    model = Transformer(tiny(vocab_size=6)).eval()
+    prompts = [[1, 2], [3, 4, 5, 1, 2, 3, 4]]
+    rows = generate_batch(model, prompts, 10, temperature=0, repetition_penalty=1.5)
+    for p, row in zip(prompts, rows, strict=True):
+        alone = generate(model, torch.tensor([p]), 10, temperature=0, repetition_penalty=1.5)
+        assert row == alone[0].tolist()
+    with pytest.raises(ValueError, match="padded"):
+        generate_batch(model, prompts, 3, context=4)

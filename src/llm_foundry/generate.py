@@ -40,7 +40,11 @@ def stream(
     ``context=N`` feeds only the last N tokens each step, recomputed without a cache (as
     nanoGPT samples): slower, but a model never sees more context than it was trained on.
     """
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
     if context is not None:
+        if pad is not None:
+            raise ValueError("context=N (cropped, uncached decoding) does not take padded batches")
         yield from _stream_cropped(
             model,
             idx,
@@ -76,6 +80,9 @@ def stream(
     cache = model.new_cache(idx.shape[0], total)
     cache.pad = pad
     seen = idx
+    if pad is not None:  # pads are not tokens the row has seen: stand in its first real token
+        slot = torch.arange(idx.shape[1], device=idx.device)[None]
+        seen = torch.where(slot < pad[:, None], idx.gather(1, pad[:, None]), idx)
     step_input = idx  # the whole prompt first (prefill), then one new token a step
     try:
         decode = _compiled(model) if compile else model

@@ -24,6 +24,23 @@ from llm_foundry.config import ModelConfig
 # Normalisation
 
 
+def matvec(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T for a single row x (..., 1 row, in) as a multiply-and-sum: under
+    torch.compile it becomes one fused, vectorised reduction that streams the weight faster than
+    a BLAS gemv call on CPU (benchmarks/README.md, bench_generate)."""
+    return (x.unsqueeze(-2) * weight).sum(-1)
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose one-token (decode) case, when compiled, is ``matvec``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling() and x.shape[:-1].numel() == 1 and x.device.type == "cpu":
+            y = matvec(x, self.weight)  # the shape test is static: resolved at trace time
+            return y if self.bias is None else y + self.bias
+        return super().forward(x)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm (Zhang & Sennrich 2019): x / sqrt(mean(x^2) + eps) * weight. x: (..., D)."""
     # in fp32: the mean of squares overflows in fp16 and loses precision in bf16
@@ -323,10 +340,10 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_size
         q_dim, kv_dim = cfg.n_heads * self.head_dim, cfg.n_kv_heads * self.head_dim
-        self.wq = nn.Linear(cfg.dim, q_dim, bias=cfg.attn_bias)
-        self.wk = nn.Linear(cfg.dim, kv_dim, bias=cfg.attn_bias)
-        self.wv = nn.Linear(cfg.dim, kv_dim, bias=cfg.attn_bias)
-        self.wo = nn.Linear(q_dim, cfg.dim, bias=cfg.attn_bias)
+        self.wq = Linear(cfg.dim, q_dim, bias=cfg.attn_bias)
+        self.wk = Linear(cfg.dim, kv_dim, bias=cfg.attn_bias)
+        self.wv = Linear(cfg.dim, kv_dim, bias=cfg.attn_bias)
+        self.wo = Linear(q_dim, cfg.dim, bias=cfg.attn_bias)
         # QK-norm (Qwen3): normalise each head's q and k, bounding the logits before softmax
         self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
         self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
@@ -361,8 +378,8 @@ class MLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig, act):
         super().__init__()
-        self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=cfg.mlp_bias)
-        self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=cfg.mlp_bias)
+        self.w1 = Linear(cfg.dim, cfg.ffn_dim, bias=cfg.mlp_bias)
+        self.w2 = Linear(cfg.ffn_dim, cfg.dim, bias=cfg.mlp_bias)
         self.act = act
 
     def forward(self, x):
@@ -377,9 +394,9 @@ class GatedMLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig, act):
         super().__init__()
-        self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=cfg.mlp_bias)  # gate
-        self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=cfg.mlp_bias)  # up
-        self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=cfg.mlp_bias)  # down
+        self.w1 = Linear(cfg.dim, cfg.ffn_dim, bias=cfg.mlp_bias)  # gate
+        self.w3 = Linear(cfg.dim, cfg.ffn_dim, bias=cfg.mlp_bias)  # up
+        self.w2 = Linear(cfg.ffn_dim, cfg.dim, bias=cfg.mlp_bias)  # down
         self.act = act
 
     def forward(self, x):

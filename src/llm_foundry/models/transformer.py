@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from llm_foundry.config import ModelConfig
 from llm_foundry.models.components import (
+    Linear,
     RMSNorm,
     attention_mask,
     build_block,
@@ -42,7 +43,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(build_block(cfg) for _ in range(cfg.n_layers))
         # post-norm blocks already end in a norm; pre-norm stacks need one before the head
         self.norm = build_norm(cfg) if cfg.norm_position == "pre" else nn.Identity()
-        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight  # one matrix reads and writes tokens
         # a mask tensor is needed only when attention is more than "causal": a window or a bias
