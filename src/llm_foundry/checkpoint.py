@@ -96,3 +96,28 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> Tra
     model = Transformer(read_config(path)).to(device)
     load_weights(model, path)
     return model.eval()
+
+
+def resolve_checkpoint(path: Path) -> Path:
+    """The checkpoint directory ``path`` names: itself, or for a training run directory (or its
+    ``checkpoints/`` folder) the step directory that ``latest.json`` points at."""
+    if not path.is_dir():
+        raise FileNotFoundError(f"--checkpoint {path}: no such directory")
+    if (path / "config.json").exists():
+        return path
+    for root in (path / "checkpoints", path):
+        pointer = root / "latest.json"
+        if pointer.exists():
+            try:
+                step = root / json.loads(pointer.read_text())["path"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise ValueError(
+                    f"{pointer} is not a valid latest-checkpoint pointer: {e}"
+                ) from None
+            if not (step / "config.json").exists():
+                raise FileNotFoundError(f"{pointer} points at {step}, which has no config.json")
+            return step
+    raise FileNotFoundError(
+        f"--checkpoint {path}: no config.json (an llm-foundry checkpoint or an HF transformers "
+        "directory) and no checkpoints/latest.json (a training run directory)"
+    )

@@ -218,39 +218,14 @@ class _HFTokenizerFile:
         return self.hf.decode([int(i) for i in ids], skip_special_tokens=True)
 
 
-def _resolve_checkpoint(path: Path) -> Path:
-    """The checkpoint directory ``path`` names: itself, or for a training run directory (or its
-    ``checkpoints/`` folder) the step directory that ``latest.json`` points at."""
-    if not path.is_dir():
-        raise FileNotFoundError(f"--checkpoint {path}: no such directory")
-    if (path / "config.json").exists():
-        return path
-    for root in (path / "checkpoints", path):
-        pointer = root / "latest.json"
-        if pointer.exists():
-            try:
-                step = root / json.loads(pointer.read_text())["path"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise ValueError(
-                    f"{pointer} is not a valid latest-checkpoint pointer: {e}"
-                ) from None
-            if not (step / "config.json").exists():
-                raise FileNotFoundError(f"{pointer} points at {step}, which has no config.json")
-            return step
-    raise FileNotFoundError(
-        f"--checkpoint {path}: no config.json (an llm-foundry checkpoint or an HF transformers "
-        "directory) and no checkpoints/latest.json (a training run directory)"
-    )
-
-
 def _load_for_generation(path: Path, device: str):
     """(model, tokenizer or None, eos ids, checkpoint dir) from an llm-foundry checkpoint, a
     training run directory or an HF transformers directory. The eos ids are the tokenizer's
     and, for an HF directory, config.json's ``eos_token_id`` (an id or a list)."""
-    from llm_foundry.checkpoint import load_checkpoint
+    from llm_foundry.checkpoint import load_checkpoint, resolve_checkpoint
     from llm_foundry.tokenizer import load_tokenizer
 
-    ckpt = _resolve_checkpoint(path)
+    ckpt = resolve_checkpoint(path)
     try:
         meta = json.loads((ckpt / "config.json").read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

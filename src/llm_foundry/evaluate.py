@@ -148,13 +148,13 @@ def format_table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    from llm_foundry.checkpoint import load_checkpoint
+    from llm_foundry.checkpoint import load_checkpoint, resolve_checkpoint
 
     p = argparse.ArgumentParser(
         prog="llm-foundry eval",
         description="Loss and perplexity per context length (non-overlapping or sliding windows).",
     )
-    p.add_argument("--checkpoint", required=True, help="llm-foundry checkpoint directory")
+    p.add_argument("--checkpoint", required=True, help="checkpoint or run directory")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--data", help="a token file written by prepare (e.g. data/x/val.bin)")
     src.add_argument("--text", help="a UTF-8 text file, encoded with the checkpoint's tokenizer")
@@ -170,7 +170,7 @@ def main(argv: list[str]) -> int:
         contexts = [int(c) for c in ns.context.split(",")]
     except ValueError:
         raise ValueError(f"--context takes integers like 256,512; got {ns.context!r}") from None
-    ckpt = Path(ns.checkpoint)
+    ckpt = resolve_checkpoint(Path(ns.checkpoint))
     model = load_checkpoint(ckpt)
     if ns.rope_scaling:
         if ns.rope_factor is None:
