@@ -125,11 +125,10 @@ def speed(vocab: int, rounds: int, steps: int) -> list[dict]:
             c.times.append((time.perf_counter() - t) / steps * 1e3)
     rows = []
     hf_ms = statistics.median(contenders[0].times)
+    # every contender has the same architecture size: count FLOPs once, on ours
+    flops = contenders[1].model.flops_per_token(64)
     for c in contenders:
         ms = statistics.median(c.times)
-        flops = (
-            c.model.flops_per_token(64) if hasattr(c.model, "flops_per_token") else None
-        ) or contenders[1].model.flops_per_token(64)
         rows.append(
             dict(
                 name=c.name,

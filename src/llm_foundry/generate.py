@@ -42,53 +42,24 @@ def stream(
     """
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
-    if context is not None:
-        if pad is not None:
-            raise ValueError("context=N (cropped, uncached decoding) does not take padded batches")
-        yield from _stream_cropped(
-            model,
-            idx,
-            max_new_tokens,
-            context,
-            dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p),
-            repetition_penalty,
-            eos_id,
-            seed,
-        )
-        return
-    total = idx.shape[1] + max_new_tokens
-    longest = total - (int(pad.min()) if pad is not None else 0)  # positions the longest row uses
-    if longest > model.cfg.max_seq_len:
-        if model.cfg.pos_encoding == "learned":
-            raise ValueError(
-                f"prompt ({longest - max_new_tokens} tokens) + max_new_tokens ({max_new_tokens}) "
-                f"= {longest} is "
-                f"past max_seq_len={model.cfg.max_seq_len}, and learned positions have no row "
-                "beyond it: shorten the prompt or max_new_tokens"
-            )
-        warnings.warn(
-            f"generating {longest} tokens past the trained context {model.cfg.max_seq_len} "
-            f"({model.cfg.pos_encoding} positions run on, but quality may drop)",
-            stacklevel=2,
-        )
+    if context is None:
+        next_logits = _cached_step(model, idx, max_new_tokens, pad, compile)
+    else:
+        next_logits = _cropped_step(model, context, pad)
     was_training = model.training
     model.eval()
     generator = None
     if seed is not None:
         generator = torch.Generator(device=idx.device).manual_seed(seed)
     done = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)
-    cache = model.new_cache(idx.shape[0], total)
-    cache.pad = pad
-    seen = idx
-    if pad is not None:  # pads are not tokens the row has seen: stand in its first real token
+    seen = idx  # every token so far (pads stand in the row's first real token)
+    if pad is not None:
         slot = torch.arange(idx.shape[1], device=idx.device)[None]
         seen = torch.where(slot < pad[:, None], idx.gather(1, pad[:, None]), idx)
-    step_input = idx  # the whole prompt first (prefill), then one new token a step
+    new = None  # nothing generated yet: the first step reads the whole prompt
     try:
-        decode = _compiled(model) if compile else model
-        for i in range(max_new_tokens):
-            step = model if i == 0 else decode  # prefill eager: its shape is seen once
-            logits = step(step_input, cache=cache, last_only=True)[0][:, -1, :]  # (B, V)
+        for _ in range(max_new_tokens):
+            logits = next_logits(seen, new)  # (B, V)
             if repetition_penalty is not None and repetition_penalty != 1.0:
                 logits = apply_repetition_penalty(logits, seen, repetition_penalty)
             nxt = sample_next(
@@ -102,14 +73,50 @@ def stream(
             if eos_id is not None:
                 nxt = nxt.masked_fill(done, eos_id)  # finished rows keep emitting eos
                 done |= nxt == eos_id
-            step_input = nxt[:, None]
-            if repetition_penalty is not None:
-                seen = torch.cat([seen, step_input], dim=1)
+            new = nxt[:, None]
+            seen = torch.cat([seen, new], dim=1)
             yield nxt
             if eos_id is not None and bool(done.all()):
                 break
     finally:
         model.train(was_training)
+
+
+def _cached_step(model, idx, max_new_tokens, pad, compile):
+    """next_logits(seen, new) over a KV cache: prefill the prompt once, then one token a step."""
+    total = idx.shape[1] + max_new_tokens
+    longest = total - (int(pad.min()) if pad is not None else 0)  # positions the longest row uses
+    if longest > model.cfg.max_seq_len:
+        if model.cfg.pos_encoding == "learned":
+            raise ValueError(
+                f"prompt ({longest - max_new_tokens} tokens) + max_new_tokens ({max_new_tokens}) "
+                f"= {longest} is past max_seq_len={model.cfg.max_seq_len}, and learned positions "
+                "have no row beyond it: shorten the prompt or max_new_tokens"
+            )
+        warnings.warn(
+            f"generating {longest} tokens past the trained context {model.cfg.max_seq_len} "
+            f"({model.cfg.pos_encoding} positions run on, but quality may drop)",
+            stacklevel=3,
+        )
+    cache = model.new_cache(idx.shape[0], total)
+    cache.pad = pad
+    decode = _compiled(model) if compile else model
+
+    def next_logits(seen, new):
+        if new is None:  # prefill eager: its shape is seen once
+            return model(idx, cache=cache, last_only=True)[0][:, -1, :]
+        return decode(new, cache=cache, last_only=True)[0][:, -1, :]
+
+    return next_logits
+
+
+def _cropped_step(model, context, pad):
+    """next_logits(seen, new) recomputing the last ``context`` tokens, no cache (as nanoGPT)."""
+    if pad is not None:
+        raise ValueError("context=N (cropped, uncached decoding) does not take padded batches")
+    if not 0 < context <= model.cfg.max_seq_len:
+        raise ValueError(f"context={context} must be in [1, max_seq_len={model.cfg.max_seq_len}]")
+    return lambda seen, new: model(seen[:, -context:], last_only=True)[0][:, -1, :]
 
 
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -120,33 +127,6 @@ def _compiled(model):
     if model not in _COMPILED:
         _COMPILED[model] = torch.compile(model, dynamic=True)
     return _COMPILED[model]
-
-
-@torch.no_grad()
-def _stream_cropped(model, idx, max_new_tokens, context, filters, penalty, eos_id, seed):
-    """``stream`` with a sliding context of ``context`` tokens and no KV cache."""
-    if not 0 < context <= model.cfg.max_seq_len:
-        raise ValueError(f"context={context} must be in [1, max_seq_len={model.cfg.max_seq_len}]")
-    was_training = model.training
-    model.eval()
-    generator = torch.Generator(device=idx.device).manual_seed(seed) if seed is not None else None
-    done = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)
-    seq = idx
-    try:
-        for _ in range(max_new_tokens):
-            logits = model(seq[:, -context:], last_only=True)[0][:, -1, :]
-            if penalty is not None and penalty != 1.0:
-                logits = apply_repetition_penalty(logits, seq, penalty)
-            nxt = sample_next(logits, generator=generator, **filters)
-            if eos_id is not None:
-                nxt = nxt.masked_fill(done, eos_id)
-                done |= nxt == eos_id
-            seq = torch.cat([seq, nxt[:, None]], dim=1)
-            yield nxt
-            if eos_id is not None and bool(done.all()):
-                break
-    finally:
-        model.train(was_training)
 
 
 def generate(model, idx: torch.Tensor, max_new_tokens: int, **kwargs) -> torch.Tensor:

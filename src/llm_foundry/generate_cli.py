@@ -1,0 +1,297 @@
+"""``llm-foundry generate``: text from an llm-foundry checkpoint, a training run directory or an
+HF transformers directory; streaming, stop strings, an interactive loop, JSON output."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+class _HFTokenizerFile:
+    """A Hugging Face ``tokenizer.json`` that is not one of ours (e.g. a Llama or GPT-2 one):
+    encode with the file's own special tokens (its BOS, if it adds one), decode without them."""
+
+    kind = "hf"
+    bos_id = None
+    pad_id = None
+
+    def __init__(self, hf, eos_id: int | None = None):
+        self.hf = hf
+        self.eos_id = eos_id
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self.hf.encode(text).ids
+
+    def decode(self, ids) -> str:
+        return self.hf.decode([int(i) for i in ids], skip_special_tokens=True)
+
+
+def _load_for_generation(path: Path, device: str):
+    """(model, tokenizer or None, eos ids, checkpoint dir) from an llm-foundry checkpoint, a
+    training run directory or an HF transformers directory. The eos ids are the tokenizer's
+    and, for an HF directory, config.json's ``eos_token_id`` (an id or a list)."""
+    from llm_foundry.checkpoint import load_checkpoint, resolve_checkpoint
+    from llm_foundry.tokenizer import load_tokenizer
+
+    ckpt = resolve_checkpoint(path)
+    try:
+        meta = json.loads((ckpt / "config.json").read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{ckpt / 'config.json'} is not valid JSON: {e}") from None
+    hf_eos: list[int] = []
+    if isinstance(meta, dict) and meta.get("format") == "llm-foundry":
+        model = load_checkpoint(ckpt, device)
+    elif isinstance(meta, dict) and "model_type" in meta:
+        from llm_foundry.interop.hf import from_hf
+
+        model = from_hf(ckpt).to(device)
+        eos = meta.get("eos_token_id")
+        hf_eos = [eos] if isinstance(eos, int) else [e for e in eos or [] if isinstance(e, int)]
+    else:
+        raise ValueError(
+            f"{ckpt / 'config.json'} is neither an llm-foundry checkpoint config "
+            '({"format": "llm-foundry", ...}) nor an HF transformers config (no "model_type")'
+        )
+    tok = None
+    tok_file = ckpt / "tokenizer.json"
+    if tok_file.exists():
+        try:
+            tok = load_tokenizer(tok_file)
+        except ValueError as ours:
+            from tokenizers import Tokenizer as HFTokenizer
+
+            try:
+                hf = HFTokenizer.from_file(str(tok_file))
+            except Exception as e:
+                raise ValueError(
+                    f"cannot read {tok_file}: not an llm-foundry tokenizer ({ours}) and not a "
+                    f"Hugging Face tokenizers file ({e})"
+                ) from None
+            tok = _HFTokenizerFile(hf, hf_eos[0] if hf_eos else None)
+    eos_ids = set(hf_eos)
+    if tok is not None and tok.eos_id is not None:
+        eos_ids.add(tok.eos_id)
+    return model.eval(), tok, eos_ids, ckpt
+
+
+def _parse_ids(text: str, vocab_size: int) -> list[int]:
+    try:
+        ids = [int(t) for t in text.replace(",", " ").split()]
+    except ValueError:
+        raise ValueError(f"--prompt-ids {text!r}: expected integers like 1,2,3") from None
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if bad:
+        raise ValueError(f"prompt id {bad[0]} is out of range for vocab_size={vocab_size}")
+    return ids
+
+
+def _stop_at(text: str, stops: list[str]) -> int | None:
+    """Where the first stop string starts in ``text`` (None if none occurs)."""
+    found = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(found) if found else None
+
+
+def _held_back(text: str, stops: list[str]) -> int:
+    """How many trailing characters of ``text`` may not be printed yet: an incomplete UTF-8
+    sequence (decoded as U+FFFD) or the start of a stop string that the next tokens may finish."""
+    n = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), n, -1):
+            if text.endswith(s[:k]):
+                n = k
+                break
+    stripped = text[: len(text) - n]
+    return n + len(stripped) - len(stripped.rstrip("\ufffd"))
+
+
+def _complete(model, tok, ids: list[int], ns, eos_ids: set[int], emit=None) -> dict:
+    """Generate a continuation of ``ids``; ``emit(piece)`` receives the text (or, without a
+    tokenizer, ``" ID"`` pieces) as it is produced. Returns the --json record: ``tokens`` is
+    the whole sequence (prompt ids, then the generated ones, an eos that ended it included)."""
+    import time
+
+    import torch
+
+    from llm_foundry.generate import stream
+
+    if not ids:
+        if tok is None or tok.bos_id is None:
+            raise ValueError("the prompt is empty (it encodes to no tokens)")
+        ids = [tok.bos_id]
+    device = next(model.parameters()).device
+    steps = stream(
+        model,
+        torch.tensor([ids], device=device),
+        ns.max_new_tokens,
+        temperature=ns.temperature,
+        top_k=ns.top_k,
+        top_p=ns.top_p,
+        min_p=ns.min_p,
+        repetition_penalty=ns.repetition_penalty,
+        seed=ns.seed,
+    )
+    # the continuation is the decoded whole sequence past the decoded prompt: decoding the new
+    # ids alone could drop a leading space (SentencePiece-style decoders) or split a character
+    prefix = tok.decode(ids) if tok is not None else ""
+    new: list[int] = []  # every generated id (the eos that ended it included)
+    body: list[int] = []  # the continuation's ids (no eos)
+    text, shown, reason = "", 0, "length"
+    start = time.perf_counter()
+    try:
+        for nxt in steps:
+            t = int(nxt[0])
+            new.append(t)
+            if t in eos_ids:
+                reason = "eos"
+                break
+            body.append(t)
+            if tok is None:
+                if emit:
+                    emit(f" {t}")
+                continue
+            full = tok.decode(ids + body)
+            text = full[len(prefix) :] if full.startswith(prefix) else tok.decode(body)
+            cut = _stop_at(text, ns.stop)
+            if cut is not None:
+                text, reason = text[:cut], "stop"
+                break
+            ready = len(text) - _held_back(text, ns.stop)
+            if emit and ready > shown:
+                emit(text[shown:ready])
+                shown = ready
+    finally:
+        steps.close()
+    elapsed = time.perf_counter() - start
+    if emit and tok is not None and len(text) > shown:
+        emit(text[shown:])
+    return {
+        "prompt": ids if tok is None else prefix,
+        "completion": body if tok is None else text,
+        "tokens": ids + new,
+        "new_tokens": len(new),
+        "prompt_tokens": len(ids),
+        "stop_reason": reason,
+        "tokens_per_s": round(len(new) / elapsed, 2) if elapsed > 0 else None,
+    }
+
+
+def _ids_text(ids: list[int]) -> str:
+    return " ".join(map(str, ids))
+
+
+def main(argv: list[str]) -> int:
+    import torch
+
+    p = argparse.ArgumentParser(
+        prog="llm-foundry generate",
+        description="Generate text from an llm-foundry checkpoint, a training run directory (its "
+        "latest checkpoint) or an HF transformers directory (config.json + safetensors). The "
+        "tokenizer is DIR/tokenizer.json; without one, give --prompt-ids and read ids back.",
+    )
+    p.add_argument("--checkpoint", required=True, metavar="DIR", help="checkpoint/run/HF dir")
+    p.add_argument("--prompt", default=None, help="prompt text")
+    p.add_argument("--prompt-ids", default=None, metavar="IDS", help="prompt token ids: 1,2,3")
+    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--min-p", type=float, default=None)
+    p.add_argument("--repetition-penalty", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (reproducible output)")
+    p.add_argument(
+        "--stop", nargs="+", default=[], metavar="STR", help="end at any of these (cut from output)"
+    )
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past eos")
+    p.add_argument("--stream", action="store_true", help="print the text as it is generated")
+    p.add_argument(
+        "--interactive",
+        action="store_true",
+        help="read prompts from stdin, one a line, until EOF, an empty line or 'exit'",
+    )
+    p.add_argument("--json", action="store_true", help="print a JSON line per prompt")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    ns = p.parse_args(argv)
+
+    if ns.prompt is not None and ns.prompt_ids is not None:
+        raise ValueError("give --prompt or --prompt-ids, not both")
+    if ns.prompt is None and ns.prompt_ids is None and not ns.interactive:
+        raise ValueError("give --prompt TEXT, --prompt-ids IDS or --interactive")
+    if ns.stream and ns.json:
+        raise ValueError("--stream and --json do not mix: --json prints one record when done")
+    if ns.max_new_tokens < 0:
+        raise ValueError(f"--max-new-tokens must be >= 0; got {ns.max_new_tokens}")
+    if ns.temperature < 0:
+        raise ValueError(f"--temperature must be >= 0 (0 = greedy); got {ns.temperature}")
+    if any(s == "" for s in ns.stop):
+        raise ValueError("--stop strings must not be empty")
+    device = ns.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: CUDA is not available (use --device cpu)")
+
+    model, tok, eos_ids, _ = _load_for_generation(Path(ns.checkpoint), device)
+    if ns.ignore_eos:
+        eos_ids = set()
+    if tok is None and ns.prompt is not None:
+        raise ValueError(
+            f"{Path(ns.checkpoint)} has no tokenizer.json: give the prompt as --prompt-ids 1,2,3 "
+            "(the output is then token ids)"
+        )
+    if tok is None and ns.stop:
+        raise ValueError("--stop needs a tokenizer (the checkpoint has no tokenizer.json)")
+    vocab = model.cfg.vocab_size
+
+    def run(ids: list[int], echo: bool) -> None:
+        """Generate for one prompt and print it (echo: the prompt first, then the text)."""
+        if not ns.stream:
+            rec = _complete(model, tok, ids, ns, eos_ids)
+            if ns.json:
+                print(json.dumps(rec, ensure_ascii=False))  # one line a prompt (JSON Lines)
+            elif tok is None:
+                print(_ids_text((rec["prompt"] if echo else []) + rec["completion"]))
+            else:
+                print((rec["prompt"] if echo else "") + rec["completion"])
+            return
+        started = False
+
+        def emit(piece: str) -> None:
+            nonlocal started
+            if not started:  # at the first token: a refusal leaves nothing half printed
+                started = True
+                if tok is None:
+                    piece = _ids_text(ids) + piece if echo else piece[1:]
+                elif echo:
+                    piece = tok.decode(ids) + piece
+            print(piece, end="", flush=True)
+
+        rec = _complete(model, tok, ids, ns, eos_ids, emit)
+        if not started and echo:
+            print(_ids_text(rec["prompt"]) if tok is None else rec["prompt"], end="")
+        print(flush=True)
+
+    def encode(line: str) -> list[int]:
+        return _parse_ids(line, vocab) if tok is None else tok.encode(line)
+
+    if ns.prompt_ids is not None:
+        run(_parse_ids(ns.prompt_ids, vocab), echo=True)
+    elif ns.prompt is not None:
+        run(tok.encode(ns.prompt), echo=True)
+    if ns.interactive:
+        while True:
+            print("> ", end="", file=sys.stderr, flush=True)
+            line = sys.stdin.readline()
+            if not line:  # EOF
+                print(file=sys.stderr)
+                break
+            line = line.rstrip("\r\n")
+            if not line.strip() or line.strip() in ("exit", "quit"):
+                break
+            run(encode(line), echo=False)
+    return 0
