@@ -1,5 +1,5 @@
-"""``llm-foundry inspect WHAT``: PNG plots of learning-rate schedules, attention patterns and
-position encodings (RoPE, sinusoidal, ALiBi).
+"""``llm-foundry inspect WHAT``: PNG plots of learning-rate schedules, attention patterns,
+position encodings (RoPE, sinusoidal, ALiBi) and a run's training dynamics.
 
 Plotting functions (``plot_*``) take plain numbers and a path and return the path; ``main``
 parses arguments, computes the numbers and prints the path written (or JSON with ``--json``).
@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 DPI = 100
-WHATS = ("lr", "attention", "rope", "sinusoidal", "alibi")
+WHATS = ("lr", "attention", "rope", "sinusoidal", "alibi", "dynamics")
 
 
 def _plt():
@@ -204,6 +204,85 @@ def plot_alibi(slopes: list[float], length: int, path: str | Path) -> Path:
         ax.set_ylabel("query", fontsize=7)
         ax.tick_params(labelsize=6)
     fig.colorbar(im, ax=axes, shrink=0.8, label="bias added to the attention score")
+    return _save(fig, path)
+
+
+DYNAMICS_FIGSIZE = (16.0, 9.0)
+
+
+def plot_dynamics(
+    records: list[dict],
+    path: str | Path,
+    title: str,
+    entropy_min: float | None = None,
+    rank_frac: float | None = None,
+) -> Path:
+    """A 2 x 3 grid against the step, one line per layer: attention entropy (mean over heads,
+    and the lowest head dashed), effective ranks of W_q, W_k and the hidden states, gradient
+    norm and activation RMS. ``records`` are ``llm_foundry.monitor`` records ({"step", "monitor"});
+    the warning thresholds, when given, are drawn as red dotted lines."""
+    import numpy as np
+    from matplotlib.lines import Line2D
+
+    plt = _plt()
+    steps = [r["step"] for r in records]
+    m = [r["monitor"] for r in records]
+    n_layers = len(m[0]["rank_wq"])
+    series = {k: np.array([rec[k] for rec in m], dtype=float) for k in m[0] if k != "full_rank"}
+    entropy = np.array([rec["attn_entropy"] for rec in m], dtype=float)  # (steps, L, H)
+    colors = plt.get_cmap("viridis")(np.linspace(0, 0.9, n_layers))
+    marker = dict(marker="o", ms=3) if len(steps) <= 40 else {}
+    fig, axes = plt.subplots(2, 3, figsize=DYNAMICS_FIGSIZE, layout="constrained")
+    ax = axes[0, 0]
+    for i in range(n_layers):
+        ax.plot(steps, entropy[:, i].mean(-1), color=colors[i], lw=1.6, **marker)
+        ax.plot(steps, entropy[:, i].min(-1), color=colors[i], lw=1.0, ls="--")
+    ax.axhline(m[0]["entropy_uniform"], color="gray", ls=":", lw=1.2)
+    ax.set_title("attention entropy (nats): mean of heads, lowest head dashed")
+    panels = [
+        (axes[0, 1], "rank_wq", "effective rank of W_q"),
+        (axes[0, 2], "rank_wk", "effective rank of W_k"),
+        (axes[1, 0], "rank_hidden", "effective rank of hidden states (B*T x D)"),
+        (axes[1, 1], "grad_norm", "gradient norm of each block (before clipping)"),
+        (axes[1, 2], "act_rms", "activation RMS of each block's output"),
+    ]
+    for ax, key, label in panels:
+        for i in range(n_layers):
+            ax.plot(steps, series[key][:, i], color=colors[i], lw=1.6, **marker)
+        ax.set_title(label)
+        if key.startswith("rank_"):
+            full = m[0]["full_rank"][key[5:]]
+            ax.axhline(full, color="gray", ls=":", lw=1.2)
+            if rank_frac:
+                ax.axhline(rank_frac * full, color="tab:red", ls=":", lw=1.2)
+            ax.set_ylim(0, full * 1.05)
+        elif min(series[key].min(), 1) > 0:  # magnitudes: span decades
+            ax.set_yscale("log")
+    if entropy_min:
+        axes[0, 0].axhline(entropy_min, color="tab:red", ls=":", lw=1.2)
+    for ax in axes.flat:
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.title.set_fontsize(10)
+    styles = [
+        Line2D([], [], color="k", lw=1.6, label="mean of heads / value"),
+        Line2D([], [], color="k", lw=1.0, ls="--", label="lowest head"),
+        Line2D([], [], color="gray", ls=":", label="uniform attention / full rank"),
+        Line2D([], [], color="tab:red", ls=":", label="warning threshold"),
+    ]
+    if n_layers <= 12:
+        layers = [
+            Line2D([], [], color=colors[i], lw=2, label=f"layer {i}") for i in range(n_layers)
+        ]
+        fig.legend(handles=layers + styles, loc="outside right upper", fontsize=9)
+    else:  # too many for a legend: a colour scale of the layer index
+        from matplotlib.cm import ScalarMappable
+        from matplotlib.colors import ListedColormap, Normalize
+
+        sm = ScalarMappable(Normalize(-0.5, n_layers - 0.5), ListedColormap(colors))
+        fig.colorbar(sm, ax=axes, label="layer", shrink=0.8)
+        axes[0, 0].legend(handles=styles, fontsize=8)
+    fig.suptitle(title)
     return _save(fig, path)
 
 
@@ -433,12 +512,59 @@ def cmd_alibi(argv: list[str]) -> int:
     return _report(ns, path, n_heads=ns.n_heads, length=ns.length, slopes=slopes)
 
 
+def cmd_dynamics(argv: list[str]) -> int:
+    from llm_foundry.monitor import read_monitor
+
+    p = argparse.ArgumentParser(
+        prog="llm-foundry inspect dynamics",
+        description="Plot a run's training-dynamics records (attention entropy, effective "
+        "ranks, per-layer gradient norms, activation RMS) against the step. The run must have "
+        "been trained with --train.monitor_interval N.",
+    )
+    p.add_argument("--run", required=True, help="run directory (holds metrics.jsonl)")
+    _common(p)
+    ns = p.parse_args(argv)
+    run = Path(ns.run)
+    metrics = run / "metrics.jsonl"
+    if not metrics.exists():
+        what = "no such directory" if not run.is_dir() else "no metrics.jsonl in it"
+        raise FileNotFoundError(f"--run {run}: {what} (give a run directory of llm-foundry train)")
+    records = read_monitor(metrics)
+    if not records:
+        raise ValueError(
+            f"{metrics} has no monitor records: train with --train.monitor_interval N (e.g. 100) "
+            "to record attention entropy, effective ranks and per-layer gradient norms every N "
+            "steps"
+        )
+    train = {}
+    if (run / "run.json").exists():
+        train = json.loads((run / "run.json").read_text()).get("train", {})
+    interval = train.get("monitor_interval")
+    every = f", every {interval} steps" if interval else ""
+    path = plot_dynamics(
+        records,
+        ns.out,
+        f"{run.name}: training dynamics ({len(records)} records{every})",
+        train.get("monitor_entropy_min"),
+        train.get("monitor_rank_frac"),
+    )
+    return _report(
+        ns,
+        path,
+        run=str(run),
+        steps=[r["step"] for r in records],
+        layers=len(records[0]["monitor"]["rank_wq"]),
+        monitor=[r["monitor"] for r in records],
+    )
+
+
 COMMANDS = {
     "lr": (cmd_lr, "learning rate against the step (--compare: every schedule)"),
     "attention": (cmd_attention, "attention heatmaps of a checkpoint (or random preset)"),
     "rope": (cmd_rope, "RoPE wavelengths per dimension pair, with linear/NTK scaling"),
     "sinusoidal": (cmd_sinusoidal, "the sinusoidal position table"),
     "alibi": (cmd_alibi, "ALiBi bias matrices, one per head"),
+    "dynamics": (cmd_dynamics, "a run's attention entropy, ranks, grad norms against the step"),
 }
 USAGE = (
     "usage: llm-foundry inspect WHAT [options] [--out FILE.png] [--json]\n\nWHAT:\n"

@@ -15,12 +15,16 @@ from llm_foundry.train.schedule import lr_at  # noqa: E402
 
 
 def read_metrics(path: str | Path) -> tuple[list[dict], list[dict]]:
-    """Split ``metrics.jsonl`` into train records and eval records."""
+    """Split ``metrics.jsonl`` into train records and eval records (other kinds, such as
+    ``monitor`` records, are left out)."""
     train, evals = [], []
     for line in Path(path).read_text().splitlines():
         if line.strip():
             rec = json.loads(line)
-            (evals if "val_loss" in rec else train).append(rec)
+            if "val_loss" in rec:
+                evals.append(rec)
+            elif "loss" in rec:
+                train.append(rec)
     return train, evals
 
 

@@ -2,7 +2,8 @@
 
 One step = ``grad_accum`` micro-batches, one clip, one optimizer update. Everything a resumed run
 needs to continue bit for bit (weights, optimizer moments, RNG and data-sampler states) goes into
-each checkpoint; ``metrics.jsonl`` is cut back to the checkpoint's step on resume.
+each checkpoint; ``metrics.jsonl`` is cut back to the checkpoint's step on resume. With
+``monitor_interval`` set, ``llm_foundry.monitor`` adds a training-dynamics record every N steps.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import llm_foundry
 from llm_foundry.config import ModelConfig
 from llm_foundry.data import BatchSampler, load_meta, load_split
 from llm_foundry.models import Transformer
+from llm_foundry.monitor import Monitor, layer_grad_norms, rest_grad_norm
 from llm_foundry.train.config import TrainConfig
 from llm_foundry.train.schedule import lr_at
 from llm_foundry.train.state import (
@@ -126,6 +128,11 @@ class Trainer:
         self.sampler = BatchSampler(
             self.train_data, train_cfg.block_size, train_cfg.batch_size, seed=train_cfg.seed
         )
+        self.monitor = (
+            Monitor.for_run(self.model, self.val_data, train_cfg, self.device, write=tqdm.write)
+            if train_cfg.monitor_interval
+            else None
+        )
         self.step = 0
         self.best_val = math.inf
         self.best_name: str | None = None
@@ -212,8 +219,10 @@ class Trainer:
         prune_checkpoints(self.ckpt_root, self.tc.keep_last, {self.best_name or "", path.name})
         return path
 
-    def _train_step(self) -> tuple[float, float, bool]:
-        """One optimizer step; returns (loss, grad_norm, applied)."""
+    def _train_step(self, layer_norms: bool = False):
+        """One optimizer step; returns (loss, grad_norm, applied, norms), where ``norms`` is
+        (per-layer gradient norms, the rest's norm) before clipping when ``layer_norms``, else
+        None."""
         tc = self.tc
         lr = lr_at(self.step, tc)
         for group in self.optimizer.param_groups:
@@ -226,6 +235,9 @@ class Trainer:
             self.scaler.scale(loss).backward()
             loss_sum += loss.detach()
         self.scaler.unscale_(self.optimizer)
+        norms = None
+        if layer_norms:
+            norms = layer_grad_norms(self.model), rest_grad_norm(self.model)
         max_norm = tc.grad_clip if tc.grad_clip > 0 else math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         loss_value, norm_value = loss_sum.item(), grad_norm.item()  # the one host sync per step
@@ -233,11 +245,11 @@ class Trainer:
         bad_norm = not math.isfinite(norm_value) and not self.scaler.is_enabled()
         if not math.isfinite(loss_value) or bad_norm:
             self.optimizer.zero_grad(set_to_none=True)
-            return loss_value, norm_value, False
+            return loss_value, norm_value, False, norms
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
-        return loss_value, norm_value, True
+        return loss_value, norm_value, True, norms
 
     # ------------------------------------------------------------------------------------------
     def run(self) -> RunResult:
@@ -263,8 +275,11 @@ class Trainer:
         self.model.train()
         try:
             while self.step < tc.max_steps:
+                watch = self.monitor is not None and self.monitor.due(self.step + 1)
+                # probed before the step: the weights this step's forward and backward see
+                probe = self.monitor.probe() if watch else None
                 t0 = time.perf_counter()
-                loss, grad_norm, applied = self._train_step()
+                loss, grad_norm, applied, norms = self._train_step(layer_norms=watch)
                 if not applied:
                     if tc.on_nonfinite == "stop":
                         where = last_ckpt or "none saved yet"
@@ -289,6 +304,8 @@ class Trainer:
                     time=time.perf_counter() - t_start,
                 )
                 metrics.write(rec)
+                if watch:
+                    metrics.write(self.monitor.record(self.step, probe, *norms))
                 if tb:
                     for k in ("loss", "lr", "grad_norm", "tokens_per_s"):
                         tb.add_scalar(f"train/{k}", rec[k], self.step)
