@@ -59,6 +59,26 @@ def test_parallel_block_formula():
     torch.testing.assert_close(block(x, NoPosition(), 0, None)[0], x + a + block.mlp(h))
 
 
+@pytest.mark.parametrize("norm_position", ["pre", "post"])
+def test_residual_false_keeps_only_the_branches(norm_position):
+    from llm_foundry.models.components import NoPosition
+
+    torch.manual_seed(0)
+    cfg = tiny(n_layers=1, norm_position=norm_position, norm="layernorm")
+    with_skip = Transformer(cfg).layers[0]
+    without = Transformer(cfg.replace(residual=False)).layers[0]
+    without.load_state_dict(with_skip.state_dict())
+    x, pos = torch.randn(2, 5, 32), NoPosition()
+    if norm_position == "pre":
+        a = without.attn(without.attn_norm(x), pos, 0, None)[0]
+        expected = without.mlp(without.mlp_norm(a))
+    else:
+        a = without.attn_norm(without.attn(x, pos, 0, None)[0])
+        expected = without.mlp_norm(without.mlp(a))
+    torch.testing.assert_close(without(x, pos, 0, None)[0], expected)
+    assert not torch.allclose(with_skip(x, pos, 0, None)[0], expected)
+
+
 @pytest.mark.parametrize("mlp, n_mats", [("gelu", 2), ("relu", 2), ("swiglu", 3), ("geglu", 3)])
 def test_mlp_variants(mlp, n_mats):
     model = Transformer(tiny(mlp=mlp))

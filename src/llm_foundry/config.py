@@ -76,6 +76,7 @@ class ModelConfig:
     norm_bias: bool = True  # bias in LayerNorm (RMSNorm never has one)
     tie_embeddings: bool = False  # output head shares the token-embedding matrix
     parallel_block: bool = False  # attention and MLP read one normed input (GPT-J, Falcon)
+    residual: bool = True  # skip connections; False only to study gradient flow without them
     qk_norm: bool = False  # RMSNorm on each query/key head before RoPE (Qwen3)
     sliding_window: int | None = None  # attend only to the last N positions (Mistral)
     attn_impl: str = "sdpa"  # sdpa (fused kernels) | manual (can return attention weights)

@@ -406,6 +406,7 @@ Need = tuple[str, Callable[[ModelConfig], bool], str]
 COMMON_NEEDS: list[Need] = [  # what no supported family (LLaMA, Mistral, Qwen3, GPT-2) has
     ("norm_position", lambda c: c.norm_position == "pre", "'pre': all four families are pre-norm"),
     ("parallel_block", lambda c: not c.parallel_block, "False: no family has parallel blocks"),
+    ("residual", lambda c: c.residual, "True: every family has residual connections"),
     ("embed_norm", lambda c: not c.embed_norm, "False: no family normalises the embeddings"),
     (
         "pos_encoding",

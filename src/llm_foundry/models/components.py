@@ -427,6 +427,18 @@ def build_mlp(cfg: ModelConfig) -> nn.Module:
 #
 # Pre-norm keeps an identity path from output to input, so gradients reach early layers
 # undamped; post-norm renormalises the residual stream and needs warmup to train deep models.
+# ``residual=False`` swaps the skip-add for "keep only the branch" (gradient-flow ablation).
+
+
+def add_skip(x: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
+    return x + branch
+
+
+def no_skip(x: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
+    return branch
+
+
+SKIPS = {True: add_skip, False: no_skip}
 
 
 class Block(nn.Module):
@@ -439,11 +451,12 @@ class Block(nn.Module):
         self.mlp_norm = build_norm(cfg)
         self.mlp = build_mlp(cfg)
         self.drop = nn.Dropout(cfg.dropout)
+        self.skip = SKIPS[cfg.residual]
 
     def forward(self, x, pos, start, mask, need_weights=False, kv=None):
         a, weights = self.attn(self.attn_norm(x), pos, start, mask, need_weights, kv)
-        x = x + self.drop(a)
-        return x + self.drop(self.mlp(self.mlp_norm(x))), weights
+        x = self.skip(x, self.drop(a))
+        return self.skip(x, self.drop(self.mlp(self.mlp_norm(x)))), weights
 
 
 class PostNormBlock(Block):
@@ -451,8 +464,8 @@ class PostNormBlock(Block):
 
     def forward(self, x, pos, start, mask, need_weights=False, kv=None):
         a, weights = self.attn(x, pos, start, mask, need_weights, kv)
-        x = self.attn_norm(x + self.drop(a))
-        return self.mlp_norm(x + self.drop(self.mlp(x))), weights
+        x = self.attn_norm(self.skip(x, self.drop(a)))
+        return self.mlp_norm(self.skip(x, self.drop(self.mlp(x)))), weights
 
 
 class ParallelBlock(nn.Module):
@@ -464,11 +477,12 @@ class ParallelBlock(nn.Module):
         self.attn = Attention(cfg)
         self.mlp = build_mlp(cfg)
         self.drop = nn.Dropout(cfg.dropout)
+        self.skip = SKIPS[cfg.residual]
 
     def forward(self, x, pos, start, mask, need_weights=False, kv=None):
         h = self.attn_norm(x)
         a, weights = self.attn(h, pos, start, mask, need_weights, kv)
-        return x + self.drop(a) + self.drop(self.mlp(h)), weights
+        return self.skip(x, self.drop(a)) + self.drop(self.mlp(h)), weights
 
 
 def build_block(cfg: ModelConfig) -> nn.Module:

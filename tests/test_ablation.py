@@ -1,0 +1,215 @@
+"""The ablation runner: grids, equal budgets, resumability, seeds, the table and the plots."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import matplotlib.image as mpimg
+import pytest
+
+from llm_foundry import ablation
+from llm_foundry.ablation import Study, Variant, expand, load_study, parse_assignment, recipe_names
+from llm_foundry.cli import main as cli
+from llm_foundry.data import prepare
+from llm_foundry.train.trainer import Trainer
+
+SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
+TINY_MODEL = dict(dim=32, n_layers=2, n_heads=2, n_kv_heads=2, hidden_dim=64, max_seq_len=16)
+TINY_TRAIN = dict(
+    max_steps=12,
+    batch_size=4,
+    block_size=16,
+    warmup_steps=2,
+    eval_interval=6,
+    eval_batches=2,
+    checkpoint_interval=6,
+    sample_tokens=0,
+    progress=False,
+)
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("data")
+    if SHAKESPEARE.exists():
+        text = SHAKESPEARE.read_text()[:40_000]
+    else:
+        text = "".join(
+            f"Line {i}: to be, or not to be, that is the question.\n" for i in range(700)
+        )
+    (root / "corpus.txt").write_text(text)
+    prepare(root / "char", text_files=[root / "corpus.txt"], tokenizer="char", progress=False)
+    return root / "char"
+
+
+def tiny_study(**kw) -> Study:
+    d = dict(
+        name="tiny",
+        preset="llama-shakespeare-char",
+        model=dict(TINY_MODEL),
+        train=dict(TINY_TRAIN),
+        speed_rounds=1,
+    )
+    d.update(kw)
+    return Study.from_dict(d)
+
+
+def test_grid_expands_every_combination_and_routes_train_fields():
+    study = tiny_study(vary={"norm": ["layernorm", "rmsnorm"], "train.lr": [1e-3, 3e-3]})
+    variants = expand(study)
+    assert [v.name for v in variants] == [
+        "norm=layernorm,lr=0.001",
+        "norm=layernorm,lr=0.003",
+        "norm=rmsnorm,lr=0.001",
+        "norm=rmsnorm,lr=0.003",
+    ]
+    assert variants[1].model == {"norm": "layernorm"} and variants[1].train == {"lr": 0.003}
+    mc, tc = ablation.configs(study, variants[3], seed_index=2)
+    assert mc.norm == "rmsnorm" and tc.lr == 0.003 and tc.seed == TINY_TRAIN.get("seed", 1337) + 2
+
+
+def test_assignments_are_typed_and_bad_fields_are_named():
+    assert parse_assignment("n_kv_heads=4,2,1") == ("model", "n_kv_heads", [4, 2, 1])
+    assert parse_assignment("train.lr=1e-3") == ("train", "lr", [1e-3])
+    with pytest.raises(ValueError, match="no field 'nrom'"):
+        parse_assignment("nrom=layernorm")
+    with pytest.raises(ValueError, match="FIELD=VALUE"):
+        parse_assignment("norm")
+    with pytest.raises(ValueError, match="unknown probe"):
+        tiny_study(probes=["nope"])
+
+
+def test_every_builtin_recipe_loads_and_its_variants_are_valid():
+    assert len(recipe_names()) >= 6
+    for name in recipe_names():
+        study = load_study(name)
+        variants = expand(study)
+        assert len(variants) >= 2, name
+        for v in variants:
+            ablation.configs(study, v, 0)  # validates both configs
+        assert study.claim, f"recipe {name} states no claim"
+
+
+def test_study_trains_every_variant_and_seed_then_resumes_without_retraining(
+    data_dir, tmp_path, monkeypatch
+):
+    study = tiny_study(
+        variants=[Variant("mha", {"n_kv_heads": 2}), Variant("mqa", {"n_kv_heads": 1})], seeds=2
+    )
+    report = ablation.run_study(study, data_dir, tmp_path)
+    rows = {r["variant"]: r for r in report["rows"]}
+    assert set(rows) == {"mha", "mqa"}
+    for r in rows.values():
+        assert r["seeds"] == 2 and r["val_loss_std"] is not None
+        assert 0 < r["val_loss"] < 10 and r["ms_per_iter"] > 0 and r["tokens_per_s"] > 0
+        assert r["peak_mem_mib"] > 0 and r["decode_tokens_per_s"] > 0
+    assert rows["mha"]["kv_bytes_per_token"] == 2 * rows["mqa"]["kv_bytes_per_token"]
+    assert rows["mha"]["params"] > rows["mqa"]["params"]
+    assert rows["mha"]["verdict"] == "reference"
+    assert rows["mqa"]["verdict"].startswith(("within seed noise", "better", "worse"))
+    # the two seeds saw different batches; each variant's seed i saw the same ones
+    seeds = {r["seed"] for r in report["runs"]["mha"]}
+    assert seeds == {1337, 1338}
+    md = (tmp_path / "results.md").read_text()
+    assert "| mha |" in md and "| mqa |" in md and "±" in md
+    assert json.loads((tmp_path / "results.json").read_text())["rows"][0]["variant"] == "mha"
+    img = mpimg.imread(tmp_path / "val_loss.png")
+    assert img.shape[0] == 550 and img.shape[1] == 900
+
+    # rerun: nothing is trained again
+    def boom(*a, **k):
+        raise AssertionError("a finished variant was trained again")
+
+    monkeypatch.setattr("llm_foundry.train.trainer.Trainer.run", boom)
+    again = ablation.run_study(study, data_dir, tmp_path)
+    assert again["rows"][0]["val_loss"] == report["rows"][0]["val_loss"]
+
+
+def test_changed_settings_refuse_to_reuse_a_finished_run(data_dir, tmp_path):
+    study = tiny_study(variants=[Variant("a"), Variant("b", {"norm": "layernorm"})])
+    ablation.run_study(study, data_dir, tmp_path)
+    study.train["lr"] = 5e-3
+    with pytest.raises(ValueError, match=r"train\.lr"):
+        ablation.run_study(study, data_dir, tmp_path)
+
+
+def test_an_interrupted_variant_resumes_and_matches_an_uninterrupted_study(
+    data_dir, tmp_path, monkeypatch
+):
+    study = tiny_study(variants=[Variant("a"), Variant("b", {"mlp": "gelu"})])
+    full = ablation.run_study(study, data_dir, tmp_path / "full")
+    original = Trainer._train_step
+
+    def sigterm_in_variant_b(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        if self.mc.mlp == "gelu" and self.step == 6:  # the 7th step of variant b
+            os.kill(os.getpid(), signal.SIGTERM)
+        return out
+
+    monkeypatch.setattr(Trainer, "_train_step", sigterm_in_variant_b)
+    with pytest.raises(KeyboardInterrupt, match="rerun to resume"):
+        ablation.run_study(study, data_dir, tmp_path / "cut")
+    monkeypatch.undo()
+    assert not (tmp_path / "cut" / "runs" / "b" / "seed0" / "result.json").exists()
+    resumed = ablation.run_study(study, data_dir, tmp_path / "cut")
+
+    def losses(root: Path) -> list[float]:
+        lines = (root / "runs" / "b" / "seed0" / "metrics.jsonl").read_text().splitlines()
+        return [json.loads(x)["loss"] for x in lines if '"loss"' in x]
+
+    assert len(losses(tmp_path / "cut")) == TINY_TRAIN["max_steps"]
+    assert losses(tmp_path / "cut") == losses(tmp_path / "full")
+    assert resumed["rows"][1]["val_loss"] == full["rows"][1]["val_loss"]
+
+
+def test_extrapolation_reports_cannot_run_for_learned_positions(data_dir, tmp_path):
+    study = tiny_study(vary={"pos_encoding": ["learned", "alibi"]}, extrapolation=[1, 2])
+    report = ablation.run_study(study, data_dir, tmp_path)
+    learned, alibi = report["rows"]
+    assert "loss" in learned["extrapolation"][0]
+    assert learned["extrapolation"][1]["status"] == "cannot run"
+    assert [e["context"] for e in alibi["extrapolation"]] == [16, 32]
+    assert all(e["loss"] > 0 for e in alibi["extrapolation"])
+    md = (tmp_path / "results.md").read_text()
+    assert "cannot run" in md
+    assert mpimg.imread(tmp_path / "extrapolation.png").shape[:2] == (500, 800)
+
+
+def test_cli_runs_a_grid_and_prints_the_table(data_dir, tmp_path, capsys):
+    sets = [f"--set=train.{k}={v}" for k, v in TINY_TRAIN.items()]
+    sets += [f"--set={k}={v}" for k, v in TINY_MODEL.items()]
+    code = cli(
+        ["ablate", "--vary", "mlp=gelu,swiglu", "--data", str(data_dir), "--out", str(tmp_path)]
+        + sets
+    )
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "| mlp=gelu |" in out and "| mlp=swiglu |" in out
+    assert cli(["ablate", "--data", str(data_dir), "--out", str(tmp_path / "x")]) == 2
+    assert "nothing to compare" in capsys.readouterr().err
+
+
+def test_cli_lists_recipes(capsys):
+    assert cli(["ablate", "--list"]) == 0
+    out = capsys.readouterr().out
+    for name in recipe_names():
+        assert name in out
+
+
+def test_init_grad_norm_probe_measures_with_and_without_residuals(data_dir):
+    study = tiny_study(model={**TINY_MODEL, "n_layers": 4}, variants=[Variant("pre")])
+    study.model["vocab_size"] = ablation._vocab(data_dir)
+    norms = ablation.probe_init_grad_norms(study, expand(study), data_dir)
+    assert set(norms) == {"pre, residual=True", "pre, residual=False"}
+    assert all(len(v) == 4 and all(g > 0 for g in v) for v in norms.values())
+    assert norms["pre, residual=True"] != norms["pre, residual=False"]
+
+
+def test_norm_speed_probe_times_both_norms_eager_and_compiled(monkeypatch, tmp_path):
+    monkeypatch.setattr(ablation, "NORM_SPEED_SHAPES", [(8, 16)])
+    rows = ablation.probe_norm_speed(tiny_study(), [], tmp_path)["rows"]
+    keys = {(r["norm"], r["compiled"], r["op"]) for r in rows}
+    assert len(keys) == 8 and all(r["ms"] > 0 and r["shape"] == [8, 16] for r in rows)
