@@ -216,6 +216,21 @@ def _eval(argv: list[str]) -> int:
     return evaluate.main(argv)
 
 
+def _ablate(argv: list[str]) -> int:
+    from llm_foundry import ablation
+
+    return ablation.main(argv)
+
+
+def _bench(argv: list[str]) -> int:
+    if not argv or argv[0] != "attention":
+        print("usage: llm-foundry bench attention [options]  (see --help)", file=sys.stderr)
+        return 2
+    from llm_foundry import attention_bench
+
+    return attention_bench.main(argv[1:])
+
+
 COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "prepare": (cmd_prepare, "tokenize a corpus into train/val token files"),
     "train": (cmd_train, "train a model (no arguments: the Shakespeare demo)"),
@@ -224,6 +239,8 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "convert": (cmd_convert, "convert checkpoints to and from HF transformers"),
     "inspect": (_inspect, "PNG plots: lr schedule, attention, RoPE, sinusoidal table, ALiBi"),
     "params": (cmd_params, "parameter, FLOP and KV-cache accounting for a config"),
+    "ablate": (_ablate, "train variants under one budget and compare them in one table"),
+    "bench": (_bench, "benchmarks: `bench attention` (manual vs SDPA time and memory)"),
 }
 
 
