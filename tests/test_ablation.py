@@ -80,6 +80,31 @@ def test_assignments_are_typed_and_bad_fields_are_named():
         parse_assignment("norm")
     with pytest.raises(ValueError, match="unknown probe"):
         tiny_study(probes=["nope"])
+    with pytest.raises(ValueError, match="'first', 'previous'"):
+        tiny_study(compare="last")
+
+
+def test_compare_previous_judges_each_row_against_the_one_before():
+    run = lambda name, v: dict(
+        val_loss=v,
+        train_loss=v,
+        params=1,
+        train_ms_per_iter=1.0,
+        peak_mem_bytes=1,
+        decode_tokens_per_s=1.0,
+        kv_bytes_per_token=1,
+    )
+    vs = [Variant("a"), Variant("b"), Variant("c")]
+    runs = {
+        "a": [run("a", 2.0), run("a", 2.01)],
+        "b": [run("b", 1.5), run("b", 1.51)],
+        "c": [run("c", 1.5), run("c", 1.52)],
+    }
+    rows = ablation.summarise(vs, runs, {}, 768, compare="previous")
+    assert [round(r["delta_val"], 3) for r in rows] == [0.0, -0.5, 0.005]
+    assert rows[1]["verdict"].startswith("better") and rows[2]["verdict"].startswith("within")
+    first = ablation.summarise(vs, runs, {}, 768, compare="first")
+    assert round(first[2]["delta_val"], 3) == -0.495
 
 
 def test_every_builtin_recipe_loads_and_its_variants_are_valid():
@@ -176,6 +201,9 @@ def test_extrapolation_reports_cannot_run_for_learned_positions(data_dir, tmp_pa
     md = (tmp_path / "results.md").read_text()
     assert "cannot run" in md
     assert mpimg.imread(tmp_path / "extrapolation.png").shape[:2] == (500, 800)
+    (tmp_path / "results.md").unlink()
+    assert cli(["ablate", "--report", str(tmp_path)]) == 0  # rebuilt without training
+    assert (tmp_path / "results.md").read_text() == md
 
 
 def test_cli_runs_a_grid_and_prints_the_table(data_dir, tmp_path, capsys):

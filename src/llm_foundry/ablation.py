@@ -62,6 +62,7 @@ class Study:
     eval_tokens: int = 32768  # validation tokens scored per extrapolation context
     probes: list[str] = field(default_factory=list)
     speed_rounds: int = 5  # interleaved timing rounds of every variant's training step
+    compare: str = "first"  # verdicts against the first variant, or "previous" (one change a step)
 
     @classmethod
     def from_dict(cls, d: dict) -> Study:
@@ -77,6 +78,8 @@ class Study:
         bad = [p for p in study.probes if p not in PROBES]
         if bad:
             raise ValueError(f"unknown probe(s) {bad}; valid: {', '.join(PROBES)}")
+        if study.compare not in ("first", "previous"):
+            raise ValueError(f"compare={study.compare!r}: valid values are 'first', 'previous'")
         if not isinstance(study.seeds, int) or study.seeds < 1:
             raise ValueError(f"seeds={study.seeds!r} must be a positive integer")
         return study
@@ -359,7 +362,7 @@ def run_study(study: Study, data: str | Path, out: str | Path) -> dict:
     models = {v.name: Transformer(configs(study, v, 0)[0]) for v in variants}
     tc0 = configs(study, variants[0], 0)[1]
     speed = step_times_ms(models, tc0, study.speed_rounds) if study.speed_rounds else {}
-    rows = summarise(variants, runs, speed, tc0.tokens_per_step)
+    rows = summarise(variants, runs, speed, tc0.tokens_per_step, study.compare)
     report = dict(study=study.to_dict(), rows=rows, runs=runs, machine=machine())
     for probe in study.probes:
         print(f"=== probe {probe}")
@@ -379,8 +382,9 @@ def _mean_std(values: list[float]) -> tuple[float, float | None]:
     return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else None
 
 
-def summarise(variants, runs, speed, tokens_per_step) -> list[dict]:
-    """One row per variant: means (and std over seeds) and the verdict against the first."""
+def summarise(variants, runs, speed, tokens_per_step, compare: str = "first") -> list[dict]:
+    """One row per variant: means (and std over seeds) and the verdict against the first
+    variant, or against the row before it (``compare="previous"``)."""
     rows = []
     for v in variants:
         rs = runs[v.name]
@@ -405,8 +409,8 @@ def summarise(variants, runs, speed, tokens_per_step) -> list[dict]:
         if "extrapolation" in rs[0]:
             row["extrapolation"] = _mean_extrapolation(rs)
         rows.append(row)
-    ref = rows[0]
-    for row in rows:
+    for i, row in enumerate(rows):
+        ref = rows[max(i - 1, 0)] if compare == "previous" else rows[0]
         row["delta_val"] = row["val_loss"] - ref["val_loss"]
         row["verdict"] = verdict(row, ref)
     return rows
@@ -548,7 +552,7 @@ def _pm(mean: float, sd: float | None, digits: int = 4) -> str:
 
 def markdown(report: dict) -> str:
     st, rows, m = report["study"], report["rows"], report["machine"]
-    ref = rows[0]["variant"]
+    ref = "previous row" if st.get("compare") == "previous" else rows[0]["variant"]
     lines = [f"# {st['name']}", ""]
     if st["description"]:
         lines += [st["description"].strip(), ""]
@@ -677,6 +681,10 @@ def plot_extrapolation(report: dict, png: Path) -> None:
     ax.axvline(block, color="grey", ls=":", label="training context")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
+    from matplotlib.ticker import FormatStrFormatter
+
+    ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+    ax.yaxis.set_minor_formatter(FormatStrFormatter("%g"))
     ax.set_xlabel("evaluation context (tokens)")
     ax.set_ylabel("validation perplexity")
     ax.set_title(f"{report['study']['name']}: perplexity past the training context")
@@ -733,7 +741,14 @@ def main(argv: list[str]) -> int:
     p.add_argument("--data", default="data/shakespeare_char", help="directory written by prepare")
     p.add_argument("--out", help="output directory (default runs/ablate-NAME)")
     p.add_argument("--list", action="store_true", help="list the built-in recipes and exit")
+    p.add_argument(
+        "--report", metavar="DIR", help="rebuild DIR's table and plots from its results.json"
+    )
     ns = p.parse_args(argv)
+    if ns.report:
+        report = json.loads((Path(ns.report) / "results.json").read_text())
+        write_report(report, Path(ns.report))
+        return 0
     if ns.list:
         for name in recipe_names():
             s = load_study(name)
