@@ -158,7 +158,7 @@ def test_run_directory_resolves_the_latest_checkpoint(tmp_path, capsys):
         model = Transformer(cfg).eval()
         opt = torch.optim.AdamW(model.parameters())
         save_train_checkpoint(
-            root, step, model, opt, {}, tokenizer_path=tmp_path / "tokenizer.json"
+            root, step, model, opt.state_dict(), {}, tokenizer_path=tmp_path / "tokenizer.json"
         )
         models.append(model)
     want = _greedy_text(models[1], tok, "to", 10) + "\n"

@@ -158,3 +158,22 @@ def test_every_family_trains_one_step():
         loss.backward()
         grads = [p.grad for p in model.parameters()]
         assert all(g is not None and g.isfinite().all() for g in grads), name
+
+
+def test_activation_checkpointing_gives_the_same_loss_and_gradients():
+    torch.manual_seed(0)
+    model = Transformer(tiny(n_kv_heads=2))
+    idx = torch.randint(0, 37, (2, 12))
+    grads, calls = [], []
+    model.layers[0].register_forward_pre_hook(lambda *a: calls.append(1))
+    for recompute in (False, True):
+        model.activation_checkpointing = recompute
+        model.zero_grad()
+        calls.clear()
+        loss = model(idx, idx)[1]
+        loss.backward()
+        grads.append((loss.item(), [p.grad.clone() for p in model.parameters()], len(calls)))
+    assert grads[0][0] == grads[1][0]
+    assert (grads[0][2], grads[1][2]) == (1, 2)  # the block ran again in backward
+    for a, b in zip(grads[0][1], grads[1][1], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)

@@ -1,4 +1,9 @@
+import sys
+
+from torch.distributed.elastic.multiprocessing.errors import record
+
 from llm_foundry.cli import main
 
 if __name__ == "__main__":
-    main()
+    # under torchrun, @record hands a failing rank's traceback to the launcher's report
+    sys.exit(record(main)())

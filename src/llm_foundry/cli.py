@@ -150,14 +150,35 @@ def cmd_train(argv: list[str]) -> int:
     out = Path(ns.out or f"runs/{ns.preset or 'custom'}-{time.strftime('%Y%m%d-%H%M%S')}")
     data = Path(ns.data)
     if ns.data == DEFAULT_DATA and not (data / "meta.json").exists():
-        from llm_foundry.data import prepare
-
-        print(f"preparing the default corpus (tiny Shakespeare, characters) in {data}")
-        prepare(data, dataset="shakespeare", tokenizer="char")
+        _prepare_default(data)
     from llm_foundry.train.run import train_and_report
 
-    train_and_report(cfg, train_cfg, data, out, resume=ns.resume)
+    try:
+        train_and_report(cfg, train_cfg, data, out, resume=ns.resume)
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
     return 0
+
+
+def _prepare_default(data: Path, wait_s: float = 600.0) -> None:
+    """Prepare the default corpus; under torchrun rank 0 prepares and the others wait for it."""
+    import os
+    import time
+
+    if int(os.environ.get("RANK", "0")) > 0:
+        deadline = time.monotonic() + wait_s
+        while not (data / "meta.json").exists():
+            if time.monotonic() > deadline:
+                raise FileNotFoundError(f"rank 0 did not finish preparing {data} in {wait_s:.0f} s")
+            time.sleep(1.0)
+        return
+    from llm_foundry.data import prepare
+
+    print(f"preparing the default corpus (tiny Shakespeare, characters) in {data}")
+    prepare(data, dataset="shakespeare", tokenizer="char")
 
 
 def cmd_convert(argv: list[str]) -> int:
@@ -237,7 +258,10 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "generate": (_generate, "generate text from a checkpoint, training run or HF directory"),
     "eval": (_eval, "loss and perplexity per context length"),
     "convert": (cmd_convert, "convert checkpoints to and from HF transformers"),
-    "inspect": (_inspect, "PNG plots: lr schedule, attention, RoPE, sinusoidal table, ALiBi"),
+    "inspect": (
+        _inspect,
+        "PNG plots: lr schedule, attention, RoPE, sinusoidal, ALiBi, training dynamics",
+    ),
     "params": (cmd_params, "parameter, FLOP and KV-cache accounting for a config"),
     "ablate": (_ablate, "train variants under one budget and compare them in one table"),
     "bench": (_bench, "benchmarks: `bench attention` (manual vs SDPA time and memory)"),

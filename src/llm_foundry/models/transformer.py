@@ -16,6 +16,7 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from llm_foundry.config import ModelConfig
 from llm_foundry.models.components import (
@@ -48,6 +49,8 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.tok_emb.weight  # one matrix reads and writes tokens
         # a mask tensor is needed only when attention is more than "causal": a window or a bias
         self.needs_mask = cfg.sliding_window is not None or self.pos.has_bias
+        # trade compute for memory: keep only block inputs, recompute the rest in backward
+        self.activation_checkpointing = False
         self.init_weights()
 
     # ------------------------------------------------------------------------------------------
@@ -127,9 +130,15 @@ class Transformer(nn.Module):
             if pad is not None:
                 mask = mask + padding_mask(q_pos, k_pos, pad)
         weights = []
+        recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled()
         for i, layer in enumerate(self.layers):
             kv = (cache, i) if cache is not None else None
-            x, w = layer(x, self.pos, start, mask, need_weights, kv)
+            if recompute:
+                x, w = checkpoint(
+                    layer, x, self.pos, start, mask, need_weights, kv, use_reentrant=False
+                )
+            else:
+                x, w = layer(x, self.pos, start, mask, need_weights, kv)
             weights.append(w)
         if cache is not None:
             cache.advance(start, T)

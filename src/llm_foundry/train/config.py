@@ -15,6 +15,7 @@ SCHEDULES = ("cosine", "linear", "constant", "wsd")
 DTYPES = ("fp32", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda", "mps")
 ON_NONFINITE = ("stop", "skip")
+PARALLEL = ("none", "ddp", "fsdp")
 
 
 @dataclass
@@ -41,6 +42,10 @@ class TrainConfig:
     seed: int = 1337
     dtype: str = "fp32"  # fp32 | bf16 (autocast) | fp16 (autocast + grad scaler)
     compile: bool = False  # torch.compile the model
+    parallel: str = (
+        "none"  # with torchrun: ddp (replicas) | fsdp (FSDP2 shards); batch_size is per rank
+    )
+    activation_checkpointing: bool = False  # recompute each block's activations in backward
     device: str = "auto"  # auto | cpu | cuda | mps
     on_nonfinite: str = "stop"  # stop (with a message) | skip the step and count it
     sample_tokens: int = 300  # characters/tokens of sample text printed at the end (0: none)
@@ -77,6 +82,7 @@ class TrainConfig:
         _one_of(p, "dtype", self.dtype, DTYPES)
         _one_of(p, "device", self.device, DEVICES)
         _one_of(p, "on_nonfinite", self.on_nonfinite, ON_NONFINITE)
+        _one_of(p, "parallel", self.parallel, PARALLEL)
         if not self.lr > 0:
             p.append(f"lr={self.lr!r} must be > 0")
         if not 0 <= self.min_lr <= self.lr:

@@ -35,13 +35,21 @@ def train_and_report(
     model_cfg: ModelConfig, train_cfg: TrainConfig, data: Path, out: Path, resume: bool = False
 ) -> RunResult:
     trainer = Trainer(model_cfg, train_cfg, data, out, resume=resume)
+    w = trainer.world
     n = trainer.model.num_params()
-    print(
-        f"model: {n:,} parameters ({trainer.model.num_params(non_embedding=True):,} non-embedding)"
-        f" | device {trainer.device} | {train_cfg.tokens_per_step:,} tokens/step"
-        f" | run dir {out}"
-    )
+    if w.main:
+        per_step = train_cfg.batch_size * train_cfg.grad_accum * w.world_size
+        print(
+            f"model: {n:,} parameters ({trainer.model.num_params(non_embedding=True):,} "
+            f"non-embedding) | device {trainer.device} | run dir {out}\n"
+            f"global batch: {train_cfg.batch_size} per rank x {train_cfg.grad_accum} accumulation "
+            f"x {w.world_size} rank(s) = {per_step} sequences = "
+            f"{per_step * train_cfg.block_size:,} tokens/step"
+            + (f" | parallel {train_cfg.parallel}" if w.distributed else "")
+        )
     result = trainer.run()
+    if not w.main:  # rank 0 alone plots, samples and summarises
+        return result
     plot_losses(out / "metrics.jsonl", out / "loss.png", title=f"{out.name}: {n / 1e6:.2f}M params")
     summary = dict(
         step=result.step,
@@ -51,7 +59,7 @@ def train_and_report(
         interrupted=result.interrupted,
         checkpoint=str(result.checkpoint) if result.checkpoint else None,
     )
-    if train_cfg.sample_tokens and not result.interrupted:
+    if train_cfg.sample_tokens and not result.interrupted and not trainer.sharded:
         tok = load_tokenizer(data / "tokenizer.json")
         text = sample_text(
             trainer.model, tok, train_cfg.sample_tokens, train_cfg.seed, train_cfg.block_size

@@ -52,9 +52,8 @@ def write_json_atomic(path: Path, obj: Any) -> None:
 # Optimizer and RNG state as tensors + JSON
 
 
-def optimizer_to_flat(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
+def optimizer_to_flat(sd: dict) -> tuple[dict[str, torch.Tensor], dict]:
     """Split an optimizer state dict into named tensors and a JSON-ready remainder."""
-    sd = opt.state_dict()
     tensors, scalars = {}, {}
     for pid, st in sd["state"].items():
         for key, value in st.items():
@@ -69,7 +68,8 @@ def optimizer_to_flat(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tenso
     return tensors, {"param_groups": groups, "scalars": scalars}
 
 
-def optimizer_from_flat(opt: torch.optim.Optimizer, tensors: dict, meta: dict) -> None:
+def optimizer_from_flat(tensors: dict, meta: dict) -> dict:
+    """The optimizer state dict that ``optimizer_to_flat`` split."""
     state: dict[int, dict] = {}
     for name, value in tensors.items():
         pid, key = name.split(".", 1)
@@ -83,7 +83,7 @@ def optimizer_from_flat(opt: torch.optim.Optimizer, tensors: dict, meta: dict) -
         if "betas" in g:
             g["betas"] = tuple(g["betas"])
         groups.append(g)
-    opt.load_state_dict({"state": state, "param_groups": groups})
+    return {"state": state, "param_groups": groups}
 
 
 def rng_state() -> dict:
@@ -118,11 +118,12 @@ def save_train_checkpoint(
     ckpt_root: Path,
     step: int,
     model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer_state: dict,
     state: dict,
     tokenizer_path: Path | None = None,
 ) -> Path:
-    """Write ``ckpt_root/step_{step:06d}`` atomically and point ``latest.json`` at it."""
+    """Write ``ckpt_root/step_{step:06d}`` atomically and point ``latest.json`` at it.
+    ``optimizer_state`` is an ``optimizer.state_dict()`` (single-process layout)."""
     ckpt_root.mkdir(parents=True, exist_ok=True)
     for stale in ckpt_root.glob(".tmp-*"):  # left by a save that crashed
         shutil.rmtree(stale, ignore_errors=True)
@@ -130,7 +131,7 @@ def save_train_checkpoint(
     tmp = ckpt_root / f".tmp-step_{step:06d}"
     tmp.mkdir()
     save_checkpoint(model, tmp)
-    tensors, opt_meta = optimizer_to_flat(optimizer)
+    tensors, opt_meta = optimizer_to_flat(optimizer_state)
     save_file(tensors, str(tmp / "optimizer.safetensors"))
     with open(tmp / "state.json", "w") as f:
         json.dump({**state, "step": step, "optimizer": opt_meta, "rng": rng_state()}, f)
@@ -162,9 +163,21 @@ def load_train_checkpoint(path: Path, model: torch.nn.Module, optimizer=None) ->
     state = json.loads((path / "state.json").read_text())
     if optimizer is not None:
         tensors = load_file(str(path / "optimizer.safetensors"))
-        optimizer_from_flat(optimizer, tensors, state["optimizer"])
+        optimizer.load_state_dict(optimizer_from_flat(tensors, state["optimizer"]))
     set_rng_state(state["rng"])
     return state
+
+
+def read_train_checkpoint(path: Path) -> tuple[dict, dict, dict]:
+    """(model tensors, optimizer state dict, state.json) of ``path``, RNG states restored: for
+    callers that place the tensors themselves (FSDP shards them)."""
+    state = json.loads((path / "state.json").read_text())
+    model_sd = load_file(str(path / "model.safetensors"))
+    optim_sd = optimizer_from_flat(
+        load_file(str(path / "optimizer.safetensors")), state["optimizer"]
+    )
+    set_rng_state(state["rng"])
+    return model_sd, optim_sd, state
 
 
 def prune_checkpoints(ckpt_root: Path, keep_last: int, keep: set[str]) -> None:

@@ -26,12 +26,14 @@ from llm_foundry.config import ModelConfig
 from llm_foundry.data import BatchSampler, load_meta, load_split
 from llm_foundry.models import Transformer
 from llm_foundry.monitor import Monitor, layer_grad_norms, rest_grad_norm
+from llm_foundry.train import distributed as D
 from llm_foundry.train.config import TrainConfig
 from llm_foundry.train.schedule import lr_at
 from llm_foundry.train.state import (
     latest_checkpoint,
     load_train_checkpoint,
     prune_checkpoints,
+    read_train_checkpoint,
     save_train_checkpoint,
     write_json_atomic,
 )
@@ -68,8 +70,10 @@ class RunResult:
 class MetricsLog:
     """``metrics.jsonl``: one JSON object a line, flushed as written."""
 
-    def __init__(self, path: Path, resume_step: int | None):
-        self.path = path
+    def __init__(self, path: Path, resume_step: int | None, enabled: bool = True):
+        self.path, self.file = path, None
+        if not enabled:  # ranks other than 0 write nothing
+            return
         if resume_step is not None and path.exists():  # drop what came after the checkpoint
             kept = [
                 line
@@ -82,11 +86,14 @@ class MetricsLog:
         self.file = open(path, "a")
 
     def write(self, record: dict) -> None:
+        if self.file is None:
+            return
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
 
     def close(self) -> None:
-        self.file.close()
+        if self.file is not None:
+            self.file.close()
 
 
 class Trainer:
@@ -110,11 +117,16 @@ class Trainer:
             )
             model_cfg = model_cfg.replace(vocab_size=self.meta["vocab_size"])
         self.mc = model_cfg
-        self.device = resolve_device(train_cfg.device)
-        torch.manual_seed(train_cfg.seed)
+        self.world, self.device = D.init_world(resolve_device(train_cfg.device))
+        torch.manual_seed(train_cfg.seed)  # every rank builds the same initial weights
         self.model = Transformer(model_cfg).to(self.device)
-        self.forward = torch.compile(self.model) if train_cfg.compile else self.model
-        fused = self.device.type in ("cuda", "cpu")
+        self.model.activation_checkpointing = train_cfg.activation_checkpointing
+        self.wrapped = D.wrap(
+            self.model, train_cfg.parallel, self.world, self.device, train_cfg.dtype
+        )
+        self.sharded = train_cfg.parallel == "fsdp" and self.world.distributed
+        self.forward = torch.compile(self.wrapped) if train_cfg.compile else self.wrapped
+        fused = self.device.type in ("cuda", "cpu") and not self.sharded
         self.optimizer = torch.optim.AdamW(
             self.model.param_groups(train_cfg.weight_decay),
             lr=train_cfg.lr,
@@ -126,8 +138,15 @@ class Trainer:
         self.train_data = load_split(self.data_dir, "train")
         self.val_data = load_split(self.data_dir, "val")
         self.sampler = BatchSampler(
-            self.train_data, train_cfg.block_size, train_cfg.batch_size, seed=train_cfg.seed
+            self.train_data,
+            train_cfg.block_size,
+            train_cfg.batch_size,
+            seed=train_cfg.seed,
+            rank=self.world.rank,
+            world_size=self.world.world_size,
         )
+        if train_cfg.monitor_interval and self.sharded:
+            raise ValueError("train.monitor_interval needs whole weights: use parallel=ddp or none")
         self.monitor = (
             Monitor.for_run(self.model, self.val_data, train_cfg, self.device, write=tqdm.write)
             if train_cfg.monitor_interval
@@ -140,8 +159,9 @@ class Trainer:
         self.resumed_from: Path | None = None
         if resume:
             self._resume()
-        self.out.mkdir(parents=True, exist_ok=True)
-        self._write_run_info()
+        if self.world.main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            self._write_run_info()
 
     # ------------------------------------------------------------------------------------------
     def _resume(self) -> None:
@@ -151,7 +171,11 @@ class Trainer:
                 f"--resume: no checkpoint in {self.ckpt_root} (latest.json missing); "
                 "start without --resume"
             )
-        state = load_train_checkpoint(path, self.model, self.optimizer)
+        if self.sharded:  # every rank reads the full tensors and keeps its shard
+            model_sd, optim_sd, state = read_train_checkpoint(path)
+            D.load_full_state(self.model, self.optimizer, model_sd, optim_sd, "fsdp", self.world)
+        else:
+            state = load_train_checkpoint(path, self.model, self.optimizer)
         self.sampler.load_state_dict(state["sampler"])
         if state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
@@ -160,7 +184,8 @@ class Trainer:
         self.best_name = state.get("best_name")
         self.skipped = state.get("skipped", 0)
         self.resumed_from = path
-        print(f"resumed from {path} at step {self.step}")
+        if self.world.main:
+            print(f"resumed from {path} at step {self.step}")
 
     def _write_run_info(self) -> None:
         info = dict(
@@ -175,6 +200,8 @@ class Trainer:
             if self.device.type == "cuda"
             else platform.processor() or platform.machine(),
             threads=torch.get_num_threads(),
+            world_size=self.world.world_size,
+            parallel=self.tc.parallel if self.world.distributed else "none",
             argv=sys.argv,
             params=self.model.num_params(),
             resumed_from=str(self.resumed_from) if self.resumed_from else None,
@@ -189,18 +216,25 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean loss over ``eval_batches`` fixed validation batches (the same ones every time)."""
+        """Mean loss over ``eval_batches`` fixed validation batches (the same ones every time);
+        with several ranks each scores its share of every batch and the means are averaged."""
         self.model.eval()
+        w = self.world
         sampler = BatchSampler(
-            self.val_data, self.tc.block_size, self.tc.batch_size, seed=self.tc.seed + 1
+            self.val_data,
+            self.tc.block_size,
+            self.tc.batch_size,
+            seed=self.tc.seed + 1,
+            rank=w.rank,
+            world_size=w.world_size,
         )
-        total = 0.0
+        total = torch.zeros((), device=self.device)
         for _ in range(self.tc.eval_batches):
             x, y = (t.to(self.device) for t in sampler.next())
             with self._autocast():
-                total += self.forward(x, y)[1].item()
+                total += self.forward(x, y)[1].float()
         self.model.train()
-        return total / self.tc.eval_batches
+        return D.mean(total, w).item() / self.tc.eval_batches
 
     def save(self) -> Path:
         state = dict(
@@ -213,10 +247,19 @@ class Trainer:
             train_config=self.tc.to_dict(),
         )
         tok = self.data_dir / "tokenizer.json"
-        path = save_train_checkpoint(
-            self.ckpt_root, self.step, self.model, self.optimizer, state, tok
-        )
-        prune_checkpoints(self.ckpt_root, self.tc.keep_last, {self.best_name or "", path.name})
+        parallel, w = self.tc.parallel, self.world
+        model_sd = D.full_model_state(self.wrapped, parallel, w)  # collective under FSDP
+        optim_sd = D.full_optimizer_state(self.wrapped, self.optimizer, parallel, w)
+        path = self.ckpt_root / f"step_{self.step:06d}"
+        if w.main:
+            model = self.model
+            if self.sharded:  # a plain CPU copy holding the gathered tensors
+                model = Transformer(self.mc)
+                model.load_state_dict(D.with_tied(model, model_sd))
+            path = save_train_checkpoint(self.ckpt_root, self.step, model, optim_sd, state, tok)
+            prune_checkpoints(self.ckpt_root, self.tc.keep_last, {self.best_name or "", path.name})
+        if w.distributed:
+            torch.distributed.barrier()  # no rank goes on before the checkpoint is complete
         return path
 
     def _train_step(self, layer_norms: bool = False):
@@ -228,18 +271,22 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         loss_sum = torch.zeros((), device=self.device)
-        for _ in range(tc.grad_accum):
+        for micro in range(tc.grad_accum):
             x, y = (t.to(self.device, non_blocking=True) for t in self.sampler.next())
-            with self._autocast():
+            last = micro == tc.grad_accum - 1
+            with D.sync_gradients(self.wrapped, tc.parallel, last), self._autocast():
                 loss = self.forward(x, y)[1] / tc.grad_accum
-            self.scaler.scale(loss).backward()
+                self.scaler.scale(loss).backward()
             loss_sum += loss.detach()
+        loss_sum = D.mean(loss_sum, self.world)  # the global batch's loss on every rank
         self.scaler.unscale_(self.optimizer)
         norms = None
         if layer_norms:
             norms = layer_grad_norms(self.model), rest_grad_norm(self.model)
         max_norm = tc.grad_clip if tc.grad_clip > 0 else math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor holding the global norm
+            grad_norm = grad_norm.full_tensor()
         loss_value, norm_value = loss_sum.item(), grad_norm.item()  # the one host sync per step
         # fp16's grad scaler skips overflowing steps itself; only a bad loss is fatal there
         bad_norm = not math.isfinite(norm_value) and not self.scaler.is_enabled()
@@ -254,23 +301,28 @@ class Trainer:
     # ------------------------------------------------------------------------------------------
     def run(self) -> RunResult:
         tc = self.tc
-        metrics = MetricsLog(self.out / "metrics.jsonl", self.step if self.resumed_from else None)
+        main = self.world.main
+        metrics = MetricsLog(
+            self.out / "metrics.jsonl", self.step if self.resumed_from else None, enabled=main
+        )
         stop = {"signal": None}
 
         def request_stop(signum, frame):
             stop["signal"] = signal.Signals(signum).name
 
         old = {s: signal.signal(s, request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
-        tb = _tensorboard(self.out) if tc.tensorboard else None
+        tb = _tensorboard(self.out) if tc.tensorboard and main else None
         last_loss, last_ckpt, val_history = None, self.resumed_from, []
         bar = tqdm(
             total=tc.max_steps,
             initial=self.step,
-            disable=not tc.progress,
+            disable=not (tc.progress and main),
             dynamic_ncols=True,
             desc="train",
         )
+        say = bar.write if main else (lambda msg: None)  # only rank 0 prints
         flops_per_token = self.model.flops_per_token(tc.block_size)
+        tokens_per_step = tc.tokens_per_step * self.world.world_size
         t_start = time.perf_counter()
         self.model.train()
         try:
@@ -292,7 +344,7 @@ class Trainer:
                     self.skipped += 1
                 self.step += 1
                 dt = time.perf_counter() - t0
-                tps = tc.tokens_per_step / dt
+                tps = tokens_per_step / dt
                 last_loss = loss
                 rec = dict(
                     step=self.step,
@@ -321,14 +373,17 @@ class Trainer:
                     metrics.write(dict(step=self.step, val_loss=val, val_ppl=math.exp(val)))
                     if tb:
                         tb.add_scalar("val/loss", val, self.step)
-                    bar.write(f"step {self.step}: train loss {loss:.4f}, val loss {val:.4f}")
+                    say(f"step {self.step}: train loss {loss:.4f}, val loss {val:.4f}")
                     if val < self.best_val:  # the best model is always on disk
                         self.best_val, self.best_name = val, f"step_{self.step:06d}"
                         save_now = True
+                if self.world.distributed:  # a signal seen by one rank stops all at this step
+                    if D.any_rank(stop["signal"] is not None, self.world, self.device):
+                        stop["signal"] = stop["signal"] or "SIGTERM"
                 if save_now or stop["signal"]:
                     last_ckpt = self.save()
                 if stop["signal"]:
-                    bar.write(
+                    say(
                         f"{stop['signal']}: saved {last_ckpt} at step {self.step}; "
                         "continue with --resume"
                     )

@@ -1,0 +1,190 @@
+"""Training on 2 CPU processes (torchrun, gloo): DDP and FSDP2 give one process's losses, and
+checkpoints move between world sizes. Each rank runs one thread."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from llm_foundry.data import prepare
+from llm_foundry.presets import get_preset
+from llm_foundry.train.config import TrainConfig
+from llm_foundry.train.trainer import Trainer
+
+SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
+MODEL = dict(dim=32, n_layers=2, n_heads=2, n_kv_heads=1, hidden_dim=64, max_seq_len=16)
+# a constant schedule, so a run resumed with a larger max_steps follows the uninterrupted one
+TRAIN = dict(
+    block_size=16,
+    schedule="constant",
+    warmup_steps=2,
+    eval_interval=5,
+    eval_batches=2,
+    checkpoint_interval=5,
+    keep_last=3,
+    sample_tokens=0,
+    progress=False,
+)
+GLOBAL_BATCH = 8
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("data")
+    if SHAKESPEARE.exists():
+        text = SHAKESPEARE.read_text()[:30_000]
+    else:
+        text = "".join(
+            f"Line {i}: to be, or not to be, that is the question.\n" for i in range(500)
+        )
+    (root / "corpus.txt").write_text(text)
+    prepare(root / "char", text_files=[root / "corpus.txt"], tokenizer="char", progress=False)
+    return root / "char"
+
+
+def _flags(**train) -> list[str]:
+    out = ["--preset", "llama-shakespeare-char"]
+    out += [f"--model.{k}={v}" for k, v in MODEL.items()]
+    out += [f"--train.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in train.items()]
+    return out
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def torchrun(args: list[str], nproc: int = 2, script: str | None = None, timeout: int = 240):
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    launch += [f"--nproc-per-node={nproc}"]
+    launch += [script] if script else ["-m", "llm_foundry"]
+    return subprocess.run(
+        launch + args, env=_env(), capture_output=True, text=True, timeout=timeout
+    )
+
+
+def one_process(data_dir: Path, out: Path, resume: bool = False, **train) -> None:
+    """The reference: one process (in this one) at the whole global batch."""
+    cfg = get_preset("llama-shakespeare-char", **MODEL)
+    tc = TrainConfig(**{**TRAIN, "batch_size": GLOBAL_BATCH, **train})
+    Trainer(cfg, tc, data_dir, out, resume=resume).run()
+
+
+def losses(run: Path) -> dict[int, float]:
+    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in recs if "loss" in r}
+
+
+def val_losses(run: Path) -> dict[int, float]:
+    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["val_loss"] for r in recs if "val_loss" in r}
+
+
+def assert_close(a: dict[int, float], b: dict[int, float], tol: float = 2e-4) -> None:
+    assert a.keys() == b.keys(), (sorted(a), sorted(b))
+    worst = max(abs(a[k] - b[k]) for k in a)
+    print(f"max |loss difference| over {len(a)} steps: {worst:.2e}")
+    assert worst < tol, f"max |loss difference| {worst:.2e} over steps {sorted(a)}"
+
+
+@pytest.fixture(scope="module")
+def reference(data_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("ref")
+    one_process(data_dir, out, max_steps=10)
+    return out
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_two_ranks_give_the_losses_of_one_process(parallel, data_dir, reference, tmp_path):
+    run = tmp_path / parallel
+    args = ["train", "--data", str(data_dir), "--out", str(run)]
+    args += _flags(**TRAIN, batch_size=GLOBAL_BATCH // 2, max_steps=10, parallel=parallel)
+    r = torchrun(args)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert_close(losses(run), losses(reference))
+    assert_close(val_losses(run), val_losses(reference))
+    # only rank 0 prints, and it states the global batch
+    assert r.stdout.count("global batch: 4 per rank x 1 accumulation x 2 rank(s) = 8") == 1
+    info = json.loads((run / "run.json").read_text())
+    assert info["world_size"] == 2 and info["parallel"] == parallel
+
+
+def test_gradient_accumulation_with_ddp_matches_one_process(data_dir, reference, tmp_path):
+    run = tmp_path / "accum"
+    args = ["train", "--data", str(data_dir), "--out", str(run)]
+    args += _flags(**TRAIN, batch_size=2, grad_accum=2, max_steps=10, parallel="ddp")
+    r = torchrun(args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    # 2 ranks x 2 micro-batches of 2 = the same 8 windows a step (the sampler draws in order),
+    # and the gradient only synchronised on the second micro-batch
+    assert_close(losses(run), losses(reference))
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_save_with_two_ranks_resume_with_one(parallel, data_dir, tmp_path):
+    full = tmp_path / "full"
+    one_process(data_dir, full, max_steps=10)
+    run = tmp_path / "run"
+    args = ["train", "--data", str(data_dir), "--out", str(run)]
+    r = torchrun(args + _flags(**TRAIN, batch_size=4, max_steps=5, parallel=parallel))
+    assert r.returncode == 0, r.stderr[-3000:]
+    one_process(data_dir, run, resume=True, max_steps=10)
+    assert_close(losses(run), losses(full))
+
+
+def test_save_with_one_process_resume_with_two_fsdp_ranks(data_dir, tmp_path):
+    full = tmp_path / "full"
+    one_process(data_dir, full, max_steps=10)
+    run = tmp_path / "run"
+    one_process(data_dir, run, max_steps=5)
+    args = ["train", "--data", str(data_dir), "--out", str(run), "--resume"]
+    r = torchrun(args + _flags(**TRAIN, batch_size=4, max_steps=10, parallel="fsdp"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert_close(losses(run), losses(full))
+
+
+def test_a_failing_rank_stops_the_job_with_its_error(data_dir, tmp_path):
+    script = tmp_path / "fail_on_rank1.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import sys
+            from torch.distributed.elastic.multiprocessing.errors import record
+            from llm_foundry.cli import main
+            from llm_foundry.train.trainer import Trainer
+
+            original = Trainer._train_step
+
+            def step(self, *args, **kwargs):
+                if self.world.rank == 1 and self.step == 3:
+                    raise RuntimeError("disk on fire on rank 1 at step 3")
+                return original(self, *args, **kwargs)
+
+            Trainer._train_step = step
+            sys.exit(record(main)())
+            """
+        )
+    )
+    args = ["train", "--data", str(data_dir), "--out", str(tmp_path / "run")]
+    r = torchrun(
+        args + _flags(**TRAIN, batch_size=4, max_steps=10, parallel="ddp"),
+        script=str(script),
+        timeout=180,
+    )
+    assert r.returncode != 0
+    assert "disk on fire on rank 1 at step 3" in r.stdout + r.stderr
+
+
+def test_more_than_one_process_needs_a_parallel_mode(data_dir, tmp_path):
+    args = ["train", "--data", str(data_dir), "--out", str(tmp_path / "run")]
+    r = torchrun(args + _flags(**TRAIN, batch_size=4, max_steps=2))
+    assert r.returncode != 0
+    assert "train.parallel='none' with 2 processes: choose 'ddp' or 'fsdp'" in r.stdout + r.stderr
