@@ -1,0 +1,199 @@
+"""Training throughput and model FLOPs utilisation, side by side with HF transformers.
+
+For each size (nanoGPT's CPU-recipe model, its "baby GPT" in GPT-2 and LLaMA style, and a 124M
+GPT-2) one training step (forward, backward, clip, AdamW, one host sync) of: HF transformers'
+model of the same architecture (GPT2LMHeadModel / LlamaForCausalLM, its default AdamW), ours
+eager and ours compiled, fp32, and, where this CPU can do it in reasonable time, bf16 autocast.
+Contenders of one size run round-robin on the same batches so machine noise hits all alike.
+MFU = achieved FLOP/s (``flops_per_token`` x tokens / time) over the fp32 peak matmul FLOP/s
+measured in the same run (1024x1024 products); bf16 rows get none (a bf16 product runs at ~1
+GFLOP/s here, slower than the autocast step itself, so it is no peak).
+
+    python benchmarks/bench_train.py [--json] [--rounds 3] [--quick] [--sizes char,baby,124m]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from llm_foundry.models import Transformer
+from llm_foundry.presets import get_preset
+
+# name -> (preset, overrides, batch, block, include bf16)
+SIZES = {
+    "char-gpt2": ("gpt2-shakespeare-char", {}, 12, 64, True),
+    "char-llama": ("llama-shakespeare-char", {}, 12, 64, True),
+    "baby-gpt2": ("gpt2-shakespeare", {}, 4, 256, False),
+    "baby-llama": ("llama-shakespeare", {}, 4, 256, False),
+    "gpt2-124m": ("gpt2", {"max_seq_len": 256}, 1, 256, False),
+}
+
+
+def peak_gflops(dtype: torch.dtype, n: int = 1024, reps: int = 10) -> float:
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    a @ b
+    t = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    return 2 * n**3 * reps / (time.perf_counter() - t) / 1e9
+
+
+def hf_model(cfg):
+    """The HF transformers model with the same architecture (and parameter count) as ``cfg``."""
+    import transformers
+
+    if cfg.pos_encoding == "learned":
+        hf = transformers.GPT2Config(
+            vocab_size=cfg.vocab_size,
+            n_embd=cfg.dim,
+            n_layer=cfg.n_layers,
+            n_head=cfg.n_heads,
+            n_positions=cfg.max_seq_len,
+            activation_function="gelu_new" if cfg.gelu_approx == "tanh" else "gelu",
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
+        model = transformers.GPT2LMHeadModel(hf)
+    else:
+        hf = transformers.LlamaConfig(
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.dim,
+            intermediate_size=cfg.ffn_dim,
+            num_hidden_layers=cfg.n_layers,
+            num_attention_heads=cfg.n_heads,
+            num_key_value_heads=cfg.n_kv_heads,
+            max_position_embeddings=cfg.max_seq_len,
+            rms_norm_eps=cfg.norm_eps,
+            tie_word_embeddings=cfg.tie_embeddings,
+        )
+        model = transformers.LlamaForCausalLM(hf)
+    model.config._attn_implementation = "sdpa"
+    return model
+
+
+class Contender:
+    def __init__(self, name, model, compile=False, bf16=False, hf=False):
+        self.name, self.model, self.hf, self.bf16 = name, model, hf, bf16
+        self.fwd = torch.compile(model) if compile else model
+        groups = model.parameters() if hf else model.param_groups(0.1)
+        self.opt = torch.optim.AdamW(groups, lr=1e-4, fused=not hf)
+        self.times: list[float] = []
+
+    def step(self, x, y) -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
+            if self.hf:
+                logits = self.fwd(input_ids=x).logits
+                loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+            else:
+                loss = self.fwd(x, y)[1]
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        loss.item()
+
+
+def bench_size(name: str, rounds: int, steps: int, peaks: dict) -> list[dict]:
+    preset, over, batch, block, with_bf16 = SIZES[name]
+    cfg = get_preset(preset, **over)
+    torch.manual_seed(0)
+    ours = Transformer(cfg)
+    contenders = [
+        Contender("HF transformers", hf_model(cfg), hf=True),
+        Contender("ours eager", ours),
+        Contender("ours compiled", Transformer(cfg), compile=True),
+    ]
+    if with_bf16:
+        contenders.append(Contender("ours eager bf16", Transformer(cfg), bf16=True))
+    g = torch.Generator().manual_seed(0)
+    batches = [
+        torch.randint(0, cfg.vocab_size, (2, batch, block), generator=g) for _ in range(steps)
+    ]
+    for c in contenders:  # warm-up (and compilation) outside the timed rounds
+        t = time.perf_counter()
+        for x, y in batches[:2]:
+            c.step(x, y)
+        c.warmup_s = time.perf_counter() - t
+    for _ in range(rounds):
+        for c in contenders:
+            t = time.perf_counter()
+            for x, y in batches:
+                c.step(x, y)
+            c.times.append((time.perf_counter() - t) / steps)
+    flops_per_step = ours.flops_per_token(block) * batch * block
+    hf_s = statistics.median(contenders[0].times)
+    rows = []
+    for c in contenders:
+        s = statistics.median(c.times)
+        # bf16 autocast on this kind of CPU has no fast matmul: no meaningful peak to divide by
+        peak = peaks["fp32"] if not c.bf16 else None
+        rows.append(
+            dict(
+                size=name,
+                preset=preset,
+                params=sum(p.numel() for p in c.model.parameters()),
+                batch=f"{batch}x{block}",
+                contender=c.name,
+                ms_per_iter=round(s * 1e3, 1),
+                tokens_per_s=round(batch * block / s),
+                vs_hf=round(hf_s / s, 2),
+                gflop_per_s=round(flops_per_step / s / 1e9, 1),
+                mfu=round(flops_per_step / s / 1e9 / peak, 3) if peak else None,
+                warmup_s=round(c.warmup_s, 1),
+            )
+        )
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", default=",".join(SIZES), help=f"of {', '.join(SIZES)}")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=3, help="steps per timed round")
+    ap.add_argument("--quick", action="store_true", help="the two char sizes, 1 round of 2 steps")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    sizes = args.sizes.split(",")
+    if args.quick:
+        sizes, args.rounds, args.steps = ["char-gpt2", "char-llama"], 1, 2
+    unknown = [s for s in sizes if s not in SIZES]
+    if unknown:
+        ap.error(f"--sizes: unknown {unknown}; valid: {', '.join(SIZES)}")
+    peaks = {"fp32": peak_gflops(torch.float32), "bf16": peak_gflops(torch.bfloat16, 512, 3)}
+    rows = []
+    for name in sizes:
+        print(f"measuring {name} ...", file=sys.stderr)
+        rows += bench_size(name, args.rounds, args.steps, peaks)
+    report = dict(
+        date=time.strftime("%Y-%m-%d"),
+        command="python benchmarks/bench_train.py " + " ".join(sys.argv[1:]),
+        machine=dict(
+            cpu=platform.processor() or platform.machine(),
+            threads=torch.get_num_threads(),
+            torch=torch.__version__,
+            peak_gflops={k: round(v, 1) for k, v in peaks.items()},
+        ),
+        rows=rows,
+    )
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(f"{report['date']}  peak matmul GFLOP/s: {report['machine']['peak_gflops']}")
+    cols = ("size", "contender", "params", "batch", "ms_per_iter", "tokens_per_s", "vs_hf", "mfu")
+    print(" | ".join(cols))
+    for r in rows:
+        print(" | ".join(str(r[c]) for c in cols))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
