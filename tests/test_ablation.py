@@ -13,10 +13,8 @@ import pytest
 from llm_foundry import ablation
 from llm_foundry.ablation import Study, Variant, expand, load_study, parse_assignment, recipe_names
 from llm_foundry.cli import main as cli
-from llm_foundry.data import prepare
 from llm_foundry.train.trainer import Trainer
 
-SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
 TINY_MODEL = dict(dim=32, n_layers=2, n_heads=2, n_kv_heads=2, hidden_dim=64, max_seq_len=16)
 TINY_TRAIN = dict(
     max_steps=12,
@@ -32,17 +30,9 @@ TINY_TRAIN = dict(
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("data")
-    if SHAKESPEARE.exists():
-        text = SHAKESPEARE.read_text()[:40_000]
-    else:
-        text = "".join(
-            f"Line {i}: to be, or not to be, that is the question.\n" for i in range(700)
-        )
-    (root / "corpus.txt").write_text(text)
-    prepare(root / "char", text_files=[root / "corpus.txt"], tokenizer="char", progress=False)
-    return root / "char"
+def data_dir(char_data) -> Path:
+    """A small character-level corpus (Shakespeare when the shared copy is there)."""
+    return char_data(40_000)
 
 
 def tiny_study(**kw) -> Study:

@@ -12,12 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from llm_foundry.data import prepare
 from llm_foundry.presets import get_preset
 from llm_foundry.train.config import TrainConfig
 from llm_foundry.train.trainer import Trainer
 
-SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
 MODEL = dict(dim=32, n_layers=2, n_heads=2, n_kv_heads=1, hidden_dim=64, max_seq_len=16)
 # a constant schedule, so a run resumed with a larger max_steps follows the uninterrupted one
 TRAIN = dict(
@@ -35,17 +33,9 @@ GLOBAL_BATCH = 8
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("data")
-    if SHAKESPEARE.exists():
-        text = SHAKESPEARE.read_text()[:30_000]
-    else:
-        text = "".join(
-            f"Line {i}: to be, or not to be, that is the question.\n" for i in range(500)
-        )
-    (root / "corpus.txt").write_text(text)
-    prepare(root / "char", text_files=[root / "corpus.txt"], tokenizer="char", progress=False)
-    return root / "char"
+def data_dir(char_data) -> Path:
+    """A small character-level corpus (Shakespeare when the shared copy is there)."""
+    return char_data(30_000)
 
 
 def _flags(**train) -> list[str]:

@@ -16,7 +16,6 @@ from PIL import Image
 
 from llm_foundry.cli import main as cli_main
 from llm_foundry.config import ConfigError, ModelConfig
-from llm_foundry.data import prepare
 from llm_foundry.inspection import main as inspect_main
 from llm_foundry.inspection import png_size
 from llm_foundry.models import Transformer
@@ -33,24 +32,14 @@ from llm_foundry.plots import plot_losses, read_metrics
 from llm_foundry.train.config import TrainConfig
 from llm_foundry.train.trainer import Trainer
 
-SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
 TINY = dict(vocab_size=65, dim=32, n_layers=2, n_heads=2, max_seq_len=32, dropout=0.1)
 MONITORED = [1, 4, 8, 12]  # 12 steps, monitor_interval 4: step 1 (initialisation), then every 4
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory) -> Path:
+def data_dir(char_data) -> Path:
     """A small character-level corpus (Shakespeare when the shared copy is there)."""
-    root = tmp_path_factory.mktemp("data")
-    if SHAKESPEARE.exists():
-        text = SHAKESPEARE.read_text()[:60_000]
-    else:
-        text = "".join(
-            f"Line {i}: to be, or not to be, that is the question.\n" for i in range(900)
-        )
-    (root / "corpus.txt").write_text(text)
-    prepare(root / "char", text_files=[root / "corpus.txt"], tokenizer="char", progress=False)
-    return root / "char"
+    return char_data(60_000)
 
 
 def _trainer(data_dir, out, resume=False, **train) -> Trainer:

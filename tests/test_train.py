@@ -17,12 +17,9 @@ import torch
 
 from llm_foundry.cli import main
 from llm_foundry.config import ConfigError, ModelConfig
-from llm_foundry.data import prepare
 from llm_foundry.train import state as train_state
 from llm_foundry.train.config import TrainConfig
 from llm_foundry.train.trainer import Trainer, TrainingDiverged
-
-SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
 
 # tiny, but with dropout so that a resume must restore torch's RNG state too
 TINY = dict(vocab_size=65, dim=32, n_layers=2, n_heads=2, max_seq_len=32, dropout=0.1)
@@ -43,18 +40,9 @@ TRAIN_FLAGS = [
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory) -> Path:
+def data_dir(char_data) -> Path:
     """A small character-level corpus (Shakespeare when the shared copy is there)."""
-    root = tmp_path_factory.mktemp("data")
-    if SHAKESPEARE.exists():
-        text = SHAKESPEARE.read_text()[:60_000]
-    else:
-        text = "".join(
-            f"Line {i}: to be, or not to be, that is the question.\n" for i in range(900)
-        )
-    (root / "corpus.txt").write_text(text)
-    prepare(root / "char", text_files=[root / "corpus.txt"], tokenizer="char", progress=False)
-    return root / "char"
+    return char_data(60_000)
 
 
 def _cli(data_dir: Path, out: Path, *extra: str) -> list[str]:

@@ -647,6 +647,13 @@ def _plt():
     return plt
 
 
+def _finish(fig, ax, png: Path) -> None:
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png)
+    _plt().close(fig)
+
+
 def plot_val_curves(report: dict, png: Path) -> None:
     """Validation loss against step, one line per variant (mean over seeds, band = min..max)."""
     plt = _plt()
@@ -663,10 +670,7 @@ def plot_val_curves(report: dict, png: Path) -> None:
     lows = [r["val_loss"] for r in report["rows"]]
     ax.set_ylim(min(lows) - 0.1, max(lows) + 0.6)  # zoom on the part where variants differ
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(png)
-    plt.close(fig)
+    _finish(fig, ax, png)
 
 
 def plot_extrapolation(report: dict, png: Path) -> None:
@@ -689,10 +693,7 @@ def plot_extrapolation(report: dict, png: Path) -> None:
     ax.set_ylabel("validation perplexity")
     ax.set_title(f"{report['study']['name']}: perplexity past the training context")
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(png)
-    plt.close(fig)
+    _finish(fig, ax, png)
 
 
 def plot_grad_norms(norms: dict, png: Path) -> None:
@@ -705,10 +706,7 @@ def plot_grad_norms(norms: dict, png: Path) -> None:
     ax.set_ylabel("gradient norm at initialisation")
     ax.set_title("per-layer gradient norm, one batch at initialisation")
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(png)
-    plt.close(fig)
+    _finish(fig, ax, png)
 
 
 # ----------------------------------------------------------------------------------------------
