@@ -15,7 +15,12 @@ def corpus_text(n_chars: int) -> str:
     """The first ``n_chars`` of tiny Shakespeare when the shared copy is there, else filler."""
     if SHAKESPEARE.exists():
         return SHAKESPEARE.read_text()[:n_chars]
-    line = "Line {}: to be, or not to be, that is the question.\n"
+    # every letter in both cases, so the docs' prompts ("ROMEO: ...") encode
+    line = (
+        "ROMEO: But soft, what light through yonder window breaks? {}\n"
+        "JULIET: The quick brown fox jumps over the lazy dog; to be, or not to be!\n"
+        + "THE QUICK BROWN FOX JUMPS OVER THE LAZY DOG.\n"
+    )
     return "".join(line.format(i) for i in range(n_chars // len(line) + 1))[:n_chars]
 
 

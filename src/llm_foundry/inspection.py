@@ -332,7 +332,7 @@ def _load_model(ns, cfg):
     """(model, tokenizer or None, source): a checkpoint, or a randomly initialised preset."""
     import torch
 
-    from llm_foundry.checkpoint import load_checkpoint
+    from llm_foundry.checkpoint import load_checkpoint, resolve_checkpoint
     from llm_foundry.models import Transformer
     from llm_foundry.tokenizer import load_tokenizer
 
@@ -340,6 +340,7 @@ def _load_model(ns, cfg):
         ckpt = Path(ns.checkpoint)
         if not ckpt.is_dir():
             raise FileNotFoundError(f"--checkpoint {ckpt}: no such directory")
+        ckpt = resolve_checkpoint(ckpt)  # a run directory means its latest checkpoint
         tok_file = Path(ns.tokenizer) if ns.tokenizer else ckpt / "tokenizer.json"
         tok = load_tokenizer(tok_file) if ns.tokenizer or tok_file.exists() else None
         return load_checkpoint(ckpt), tok, str(ckpt)
