@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 import torch
+from bench_train import Contender, round_robin  # this directory is on sys.path when run
 
 from llm_foundry.data import prepare
 from llm_foundry.models import Transformer
@@ -40,6 +41,7 @@ from llm_foundry.train.trainer import Trainer
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
 NANOGPT = dict(ms_per_iter_eager=59.0, ms_per_iter_compiled=40.0, wall_s=130.0, val_loss=1.886)
 TARGET = NANOGPT["val_loss"]
+RECIPE_ADAMW = dict(lr=1e-3, betas=(0.9, 0.99))
 
 
 def data_dir(root: Path) -> Path:
@@ -78,63 +80,30 @@ def hf_gpt2(vocab: int):
     return model
 
 
-class Contender:
-    """A model + AdamW + one jitted-or-not step function over fixed batches."""
-
-    def __init__(self, name: str, model: torch.nn.Module, compile: bool, hf: bool = False):
-        self.name, self.model, self.hf = name, model, hf
-        self.fwd = torch.compile(model) if compile else model
-        groups = model.param_groups(0.1) if hasattr(model, "param_groups") else model.parameters()
-        # fused AdamW where we ship it; HF gets torch's default (what its users get)
-        self.opt = torch.optim.AdamW(groups, lr=1e-3, betas=(0.9, 0.99), fused=not hf)
-        self.times: list[float] = []
-        self.params = sum(p.numel() for p in model.parameters())
-
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        if self.hf:
-            loss = self.fwd(input_ids=x, labels=None).logits
-            loss = torch.nn.functional.cross_entropy(loss.flatten(0, 1), y.flatten())
-        else:
-            loss = self.fwd(x, y)[1]
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        loss.item()  # one host sync per step, as the trainer does for logging
-
-
 def speed(vocab: int, rounds: int, steps: int) -> list[dict]:
     torch.manual_seed(0)
-    contenders = [Contender("HF transformers GPT2LMHeadModel", hf_gpt2(vocab), False, hf=True)]
+    hf = hf_gpt2(vocab)
+    contenders = [Contender("HF transformers GPT2LMHeadModel", hf, hf=True, **RECIPE_ADAMW)]
     for preset in ("gpt2-shakespeare-char", "llama-shakespeare-char"):
         for comp in (False, True):
             model = Transformer(get_preset(preset, vocab_size=vocab, max_seq_len=64))
-            contenders.append(Contender(f"{preset} {'compiled' if comp else 'eager'}", model, comp))
+            name = f"{preset} {'compiled' if comp else 'eager'}"
+            contenders.append(Contender(name, model, compile=comp, **RECIPE_ADAMW))
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, vocab, (2, 12, 64), generator=g) for _ in range(steps)]
-    for c in contenders:  # warm up (and compile) outside the timed rounds
-        t = time.perf_counter()
-        for x, y in batches[:5]:
-            c.step(x, y)
-        c.warmup_s = time.perf_counter() - t
-    for _ in range(rounds):
-        for c in contenders:
-            t = time.perf_counter()
-            for x, y in batches:
-                c.step(x, y)
-            c.times.append((time.perf_counter() - t) / steps * 1e3)
+    round_robin(contenders, batches, rounds, warmup=5)
     rows = []
-    hf_ms = statistics.median(contenders[0].times)
+    hf_ms = statistics.median(contenders[0].times) * 1e3
     # every contender has the same architecture size: count FLOPs once, on ours
     flops = contenders[1].model.flops_per_token(64)
     for c in contenders:
-        ms = statistics.median(c.times)
+        ms = statistics.median(c.times) * 1e3
         rows.append(
             dict(
                 name=c.name,
                 params=c.params,
                 ms_per_iter=round(ms, 1),
-                ms_rounds=[round(t, 1) for t in c.times],
+                ms_rounds=[round(t * 1e3, 1) for t in c.times],
                 speedup_vs_hf=round(hf_ms / ms, 2),
                 speedup_vs_nanogpt_eager=round(NANOGPT["ms_per_iter_eager"] / ms, 2),
                 gflop_per_s=round(flops * 12 * 64 / ms / 1e6, 1),

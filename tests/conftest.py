@@ -6,9 +6,30 @@ from pathlib import Path
 
 import pytest
 
+from llm_foundry.config import ModelConfig
 from llm_foundry.data import prepare
+from llm_foundry.train.config import TrainConfig
+from llm_foundry.train.trainer import Trainer
 
 SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
+TINY = dict(vocab_size=65, dim=32, n_layers=2, n_heads=2, max_seq_len=32, dropout=0.1)
+
+
+def make_trainer(data_dir: Path, out: Path, resume: bool = False, **train) -> Trainer:
+    """An in-process trainer of the TINY model: 12 steps of 4 x 32, eval and save every 4."""
+    cfg = dict(
+        batch_size=4,
+        block_size=32,
+        max_steps=12,
+        eval_interval=4,
+        eval_batches=2,
+        warmup_steps=2,
+        checkpoint_interval=4,
+        sample_tokens=0,
+        progress=False,
+    )
+    cfg.update(train)
+    return Trainer(ModelConfig(**TINY), TrainConfig(**cfg), data_dir, out, resume=resume)
 
 
 def corpus_text(n_chars: int) -> str:

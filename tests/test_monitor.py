@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import make_trainer
 from PIL import Image
 
 from llm_foundry.cli import main as cli_main
@@ -32,7 +33,6 @@ from llm_foundry.plots import plot_losses, read_metrics
 from llm_foundry.train.config import TrainConfig
 from llm_foundry.train.trainer import Trainer
 
-TINY = dict(vocab_size=65, dim=32, n_layers=2, n_heads=2, max_seq_len=32, dropout=0.1)
 MONITORED = [1, 4, 8, 12]  # 12 steps, monitor_interval 4: step 1 (initialisation), then every 4
 
 
@@ -43,20 +43,7 @@ def data_dir(char_data) -> Path:
 
 
 def _trainer(data_dir, out, resume=False, **train) -> Trainer:
-    cfg = dict(
-        batch_size=4,
-        block_size=32,
-        max_steps=12,
-        eval_interval=4,
-        eval_batches=2,
-        warmup_steps=2,
-        checkpoint_interval=4,
-        sample_tokens=0,
-        progress=False,
-        monitor_interval=4,
-    )
-    cfg.update(train)
-    return Trainer(ModelConfig(**TINY), TrainConfig(**cfg), data_dir, out, resume=resume)
+    return make_trainer(data_dir, out, resume, **{"monitor_interval": 4, **train})
 
 
 def _rows(run: Path) -> list[dict]:

@@ -14,15 +14,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TINY, make_trainer
 
 from llm_foundry.cli import main
-from llm_foundry.config import ConfigError, ModelConfig
+from llm_foundry.config import ConfigError
 from llm_foundry.train import state as train_state
 from llm_foundry.train.config import TrainConfig
 from llm_foundry.train.trainer import Trainer, TrainingDiverged
 
 # tiny, but with dropout so that a resume must restore torch's RNG state too
-TINY = dict(vocab_size=65, dim=32, n_layers=2, n_heads=2, max_seq_len=32, dropout=0.1)
 TINY_FLAGS = [f"--model.{k}={v}" for k, v in TINY.items()] + [
     "--model.pos_encoding=rope",
     "--model.norm=rmsnorm",
@@ -140,22 +140,6 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(data_dir, tmp_path):
 # In-process trainer
 
 
-def _trainer(data_dir, out, resume=False, **train):
-    cfg = dict(
-        batch_size=4,
-        block_size=32,
-        max_steps=12,
-        eval_interval=4,
-        eval_batches=2,
-        warmup_steps=2,
-        checkpoint_interval=4,
-        sample_tokens=0,
-        progress=False,
-    )
-    cfg.update(train)
-    return Trainer(ModelConfig(**TINY), TrainConfig(**cfg), data_dir, out, resume=resume)
-
-
 def _poison_at(trainer: Trainer, bad_step: int) -> None:
     """Make the forward pass return a NaN loss on optimizer step ``bad_step`` (1-based)."""
     real = trainer.forward
@@ -170,7 +154,7 @@ def _poison_at(trainer: Trainer, bad_step: int) -> None:
 
 
 def test_nonfinite_loss_stops_and_names_the_last_good_checkpoint(data_dir, tmp_path):
-    t = _trainer(data_dir, tmp_path / "run")
+    t = make_trainer(data_dir, tmp_path / "run")
     _poison_at(t, 7)
     good = tmp_path / "run" / "checkpoints" / "step_000004"
     with pytest.raises(TrainingDiverged) as err:
@@ -185,7 +169,7 @@ def test_nonfinite_loss_stops_and_names_the_last_good_checkpoint(data_dir, tmp_p
 
 
 def test_nonfinite_loss_can_be_skipped_and_counted(data_dir, tmp_path):
-    t = _trainer(data_dir, tmp_path / "run", on_nonfinite="skip")
+    t = make_trainer(data_dir, tmp_path / "run", on_nonfinite="skip")
     _poison_at(t, 3)
     weights = {k: v.clone() for k, v in t.model.state_dict().items()}
     result = t.run()
@@ -196,7 +180,7 @@ def test_nonfinite_loss_can_be_skipped_and_counted(data_dir, tmp_path):
 
 
 def test_a_crash_during_save_never_breaks_latest(data_dir, tmp_path, monkeypatch):
-    t = _trainer(data_dir, tmp_path / "run", max_steps=8)
+    t = make_trainer(data_dir, tmp_path / "run", max_steps=8)
     t.run()  # checkpoints at 4 and 8
     root = tmp_path / "run" / "checkpoints"
     assert _latest_step(tmp_path / "run") == 8
@@ -217,7 +201,7 @@ def test_a_crash_during_save_never_breaks_latest(data_dir, tmp_path, monkeypatch
 
 
 def test_checkpoints_hold_no_pickle_and_load_without_torch_load(data_dir, tmp_path, monkeypatch):
-    t = _trainer(data_dir, tmp_path / "run", max_steps=4)
+    t = make_trainer(data_dir, tmp_path / "run", max_steps=4)
     t.run()
     ckpt = tmp_path / "run" / "checkpoints" / "step_000004"
     names = sorted(p.name for p in ckpt.iterdir())
@@ -233,7 +217,7 @@ def test_checkpoints_hold_no_pickle_and_load_without_torch_load(data_dir, tmp_pa
         raise AssertionError("torch.load (pickle) must not be used to load checkpoints")
 
     monkeypatch.setattr(torch, "load", no_pickle)
-    resumed = _trainer(data_dir, tmp_path / "run", resume=True, max_steps=6)
+    resumed = make_trainer(data_dir, tmp_path / "run", resume=True, max_steps=6)
     assert resumed.step == 4
     for k, v in t.model.state_dict().items():
         assert torch.equal(v, resumed.model.state_dict()[k])
@@ -243,7 +227,7 @@ def test_checkpoints_hold_no_pickle_and_load_without_torch_load(data_dir, tmp_pa
 
 
 def test_keeps_the_last_k_and_the_best(data_dir, tmp_path):
-    t = _trainer(data_dir, tmp_path / "run", max_steps=20, checkpoint_interval=2, keep_last=2)
+    t = make_trainer(data_dir, tmp_path / "run", max_steps=20, checkpoint_interval=2, keep_last=2)
     t.best_val = -1.0  # no evaluation can beat it, so the first "best" stays the only best
     t.best_name = "step_000002"
     (tmp_path / "run" / "checkpoints" / "step_000002").mkdir(parents=True)
@@ -294,7 +278,7 @@ def test_cli_errors_name_the_problem(data_dir, tmp_path, capsys):
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_mixed_precision_runs_and_keeps_fp32_weights(data_dir, tmp_path, dtype):
-    t = _trainer(data_dir, tmp_path / dtype, max_steps=4, dtype=dtype, checkpoint_interval=0)
+    t = make_trainer(data_dir, tmp_path / dtype, max_steps=4, dtype=dtype, checkpoint_interval=0)
     result = t.run()
     losses = _losses(tmp_path / dtype)
     assert result.step == 4 and all(math.isfinite(v) for v in losses.values())

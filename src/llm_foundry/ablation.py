@@ -30,6 +30,7 @@ import yaml
 from llm_foundry.config import ModelConfig
 from llm_foundry.data import load_split
 from llm_foundry.models import Transformer
+from llm_foundry.plots import read_metrics
 from llm_foundry.presets import get_preset
 from llm_foundry.train.config import TrainConfig
 
@@ -267,17 +268,6 @@ def extrapolation(model: Transformer, tokens: np.ndarray, block: int, factors, n
 # One run
 
 
-def _train_records(run_dir: Path) -> tuple[list[dict], list[dict]]:
-    train, evals = [], []
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        rec = json.loads(line) if line.strip() else {}
-        if "val_loss" in rec:
-            evals.append(rec)
-        elif "loss" in rec:
-            train.append(rec)
-    return train, evals
-
-
 def run_one(study: Study, variant: Variant, seed_index: int, data: Path, run_dir: Path) -> dict:
     """Train (or resume, or reuse) one variant x seed and measure it; returns its result."""
     from llm_foundry.train.state import latest_checkpoint
@@ -308,7 +298,7 @@ def run_one(study: Study, variant: Variant, seed_index: int, data: Path, run_dir
     if res.interrupted:
         raise KeyboardInterrupt(f"{variant.name} seed {seed_index} interrupted; rerun to resume")
     model = trainer.model.eval()
-    train, evals = _train_records(run_dir)
+    train, evals = read_metrics(run_dir / "metrics.jsonl")
     tail = [r["loss"] for r in train[-max(1, len(train) // 20) :]]
     dts = [tc.tokens_per_step / r["tokens_per_s"] for r in train[min(10, len(train) - 1) :]]
     x, y = trainer.sampler.next()
