@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_train import Contender, round_robin  # this directory is on sys.path when run
+from bench_train import Contender, hf_model, round_robin  # this directory is on sys.path when run
 
 from llm_foundry.data import prepare
 from llm_foundry.models import Transformer
@@ -59,30 +59,9 @@ def data_dir(root: Path) -> Path:
 # Speed: one training step, side by side
 
 
-def hf_gpt2(vocab: int):
-    import transformers
-
-    cfg = transformers.GPT2Config(
-        vocab_size=vocab,
-        n_embd=128,
-        n_layer=4,
-        n_head=4,
-        n_positions=64,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        activation_function="gelu",
-        bos_token_id=None,
-        eos_token_id=None,
-    )
-    model = transformers.GPT2LMHeadModel(cfg)
-    model.config._attn_implementation = "sdpa"
-    return model
-
-
 def speed(vocab: int, rounds: int, steps: int) -> list[dict]:
     torch.manual_seed(0)
-    hf = hf_gpt2(vocab)
+    hf = hf_model(get_preset("gpt2-shakespeare-char", vocab_size=vocab, max_seq_len=64))
     contenders = [Contender("HF transformers GPT2LMHeadModel", hf, hf=True, **RECIPE_ADAMW)]
     for preset in ("gpt2-shakespeare-char", "llama-shakespeare-char"):
         for comp in (False, True):

@@ -52,35 +52,15 @@ def peak_gflops(dtype: torch.dtype, n: int = 1024, reps: int = 10, trials: int =
 
 
 def hf_model(cfg):
-    """The HF transformers model with the same architecture (and parameter count) as ``cfg``."""
+    """HF transformers' model of the same architecture (``interop.hf.config_to_hf``). HF's GPT-2
+    always has biases, so a bias-free GPT-2-style config is timed against the nearest HF one."""
     import transformers
 
+    from llm_foundry.interop.hf import config_to_hf
+
     if cfg.pos_encoding == "learned":
-        hf = transformers.GPT2Config(
-            vocab_size=cfg.vocab_size,
-            n_embd=cfg.dim,
-            n_layer=cfg.n_layers,
-            n_head=cfg.n_heads,
-            n_positions=cfg.max_seq_len,
-            activation_function="gelu_new" if cfg.gelu_approx == "tanh" else "gelu",
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-        )
-        model = transformers.GPT2LMHeadModel(hf)
-    else:
-        hf = transformers.LlamaConfig(
-            vocab_size=cfg.vocab_size,
-            hidden_size=cfg.dim,
-            intermediate_size=cfg.ffn_dim,
-            num_hidden_layers=cfg.n_layers,
-            num_attention_heads=cfg.n_heads,
-            num_key_value_heads=cfg.n_kv_heads,
-            max_position_embeddings=cfg.max_seq_len,
-            rms_norm_eps=cfg.norm_eps,
-            tie_word_embeddings=cfg.tie_embeddings,
-        )
-        model = transformers.LlamaForCausalLM(hf)
+        cfg = cfg.replace(attn_bias=True, mlp_bias=True, norm_bias=True)
+    model = transformers.AutoModelForCausalLM.from_config(config_to_hf(cfg))
     model.config._attn_implementation = "sdpa"
     return model
 
