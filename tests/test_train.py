@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -274,6 +275,64 @@ def test_cli_errors_name_the_problem(data_dir, tmp_path, capsys):
     empty = tmp_path / "empty"
     assert main(["train", "--data", str(data_dir), "--out", str(empty), "--resume"]) == 2
     assert "no checkpoint" in capsys.readouterr().err
+    assert main(["train", "--train.lrr", "3"]) == 2  # a typo: no traceback, a suggestion
+    assert "unrecognized arguments: --train.lrr 3 (did you mean --train.lr?)" in (
+        capsys.readouterr().err
+    )
+    assert main(["train", "--model.n_layers", "four"]) == 2
+    assert "model.n_layers" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("lr", "1e-3", "lr='1e-3' must be a number > 0"),
+        ("min_lr", None, "min_lr=None must be a number in [0, lr=0.001]"),
+        ("grad_clip", -1.0, "grad_clip=-1.0 must be a number >= 0 (0 disables clipping)"),
+        ("weight_decay", -0.1, "weight_decay=-0.1 must be a number >= 0"),
+        ("batch_size", True, "batch_size=True must be a positive integer"),
+        ("compile", "yes", "compile='yes' must be true or false"),
+    ],
+)
+def test_train_config_names_the_field_the_value_and_the_valid_range(field, value, message):
+    with pytest.raises(ConfigError) as err:
+        TrainConfig(**{field: value})
+    assert err.value.problems == [message]
+
+
+def test_resume_with_only_out_uses_the_saved_model_settings_and_data(data_dir, tmp_path, capsys):
+    """``train --out RUN --resume`` alone (the README's form) continues a run started with a
+    preset and overrides, on its own data, loss for loss; --model flags that change the saved
+    architecture are refused, changed training settings are named."""
+    flags = ["--preset", "gpt2-shakespeare-char", "--model.dim=32", "--model.n_layers=2"]
+    flags += [
+        *TRAIN_FLAGS,
+        "--train.max_steps=12",
+        "--train.checkpoint_interval=6",
+        "--train.keep_last=3",
+    ]
+    full = tmp_path / "full"
+    assert main(["train", "--data", str(data_dir), "--out", str(full), *flags]) == 0
+    # a copy of the run as a crash right after step 6 would have left it
+    cut = tmp_path / "cut"
+    shutil.copytree(full, cut)
+    shutil.rmtree(cut / "checkpoints" / "step_000012")
+    train_state.write_json_atomic(
+        cut / "checkpoints" / "latest.json", {"step": 6, "path": "step_000006"}
+    )
+    capsys.readouterr()
+    assert main(["train", "--out", str(cut), "--resume"]) == 0
+    assert "resumed from" in capsys.readouterr().out
+    assert _losses(cut) == _losses(full)
+    run_info = json.loads((cut / "run.json").read_text())
+    assert run_info["model"]["pos_encoding"] == "learned" and run_info["model"]["dim"] == 32
+
+    assert main(["train", "--out", str(cut), "--resume", "--model.dim=64"]) == 2
+    err = capsys.readouterr().err
+    assert "dim: saved 32, now 64" in err and "architecture it was started with" in err
+    assert main(["train", "--out", str(cut), "--resume", "--train.max_steps=14"]) == 0
+    assert "changed training settings: max_steps 12 -> 14" in capsys.readouterr().out
+    assert max(_losses(cut)) == 14
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])

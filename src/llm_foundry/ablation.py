@@ -25,9 +25,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import yaml
 
-from llm_foundry.config import ModelConfig
+from llm_foundry.config import ModelConfig, load_yaml
 from llm_foundry.data import load_split
 from llm_foundry.models import Transformer
 from llm_foundry.plots import read_metrics
@@ -102,7 +101,7 @@ def load_study(source: str | Path) -> Study:
         raise FileNotFoundError(
             f"no recipe or study file {str(source)!r}; built-in recipes: {', '.join(recipe_names())}"
         )
-    return Study.from_dict(yaml.safe_load(path.read_text()) or {})
+    return Study.from_dict(load_yaml(path.read_text()) or {})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -142,7 +141,7 @@ def _scalar(text: str):
             return cast(text)
         except ValueError:
             pass
-    return yaml.safe_load(text)
+    return load_yaml(text)
 
 
 def expand(study: Study) -> list[Variant]:

@@ -44,11 +44,17 @@ def model_parser(
 
 
 def parse_model_args(
-    prog: str, description: str, argv: list[str], default_preset: str | None, extra=None
+    prog: str,
+    description: str,
+    argv: list[str],
+    default_preset: str | None,
+    extra=None,
+    base: ModelConfig | None = None,
 ):
-    """Parse ``argv`` into (namespace, ModelConfig) with preset < config file < overrides."""
-    name = _preset_prefix(argv, default_preset)
-    base = get_preset(name) if name else ModelConfig()
+    """Parse ``argv`` into (namespace, ModelConfig) with preset < config file < overrides;
+    ``base`` (a resumed run's saved model) replaces the default preset unless --preset is given."""
+    name = _preset_prefix(argv, None if base else default_preset)
+    base = get_preset(name) if name else base or ModelConfig()
     p = model_parser(prog, description, default_preset, base)
     if extra:
         extra(p)
@@ -125,16 +131,47 @@ DEFAULT_DATA = "data/shakespeare_char"
 DEFAULT_PRESET = "llama-shakespeare-char"
 
 
+def _saved_run(argv: list[str]) -> tuple[ModelConfig, object, str] | None:
+    """With ``--resume --out RUN_DIR``: the model config, training config and data directory
+    that RUN_DIR's latest checkpoint was trained with (None when there is no checkpoint)."""
+    from llm_foundry.train.config import TrainConfig
+    from llm_foundry.train.state import latest_checkpoint
+
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--resume", action="store_true")
+    pre.add_argument("--out")
+    known, _ = pre.parse_known_args(argv)
+    ckpt = (
+        latest_checkpoint(Path(known.out) / "checkpoints") if known.resume and known.out else None
+    )
+    if ckpt is None:
+        return None
+    state = json.loads((ckpt / "state.json").read_text())
+    run_info = Path(known.out) / "run.json"
+    data = json.loads(run_info.read_text())["data"]["dir"] if run_info.exists() else DEFAULT_DATA
+    model = ModelConfig.from_dict(state["model_config"])
+    return model, TrainConfig.from_dict(state["train_config"]), data
+
+
 def cmd_train(argv: list[str]) -> int:
     import time
 
     from llm_foundry.train.config import TrainConfig
 
+    # a resumed run starts from its own saved settings; flags given now override them
+    saved = _saved_run(argv)
+    model_base, train_base, data_base = saved or (None, TrainConfig(), DEFAULT_DATA)
+
     def extra(p):
-        p.add_argument("--train", type=TrainConfig, default=TrainConfig(), help="training settings")
-        p.add_argument("--data", default=DEFAULT_DATA, help="directory written by `prepare`")
+        p.add_argument("--train", type=TrainConfig, default=train_base, help="training settings")
+        p.add_argument("--data", default=data_base, help="directory written by `prepare`")
         p.add_argument("--out", default=None, help="run directory (default runs/NAME-TIME)")
-        p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+        p.add_argument(
+            "--resume",
+            action="store_true",
+            help="continue RUN_DIR from its latest checkpoint, with the model, training settings "
+            "and data it was started with (flags given now override training settings)",
+        )
 
     ns, cfg = parse_model_args(
         "train",
@@ -143,6 +180,7 @@ def cmd_train(argv: list[str]) -> int:
         argv,
         DEFAULT_PRESET,
         extra,
+        base=model_base,
     )
     train_cfg = _dataclass_from(TrainConfig, ns.train)
     if ns.resume and ns.out is None:
@@ -282,10 +320,32 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return COMMANDS[name][0](rest) or 0
+    except argparse.ArgumentError as e:  # jsonargparse: unknown flag, or a value of a wrong type
+        print(f"llm-foundry {name}: error: {e}{_flag_hint(str(e))}", file=sys.stderr)
+        return 2
     except (ConfigError, KeyError, ValueError, FileNotFoundError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"llm-foundry {name}: error: {msg}", file=sys.stderr)
         return 2
+
+
+def _flag_hint(message: str) -> str:
+    """' (did you mean --model.n_layers?)' for a mistyped --model.FIELD / --train.FIELD."""
+    import dataclasses
+    import re
+
+    from llm_foundry.config import _suggest
+    from llm_foundry.train.config import TrainConfig
+
+    m = re.search(r"--(model|train)\.(\w+)", message)
+    if not m:
+        return ""
+    cls = ModelConfig if m.group(1) == "model" else TrainConfig
+    known = {f.name for f in dataclasses.fields(cls)}
+    if m.group(2) in known:
+        return ""
+    close = _suggest(m.group(2), known)
+    return close.replace("'", "").replace("mean ", f"mean --{m.group(1)}.") if close else ""
 
 
 if __name__ == "__main__":

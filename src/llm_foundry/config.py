@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,22 @@ class ConfigError(ValueError):
         self.problems = problems
         lines = "\n".join(f"  - {p}" for p in problems)
         super().__init__(f"invalid {name} ({len(problems)} problem(s)):\n{lines}")
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML 1.1 reads ``1e-3`` (no dot) as a string; read it as the number everyone means."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def load_yaml(text: str) -> Any:
+    """``yaml.safe_load`` that also reads ``1e-3`` and ``3E5`` as floats."""
+    return yaml.load(text, Loader=_Loader)
 
 
 def _one_of(problems: list[str], name: str, value: Any, allowed: tuple[str, ...]) -> None:
@@ -206,7 +223,7 @@ class ModelConfig:
     def load(cls, path: str | Path) -> ModelConfig:
         """Read a .json, .yaml or .yml file (a top-level ``model:`` section is accepted)."""
         text = Path(path).read_text()
-        d = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
+        d = json.loads(text) if str(path).endswith(".json") else load_yaml(text)
         if isinstance(d, dict) and isinstance(d.get("model"), dict):
             d = d["model"]
         if not isinstance(d, dict):

@@ -18,6 +18,14 @@ ON_NONFINITE = ("stop", "skip")
 PARALLEL = ("none", "ddp", "fsdp")
 
 
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 @dataclass
 class TrainConfig:
     """Optimisation, evaluation, checkpointing and runtime settings of one training run."""
@@ -66,7 +74,7 @@ class TrainConfig:
         p: list[str] = []
         for name in ("batch_size", "block_size", "grad_accum", "max_steps", "eval_batches"):
             v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
+            if not _is_int(v) or v < 1:
                 p.append(f"{name}={v!r} must be a positive integer")
         for name in (
             "warmup_steps",
@@ -74,30 +82,40 @@ class TrainConfig:
             "checkpoint_interval",
             "keep_last",
             "monitor_interval",
+            "sample_tokens",
+            "seed",
         ):
             v = getattr(self, name)
-            if not isinstance(v, int) or v < 0:
+            if not _is_int(v) or v < 0:
                 p.append(f"{name}={v!r} must be a non-negative integer")
+        for name in ("compile", "activation_checkpointing", "tensorboard", "progress"):
+            if not isinstance(getattr(self, name), bool):
+                p.append(f"{name}={getattr(self, name)!r} must be true or false")
         _one_of(p, "schedule", self.schedule, SCHEDULES)
         _one_of(p, "dtype", self.dtype, DTYPES)
         _one_of(p, "device", self.device, DEVICES)
         _one_of(p, "on_nonfinite", self.on_nonfinite, ON_NONFINITE)
         _one_of(p, "parallel", self.parallel, PARALLEL)
-        if not self.lr > 0:
-            p.append(f"lr={self.lr!r} must be > 0")
-        if not 0 <= self.min_lr <= self.lr:
-            p.append(f"min_lr={self.min_lr!r} must be in [0, lr={self.lr}]")
-        if not 0 < self.decay_frac <= 1:
-            p.append(f"decay_frac={self.decay_frac!r} must be in (0, 1]")
-        for name in ("beta1", "beta2"):
-            if not 0 <= getattr(self, name) < 1:
-                p.append(f"{name}={getattr(self, name)!r} must be in [0, 1)")
-        if not 0 <= self.monitor_entropy_min < math.inf:
-            p.append(f"monitor_entropy_min={self.monitor_entropy_min!r} must be in [0, inf) nats")
-        if not 0 <= self.monitor_rank_frac <= 1:
-            p.append(f"monitor_rank_frac={self.monitor_rank_frac!r} must be in [0, 1]")
-        if self.grad_clip < 0 or self.weight_decay < 0:
-            p.append("grad_clip and weight_decay must be >= 0")
+        # (field, allowed range as a test, the range in words)
+        ranges = (
+            ("lr", lambda v: v > 0, "> 0"),
+            (
+                "min_lr",
+                lambda v: 0 <= v <= self.lr if _is_number(self.lr) else v >= 0,
+                f"in [0, lr={self.lr}]",
+            ),
+            ("decay_frac", lambda v: 0 < v <= 1, "in (0, 1]"),
+            ("beta1", lambda v: 0 <= v < 1, "in [0, 1)"),
+            ("beta2", lambda v: 0 <= v < 1, "in [0, 1)"),
+            ("weight_decay", lambda v: v >= 0, ">= 0"),
+            ("grad_clip", lambda v: v >= 0, ">= 0 (0 disables clipping)"),
+            ("monitor_entropy_min", lambda v: 0 <= v < math.inf, "in [0, inf) nats"),
+            ("monitor_rank_frac", lambda v: 0 <= v <= 1, "in [0, 1]"),
+        )
+        for name, ok, valid in ranges:
+            v = getattr(self, name)
+            if not _is_number(v) or not ok(v):
+                p.append(f"{name}={v!r} must be a number {valid}")
         if p:
             raise ConfigError(p, name="TrainConfig")
 

@@ -22,7 +22,7 @@ import torch
 from tqdm import tqdm
 
 import llm_foundry
-from llm_foundry.config import ModelConfig
+from llm_foundry.config import ConfigError, ModelConfig
 from llm_foundry.data import BatchSampler, load_meta, load_split
 from llm_foundry.models import Transformer
 from llm_foundry.monitor import Monitor, layer_grad_norms, rest_grad_norm
@@ -171,6 +171,7 @@ class Trainer:
                 f"--resume: no checkpoint in {self.ckpt_root} (latest.json missing); "
                 "start without --resume"
             )
+        self._check_resumable(json.loads((path / "state.json").read_text()), path)
         if self.sharded:  # every rank reads the full tensors and keeps its shard
             model_sd, optim_sd, state = read_train_checkpoint(path)
             D.load_full_state(self.model, self.optimizer, model_sd, optim_sd, "fsdp", self.world)
@@ -180,12 +181,31 @@ class Trainer:
         if state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
         self.step = state["step"]
-        self.best_val = state.get("best_val", math.inf)
+        best = state.get("best_val")  # None: saved before any evaluation
+        self.best_val = math.inf if best is None else best
         self.best_name = state.get("best_name")
         self.skipped = state.get("skipped", 0)
         self.resumed_from = path
         if self.world.main:
             print(f"resumed from {path} at step {self.step}")
+
+    def _check_resumable(self, state: dict, path: Path) -> None:
+        """Refuse a resume that would change the architecture (the weights would not fit); say
+        which training settings differ from the saved run (allowed: e.g. a larger max_steps)."""
+        now = json.loads(json.dumps(self.mc.to_dict()))  # tuples as JSON lists, like the saved one
+        changed = {k: (state["model_config"].get(k), v) for k, v in now.items()}
+        changed = {k: ab for k, ab in changed.items() if ab[0] != ab[1]}
+        if changed:
+            raise ConfigError(
+                [f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in changed.items()],
+                f"resume: {path} holds a model with other settings; a run resumes with the "
+                "architecture it was started with, drop or fix these --model flags",
+            )
+        saved = state["train_config"]
+        now = json.loads(json.dumps(self.tc.to_dict()))
+        diff = [f"{k} {saved.get(k)!r} -> {v!r}" for k, v in now.items() if saved.get(k) != v]
+        if diff and self.world.main:
+            print("resuming with changed training settings: " + ", ".join(diff))
 
     def _write_run_info(self) -> None:
         info = dict(
