@@ -27,14 +27,24 @@ def _tokens(n: int = 200) -> np.ndarray:
     return np.random.default_rng(0).integers(0, 23, n)
 
 
-def test_windows_cover_every_target_once():
-    n, ctx = 100, 16
+@pytest.mark.parametrize("n", [100, 97, 33])  # 97 = 6 windows of 16 + the seam token: no rest
+def test_windows_cover_every_target_once(n):
+    ctx = 16
     for stride in (None, 16, 5, 1):
         scored = []
         for start, skip in windows(n, ctx, stride):
+            assert 0 <= start and start + ctx + 1 <= n
             scored += list(range(start + 1 + skip, start + ctx + 1))
-        assert scored == list(range(1, len(scored) + 1))  # contiguous, no repeats
-        assert scored[-1] > n - 1 - (stride or ctx) - 1
+        assert scored == list(range(1, n)), stride  # every target once, in order
+
+
+def test_bad_context_batch_or_window_limits_are_refused():
+    model, toks = _model(), _tokens()
+    for kw in (dict(context=0), dict(context=-3), dict(context=16, batch_size=0)):
+        with pytest.raises(ValueError, match="must be"):
+            evaluate_tokens(model, toks, **kw)
+    with pytest.raises(ValueError, match="max_windows=0"):
+        evaluate_tokens(model, toks, 16, max_windows=0)
 
 
 def test_non_overlapping_loss_equals_a_manual_computation():
@@ -45,9 +55,12 @@ def test_non_overlapping_loss_equals_a_manual_computation():
     for s in range(0, len(toks) - 16, 16):
         logits = model(t[None, s : s + 16])[0][0]
         losses.append(F.cross_entropy(logits, t[s + 1 : s + 17], reduction="none"))
+    # 200 tokens: 12 whole windows score targets 1..192; one more at the end scores 193..199
+    logits = model(t[None, 183:199])[0][0][-7:]
+    losses.append(F.cross_entropy(logits, t[193:200], reduction="none"))
     ref = torch.cat(losses).mean().item()
     assert r["loss"] == pytest.approx(ref, rel=1e-5) and r["ppl"] == pytest.approx(math.exp(ref))
-    assert r["scored_tokens"] == 16 * r["windows"]
+    assert r["scored_tokens"] == len(toks) - 1 and r["windows"] == 13
     assert evaluate_tokens(model, toks, 16, stride=16)["loss"] == pytest.approx(r["loss"])
 
 
@@ -60,6 +73,9 @@ def test_sliding_windows_score_each_token_with_long_history():
     for s in range(4, len(toks) - 16, 4):
         logits = model(t[None, s : s + 16])[0][0][-4:]
         parts.append(F.cross_entropy(logits, t[s + 13 : s + 17], reduction="none"))
+    logits = model(t[None, 183:199])[0][0][-3:]  # the last window: targets 197..199 left over
+    parts.append(F.cross_entropy(logits, t[197:200], reduction="none"))
+    assert r["scored_tokens"] == len(toks) - 1
     assert r["loss"] == pytest.approx(torch.cat(parts).mean().item(), rel=1e-5)
 
 

@@ -280,6 +280,11 @@ def test_errors(ckpt, tmp_path, capsys):
     assert "neither" in _fails(capsys, "--checkpoint", str(tmp_path / "odd"), "--prompt", "to")
     assert "not in the vocabulary" in _fails(capsys, "--checkpoint", str(path), "--prompt", "Z")
     assert "--interactive" in _fails(capsys, "--checkpoint", str(path))
+    for flag, value in (("--top-k", "0"), ("--top-p", "1.5"), ("--min-p", "2")):
+        err = _fails(capsys, "--checkpoint", str(path), "--prompt", "to", flag, value)
+        assert f"{flag[2:].replace('-', '_')}={value}" in err and "must be" in err
+    err = _fails(capsys, "--checkpoint", str(path), "--prompt", "to", "--repetition-penalty", "0")
+    assert "repetition_penalty=0.0 must be > 0" in err
 
 
 def test_past_max_seq_len(tmp_path, capsys):

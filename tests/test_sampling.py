@@ -10,6 +10,7 @@ from llm_foundry.generate import generate, stream
 from llm_foundry.models import Transformer
 from llm_foundry.sampling import (
     apply_repetition_penalty,
+    check_sampling,
     min_p_filter,
     sample_next,
     top_k_filter,
@@ -93,10 +94,13 @@ def test_past_max_seq_len():
 
 def test_cropped_context_equals_recompute_on_the_last_tokens():
     torch.manual_seed(0)
-    model = Transformer(ModelConfig(vocab_size=40, dim=32, n_layers=2, n_heads=4, max_seq_len=16))
-    model.eval()
+    cfg = ModelConfig(
+        vocab_size=40, dim=32, n_layers=2, n_heads=4, max_seq_len=16, pos_encoding="learned"
+    )
+    model = Transformer(cfg).eval()
     idx = torch.randint(0, 40, (2, 5))
-    out = generate(model, idx, 30, temperature=0, context=8)  # 35 tokens with learned positions
+    # 35 tokens with a 16-row position table: each window must restart at position 0
+    out = generate(model, idx, 30, temperature=0, context=8)
     ref = idx
     for _ in range(30):
         nxt = model(ref[:, -8:])[0][:, -1].argmax(-1, keepdim=True)
@@ -104,3 +108,22 @@ def test_cropped_context_equals_recompute_on_the_last_tokens():
     assert torch.equal(out, ref)
     with pytest.raises(ValueError, match="context=17 must be in"):
         generate(model, idx, 2, context=17)
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (dict(temperature=-1), "temperature=-1 must be >= 0"),
+        (dict(top_k=0), "top_k=0 must be an integer >= 1"),
+        (dict(top_p=0.0), "top_p=0.0 must be in"),
+        (dict(top_p=1.5), "top_p=1.5 must be in"),
+        (dict(min_p=2.0), "min_p=2.0 must be in"),
+        (dict(repetition_penalty=0.0), "repetition_penalty=0.0 must be > 0"),
+    ],
+)
+def test_sampling_settings_out_of_range_are_refused_by_name(kw, message):
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=40, dim=32, n_layers=1, n_heads=4, max_seq_len=16))
+    with pytest.raises(ValueError, match=message):
+        generate(model, torch.zeros(1, 3, dtype=torch.long), 2, **kw)
+    check_sampling(top_k=1, top_p=1.0, min_p=0.0, repetition_penalty=1.0)  # edges are valid

@@ -2,7 +2,7 @@
 
 Non-overlapping (``stride=None``): the token stream is cut into windows of ``context + 1`` tokens
 sharing one token at each seam; every target is scored once, each seeing 0..context-1 tokens
-before it. Sliding (``stride=S``): windows start every S tokens and only their last S targets are
+before it (a last window, ending at the last token, scores the few targets left over). Sliding (``stride=S``): windows start every S tokens and only their last S targets are
 scored (the first window scores all), so every scored token sees at least ``context - S`` tokens
 of history: closer to what the model does at its full context, at context/S times the compute.
 
@@ -33,6 +33,9 @@ def windows(n_tokens: int, context: int, stride: int | None) -> list[tuple[int, 
     while start + context + 1 <= n_tokens:
         out.append((start, 0 if (start == 0 or stride is None) else context - step))
         start += step
+    if out and out[-1][0] + context + 1 < n_tokens:  # targets left over: one window at the end
+        last = n_tokens - context - 1  # scores only what the previous windows did not
+        out.append((last, out[-1][0] + context - last))
     return out
 
 
@@ -50,15 +53,20 @@ def evaluate_tokens(
     Returns {"context", "stride", "loss", "ppl", "scored_tokens", "windows"}, or, when the model
     cannot run at this length (learned positions past their table), {"status": "cannot run",
     "reason": ...}."""
+    if isinstance(context, bool) or not isinstance(context, int) or context < 1:
+        raise ValueError(f"context={context!r} must be an integer >= 1")
+    if batch_size < 1 or (max_windows is not None and max_windows < 1):
+        raise ValueError(f"batch_size={batch_size} and max_windows={max_windows} must be >= 1")
     if stride is not None and not 0 < stride <= context:
         raise ValueError(f"stride={stride} must be in [1, context={context}]")
     cfg = model.cfg
-    if cfg.pos_encoding == "learned" and context > cfg.max_seq_len:
+    limit = model.pos.max_positions
+    if limit is not None and context > limit:
         return dict(
             context=context,
             stride=stride,
             status="cannot run",
-            reason=f"learned positions have {cfg.max_seq_len} rows; context {context} needs more",
+            reason=f"{cfg.pos_encoding} positions have {limit} rows; context {context} needs more",
         )
     data = torch.as_tensor(np.asarray(tokens, dtype=np.int64))
     spans = windows(len(data), context, stride)

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import torch
 
-from llm_foundry.sampling import apply_repetition_penalty, sample_next
+from llm_foundry.sampling import apply_repetition_penalty, check_sampling, sample_next
 
 
 @torch.no_grad()
@@ -42,6 +42,7 @@ def stream(
     """
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
+    check_sampling(temperature, top_k, top_p, min_p, repetition_penalty)
     if context is None:
         next_logits = _cached_step(model, idx, max_new_tokens, pad, compile)
     else:
@@ -87,7 +88,7 @@ def _cached_step(model, idx, max_new_tokens, pad, compile):
     total = idx.shape[1] + max_new_tokens
     longest = total - (int(pad.min()) if pad is not None else 0)  # positions the longest row uses
     if longest > model.cfg.max_seq_len:
-        if model.cfg.pos_encoding == "learned":
+        if model.pos.max_positions is not None:
             raise ValueError(
                 f"prompt ({longest - max_new_tokens} tokens) + max_new_tokens ({max_new_tokens}) "
                 f"= {longest} is past max_seq_len={model.cfg.max_seq_len}, and learned positions "

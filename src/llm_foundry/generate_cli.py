@@ -228,6 +228,9 @@ def main(argv: list[str]) -> int:
         raise ValueError(f"--max-new-tokens must be >= 0; got {ns.max_new_tokens}")
     if ns.temperature < 0:
         raise ValueError(f"--temperature must be >= 0 (0 = greedy); got {ns.temperature}")
+    from llm_foundry.sampling import check_sampling
+
+    check_sampling(ns.temperature, ns.top_k, ns.top_p, ns.min_p, ns.repetition_penalty)
     if any(s == "" for s in ns.stop):
         raise ValueError("--stop strings must not be empty")
     device = ns.device

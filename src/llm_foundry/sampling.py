@@ -5,6 +5,31 @@ from __future__ import annotations
 import torch
 
 
+def check_sampling(
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
+    repetition_penalty: float | None = None,
+) -> None:
+    """Raise ValueError naming the first sampling setting out of its range (None = off)."""
+    rules = (
+        ("temperature", temperature, temperature >= 0, ">= 0 (0 = greedy)"),
+        ("top_k", top_k, top_k is None or top_k >= 1, "an integer >= 1"),
+        ("top_p", top_p, top_p is None or 0 < top_p <= 1, "in (0, 1]"),
+        ("min_p", min_p, min_p is None or 0 <= min_p <= 1, "in [0, 1]"),
+        (
+            "repetition_penalty",
+            repetition_penalty,
+            repetition_penalty is None or repetition_penalty > 0,
+            "> 0 (1 = off)",
+        ),
+    )
+    for name, value, ok, valid in rules:
+        if not ok:
+            raise ValueError(f"{name}={value!r} must be {valid}")
+
+
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float):
     """Make tokens already in ``seen`` (B, T) less likely (Keskar et al. 2019, CTRL): divide
     positive logits by ``penalty``, multiply negative ones by it."""

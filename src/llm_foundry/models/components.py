@@ -44,7 +44,7 @@ class Linear(nn.Linear):
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm (Zhang & Sennrich 2019): x / sqrt(mean(x^2) + eps) * weight. x: (..., D)."""
     # in fp32: the mean of squares overflows in fp16 and loses precision in bf16
-    normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)  # one fused kernel
+    normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)  # one op (on CPU: several kernels)
     return weight * normed.type_as(x)
 
 
@@ -137,6 +137,7 @@ class NoPosition(nn.Module):
     """
 
     has_bias = False  # whether ``bias`` returns a tensor
+    max_positions: int | None = None  # positions it can encode; None: any
 
     def embed(self, x: torch.Tensor, start: int, pad: torch.Tensor | None = None) -> torch.Tensor:
         """Add absolute positions start..start+T-1 to the embeddings x: (B, T, D); row b counts
@@ -169,7 +170,7 @@ class LearnedPosition(NoPosition):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.max_seq_len = cfg.max_seq_len
+        self.max_seq_len = self.max_positions = cfg.max_seq_len
         self.emb = nn.Embedding(cfg.max_seq_len, cfg.dim)
 
     def embed(self, x, start, pad=None):
