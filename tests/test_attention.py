@@ -82,8 +82,8 @@ def test_causality(pe, kind, impl, window):
     assert not torch.allclose(a[:, t:], b[:, t:])  # the change is seen from t on
 
 
-def test_gqa_with_all_heads_equals_mha():
-    """n_kv_heads == n_heads is plain multi-head attention: reference per-head loop agrees."""
+def test_sdpa_without_a_mask_is_causal_like_the_per_head_reference():
+    """mask=None takes SDPA's own causal path; it agrees with the per-head reference loop."""
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 4, 7, 8) for _ in range(3))
     torch.testing.assert_close(sdpa_attention(q, k, v, None)[0], reference_attention(q, k, v))
