@@ -129,6 +129,23 @@ def test_flops_per_token_formula():
     assert rep["flops_per_token"] == 6 * matmul + 12 * 12 * 12 * 64 * 1024
 
 
+def test_matmul_flops_counted_by_the_profiler_equal_the_formula():
+    """benchmarks/profile_step.py: the profiler's own count of matrix-multiply FLOPs in a training
+    step (forward + backward) equals 6 x matrix weights x tokens, the formula's matmul part."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    from profile_step import profile_step
+
+    r = profile_step("gpt2-shakespeare-char", batch=2, block=16, compile=False, steps=2)
+    matmul = 4 * (4 * 128 * 128 + 2 * 128 * 512) + 65 * 128  # q, k, v, o; fc, proj; head
+    assert r["matmul_flop_per_step"] == 6 * matmul * 2 * 16
+    # each of the 6 buckets and the total is rounded to 0.1 ms
+    assert sum(r["buckets"].values()) == pytest.approx(r["ms_per_step"], abs=0.35)
+    assert r["top_ops"] and r["top_ops"][0]["ms_per_step"] > 0
+
+
 def test_cli_params_json(capsys):
     assert main(["params", "--preset", "llama2-7b", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
