@@ -58,8 +58,40 @@ def shorten(cmd: str) -> str:
     return cmd
 
 
+# commands whose output does not depend on the machine or on training: the docs show it verbatim
+DETERMINISTIC = ("llm-foundry params ", "llm-foundry ablate --list", "llm-foundry --help")
+SHOWN = re.compile(r"^```bash runnable\n([^\n]*)\n```\n\s*\n```(?:text)?\n(.*?)^```", re.S | re.M)
+
+
+def shown_outputs(text: str) -> dict[str, str]:
+    """{command: the output block printed right after it} for one-command deterministic blocks."""
+    return {c: out for c, out in SHOWN.findall(text) if c.startswith(DETERMINISTIC)}
+
+
 def all_commands() -> list[tuple[str, str]]:
     return [(d.name, c) for d in DOCS for c in runnable_commands(d.read_text())]
+
+
+def _lines(text: str) -> list[str]:
+    return [line.rstrip() for line in text.strip("\n").splitlines()]
+
+
+def test_deterministic_outputs_in_the_docs_are_what_the_commands_print():
+    """`params`, `ablate --list` and `--help` print the same on any machine: the output the docs
+    show under such a command must be exactly what it prints now."""
+    checked = 0
+    for doc in DOCS:
+        for cmd, shown in shown_outputs(doc.read_text()).items():
+            r = subprocess.run(
+                [sys.executable, "-m", "llm_foundry", *shlex.split(cmd)[1:]],
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            assert r.returncode == 0, r.stderr
+            assert _lines(r.stdout) == _lines(shown), f"{doc.name}: output of `{cmd}` changed"
+            checked += 1
+    assert checked >= 3  # LEARNING_PATH and docs/architecture show several such outputs
 
 
 @pytest.fixture(scope="module")
