@@ -29,6 +29,7 @@ def test_invalid_config_lists_every_problem():
     "changes, expected",
     [
         (dict(mlp="swish"), "mlp='swish' is not one of gelu, relu, swiglu, geglu"),
+        (dict(multiple_of=True), "multiple_of=True must be a positive integer"),
         (dict(attn_impl="flash"), "attn_impl='flash' is not one of sdpa, manual"),
         (dict(norm_position="middle"), "norm_position='middle' is not one of pre, post"),
         (dict(dim=100, n_heads=8, n_kv_heads=8), "dim=100 is not divisible by n_heads=8"),

@@ -149,7 +149,9 @@ def test_config_fields_are_validated():
     assert cfg.monitor_interval == 0 and cfg.monitor_entropy_min > 0 and 0 < cfg.monitor_rank_frac
     with pytest.raises(ConfigError, match=r"monitor_interval=-1 must be a non-negative integer"):
         TrainConfig(monitor_interval=-1)
-    with pytest.raises(ConfigError, match=r"monitor_entropy_min=-0.5 must be a number in \[0, inf\)"):
+    with pytest.raises(
+        ConfigError, match=r"monitor_entropy_min=-0.5 must be a number in \[0, inf\)"
+    ):
         TrainConfig(monitor_entropy_min=-0.5)
     with pytest.raises(ConfigError, match=r"monitor_rank_frac=1.5 must be a number in \[0, 1\]"):
         TrainConfig(monitor_rank_frac=1.5)

@@ -140,7 +140,8 @@ class ModelConfig:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 p.append(f"{name}={v!r} must be a positive integer or null")
-        if not isinstance(self.multiple_of, int) or self.multiple_of < 1:
+        m = self.multiple_of
+        if not isinstance(m, int) or isinstance(m, bool) or m < 1:
             p.append(f"multiple_of={self.multiple_of!r} must be a positive integer")
         _one_of(p, "pos_encoding", self.pos_encoding, POS_ENCODINGS)
         _one_of(p, "rope_scaling", self.rope_scaling, ROPE_SCALINGS)
