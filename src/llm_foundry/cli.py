@@ -332,20 +332,17 @@ def main(argv: list[str] | None = None) -> int:
 def _flag_hint(message: str) -> str:
     """' (did you mean --model.n_layers?)' for a mistyped --model.FIELD / --train.FIELD."""
     import dataclasses
+    import difflib
     import re
 
-    from llm_foundry.config import _suggest
     from llm_foundry.train.config import TrainConfig
 
     m = re.search(r"--(model|train)\.(\w+)", message)
     if not m:
         return ""
     cls = ModelConfig if m.group(1) == "model" else TrainConfig
-    known = {f.name for f in dataclasses.fields(cls)}
-    if m.group(2) in known:
-        return ""
-    close = _suggest(m.group(2), known)
-    return close.replace("'", "").replace("mean ", f"mean --{m.group(1)}.") if close else ""
+    close = difflib.get_close_matches(m.group(2), [f.name for f in dataclasses.fields(cls)], n=1)
+    return f" (did you mean --{m.group(1)}.{close[0]}?)" if close and close[0] != m.group(2) else ""
 
 
 if __name__ == "__main__":

@@ -55,8 +55,10 @@ def evaluate_tokens(
     "reason": ...}."""
     if isinstance(context, bool) or not isinstance(context, int) or context < 1:
         raise ValueError(f"context={context!r} must be an integer >= 1")
-    if batch_size < 1 or (max_windows is not None and max_windows < 1):
-        raise ValueError(f"batch_size={batch_size} and max_windows={max_windows} must be >= 1")
+    if batch_size < 1:
+        raise ValueError(f"batch_size={batch_size} must be >= 1")
+    if max_windows is not None and max_windows < 1:
+        raise ValueError(f"max_windows={max_windows} must be >= 1 (or None: all windows)")
     if stride is not None and not 0 < stride <= context:
         raise ValueError(f"stride={stride} must be in [1, context={context}]")
     cfg = model.cfg

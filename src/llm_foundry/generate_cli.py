@@ -226,8 +226,6 @@ def main(argv: list[str]) -> int:
         raise ValueError("--stream and --json do not mix: --json prints one record when done")
     if ns.max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens must be >= 0; got {ns.max_new_tokens}")
-    if ns.temperature < 0:
-        raise ValueError(f"--temperature must be >= 0 (0 = greedy); got {ns.temperature}")
     from llm_foundry.sampling import check_sampling
 
     check_sampling(ns.temperature, ns.top_k, ns.top_p, ns.min_p, ns.repetition_penalty)

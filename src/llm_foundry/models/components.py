@@ -170,17 +170,17 @@ class LearnedPosition(NoPosition):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.max_seq_len = self.max_positions = cfg.max_seq_len
+        self.max_positions = cfg.max_seq_len  # one trained row per position
         self.emb = nn.Embedding(cfg.max_seq_len, cfg.dim)
 
     def embed(self, x, start, pad=None):
         end = start + x.shape[1]
         if pad is not None:
-            return x + self.emb(_row_positions(start, x.shape[1], pad, self.max_seq_len))
-        if end > self.max_seq_len:
+            return x + self.emb(_row_positions(start, x.shape[1], pad, self.max_positions))
+        if end > self.max_positions:
             raise ValueError(
-                f"position {end - 1} is past max_seq_len={self.max_seq_len}: learned absolute "
-                f"positions are a table with one trained row per position 0..{self.max_seq_len - 1} "
+                f"position {end - 1} is past max_seq_len={self.max_positions}: learned absolute "
+                f"positions are a table with one trained row per position 0..{self.max_positions - 1} "
                 "and nothing beyond it. Use a shorter input, or a model with pos_encoding='rope' "
                 "or 'alibi' (relative positions that run past the training length)."
             )

@@ -192,12 +192,14 @@ class Trainer:
     def _check_resumable(self, state: dict, path: Path) -> None:
         """Refuse a resume that would change the architecture (the weights would not fit); say
         which training settings differ from the saved run (allowed: e.g. a larger max_steps)."""
+        saved = state["model_config"]
         now = json.loads(json.dumps(self.mc.to_dict()))  # tuples as JSON lists, like the saved one
-        changed = {k: (state["model_config"].get(k), v) for k, v in now.items()}
-        changed = {k: ab for k, ab in changed.items() if ab[0] != ab[1]}
+        changed = [
+            f"{k}: saved {saved.get(k)!r}, now {v!r}" for k, v in now.items() if saved.get(k) != v
+        ]
         if changed:
             raise ConfigError(
-                [f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in changed.items()],
+                changed,
                 f"resume: {path} holds a model with other settings; a run resumes with the "
                 "architecture it was started with, drop or fix these --model flags",
             )
