@@ -343,3 +343,33 @@ def test_mixed_precision_runs_and_keeps_fp32_weights(data_dir, tmp_path, dtype):
     assert result.step == 4 and all(math.isfinite(v) for v in losses.values())
     assert all(p.dtype == torch.float32 for p in t.model.parameters())
     assert t.scaler.is_enabled() == (dtype == "fp16")
+
+
+def test_tensorboard_holds_the_same_metrics_as_metrics_jsonl(data_dir, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = tmp_path / "run"
+    make_trainer(data_dir, run, max_steps=8, tensorboard=True).run()
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    expected = {}  # tag -> [(step, value)] from metrics.jsonl
+    for r in rows:
+        group = "val" if "val_loss" in r else "train"
+        for k, v in r.items():
+            if k != "step":
+                expected.setdefault(f"{group}/{k}", []).append((r["step"], v))
+    assert {"train/loss", "train/lr", "train/grad_norm", "val/val_loss", "val/val_ppl"} <= set(
+        expected
+    )
+    assert sorted(events.Tags()["scalars"]) == sorted(expected)
+    for tag, points in expected.items():
+        logged = [(e.step, e.value) for e in events.Scalars(tag)]
+        assert [s for s, _ in logged] == [s for s, _ in points], tag
+        assert [v for _, v in logged] == pytest.approx([v for _, v in points], rel=1e-6), tag
+
+
+def test_tensorboard_without_the_extra_says_how_to_install_it(data_dir, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails
+    with pytest.raises(ImportError, match=r"pip install 'llm-foundry\[tensorboard\]'"):
+        make_trainer(data_dir, tmp_path / "run", max_steps=2, tensorboard=True).run()

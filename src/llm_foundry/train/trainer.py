@@ -381,8 +381,7 @@ class Trainer:
                 if watch:
                     metrics.write(self.monitor.record(self.step, probe, *norms))
                 if tb:
-                    for k in ("loss", "lr", "grad_norm", "tokens_per_s"):
-                        tb.add_scalar(f"train/{k}", rec[k], self.step)
+                    _tb_write(tb, "train", rec)
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss:.4f}", lr=f"{rec['lr']:.2e}", tok_s=f"{tps:,.0f}")
                 final = self.step == tc.max_steps
@@ -392,9 +391,10 @@ class Trainer:
                 if (tc.eval_interval and self.step % tc.eval_interval == 0) or final:
                     val = self.evaluate()
                     val_history.append((self.step, val))
-                    metrics.write(dict(step=self.step, val_loss=val, val_ppl=math.exp(val)))
+                    ev = dict(step=self.step, val_loss=val, val_ppl=math.exp(val))
+                    metrics.write(ev)
                     if tb:
-                        tb.add_scalar("val/loss", val, self.step)
+                        _tb_write(tb, "val", ev)
                     say(f"step {self.step}: train loss {loss:.4f}, val loss {val:.4f}")
                     if val < self.best_val:  # the best model is always on disk
                         self.best_val, self.best_name = val, f"step_{self.step:06d}"
@@ -436,3 +436,10 @@ def _tensorboard(out: Path):
             "train.tensorboard=true needs TensorBoard: pip install 'llm-foundry[tensorboard]'"
         ) from e
     return SummaryWriter(str(out / "tensorboard"))
+
+
+def _tb_write(tb, group: str, rec: dict) -> None:
+    """One metrics.jsonl record as TensorBoard scalars named ``group/key`` at its step."""
+    for k, v in rec.items():
+        if k != "step":
+            tb.add_scalar(f"{group}/{k}", v, rec["step"])
