@@ -14,13 +14,19 @@ Two parts, both in one run:
            families: final val loss, wall time (compile included), and when val loss first
            reached nanoGPT's 1.886.
 
-    python benchmarks/bench_shakespeare.py [--json] [--steps 2000] [--quick]
+With ``--nanogpt DIR`` (a checkout of github.com/karpathy/nanoGPT) nanoGPT's own model and
+optimizer join the speed part, eager and compiled, and the "vs nanoGPT" ratios are taken against
+its eager step measured in the same rounds instead of the issue's reference; first its initial
+weights are loaded into our gpt2-shakespeare-char and both models' logits compared.
+
+    python benchmarks/bench_shakespeare.py [--json] [--steps 2000] [--quick] [--nanogpt DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import platform
 import statistics
@@ -56,13 +62,88 @@ def data_dir(root: Path) -> Path:
 
 
 # ----------------------------------------------------------------------------------------------
+# nanoGPT itself, from a checkout the user passes (none of its code is part of this project)
+
+
+def load_nanogpt(checkout: Path):
+    """nanoGPT's ``model.py`` from ``checkout``, imported as a module."""
+    path = checkout / "model.py"
+    if not path.is_file():
+        raise SystemExit(
+            f"--nanogpt {checkout}: no model.py there; pass a checkout of "
+            "https://github.com/karpathy/nanoGPT"
+        )
+    spec = importlib.util.spec_from_file_location("nanogpt_model", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def nanogpt_model(module, vocab: int):
+    """nanoGPT's GPT at the recipe's size (train_shakespeare_char: bias off, no dropout)."""
+    cfg = module.GPTConfig(
+        block_size=64, vocab_size=vocab, n_layer=4, n_head=4, n_embd=128, dropout=0.0, bias=False
+    )
+    with contextlib.redirect_stdout(sys.stderr):  # it prints its parameter count
+        return module.GPT(cfg)
+
+
+def nanogpt_optimizer(model):
+    """The AdamW nanoGPT's train.py builds for the recipe (its own decay groups; CPU: not fused)."""
+    with contextlib.redirect_stdout(sys.stderr):
+        return model.configure_optimizers(0.1, 1e-3, RECIPE_ADAMW["betas"], "cpu")
+
+
+def load_nanogpt_weights(ours: Transformer, nano) -> None:
+    """nanoGPT's weights into our GPT-2-style model: its one c_attn matrix holds wq, wk, wv."""
+    sd, dim = nano.state_dict(), ours.cfg.dim
+    new = {
+        "tok_emb.weight": sd["transformer.wte.weight"],
+        "lm_head.weight": sd["lm_head.weight"],
+        "pos.emb.weight": sd["transformer.wpe.weight"],
+        "norm.weight": sd["transformer.ln_f.weight"],
+    }
+    for i in range(ours.cfg.n_layers):
+        theirs, mine = f"transformer.h.{i}.", f"layers.{i}."
+        q, k, v = sd[theirs + "attn.c_attn.weight"].split(dim)
+        names = dict(wq=q, wk=k, wv=v, wo=sd[theirs + "attn.c_proj.weight"])
+        new |= {f"{mine}attn.{n}.weight": w for n, w in names.items()}
+        new[mine + "attn_norm.weight"] = sd[theirs + "ln_1.weight"]
+        new[mine + "mlp_norm.weight"] = sd[theirs + "ln_2.weight"]
+        new[mine + "mlp.w1.weight"] = sd[theirs + "mlp.c_fc.weight"]
+        new[mine + "mlp.w2.weight"] = sd[theirs + "mlp.c_proj.weight"]
+    ours.load_state_dict(new, strict=True)
+
+
+def same_as_nanogpt(module, vocab: int) -> dict:
+    """Our gpt2-shakespeare-char with nanoGPT's initial weights: the same logits and loss?"""
+    torch.manual_seed(0)
+    nano = nanogpt_model(module, vocab)
+    ours = Transformer(get_preset("gpt2-shakespeare-char", vocab_size=vocab, max_seq_len=64))
+    load_nanogpt_weights(ours, nano)
+    x, y = torch.randint(0, vocab, (2, 12, 64), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        (a, la), (b, lb) = nano(x, y), ours(x, y)
+    return dict(
+        params=[sum(p.numel() for p in m.parameters()) for m in (nano, ours)],
+        max_abs_logit_diff=(a - b).abs().max().item(),
+        loss=[la.item(), lb.item()],
+    )
+
+
+# ----------------------------------------------------------------------------------------------
 # Speed: one training step, side by side
 
 
-def speed(vocab: int, rounds: int, steps: int) -> list[dict]:
+def speed(vocab: int, rounds: int, steps: int, nanogpt=None) -> list[dict]:
     torch.manual_seed(0)
     hf = hf_model(get_preset("gpt2-shakespeare-char", vocab_size=vocab, max_seq_len=64))
     contenders = [Contender("HF transformers GPT2LMHeadModel", hf, hf=True, **RECIPE_ADAMW)]
+    if nanogpt is not None:
+        for comp in (False, True):
+            model = nanogpt_model(nanogpt, vocab)
+            name = f"nanoGPT {'compiled' if comp else 'eager'}"
+            contenders.append(Contender(name, model, compile=comp, opt=nanogpt_optimizer(model)))
     for preset in ("gpt2-shakespeare-char", "llama-shakespeare-char"):
         for comp in (False, True):
             model = Transformer(get_preset(preset, vocab_size=vocab, max_seq_len=64))
@@ -72,11 +153,13 @@ def speed(vocab: int, rounds: int, steps: int) -> list[dict]:
     batches = [torch.randint(0, vocab, (2, 12, 64), generator=g) for _ in range(steps)]
     round_robin(contenders, batches, rounds, warmup=5)
     rows = []
-    hf_ms = statistics.median(contenders[0].times) * 1e3
+    ms_of = {c.name: statistics.median(c.times) * 1e3 for c in contenders}
+    hf_ms = ms_of["HF transformers GPT2LMHeadModel"]
+    nano_ms = ms_of.get("nanoGPT eager", NANOGPT["ms_per_iter_eager"])
     # every contender has the same architecture size: count FLOPs once, on ours
-    flops = contenders[1].model.flops_per_token(64)
+    flops = next(c for c in contenders if c.name.startswith("gpt2")).model.flops_per_token(64)
     for c in contenders:
-        ms = statistics.median(c.times) * 1e3
+        ms = ms_of[c.name]
         rows.append(
             dict(
                 name=c.name,
@@ -84,7 +167,7 @@ def speed(vocab: int, rounds: int, steps: int) -> list[dict]:
                 ms_per_iter=round(ms, 1),
                 ms_rounds=[round(t * 1e3, 1) for t in c.times],
                 speedup_vs_hf=round(hf_ms / ms, 2),
-                speedup_vs_nanogpt_eager=round(NANOGPT["ms_per_iter_eager"] / ms, 2),
+                speedup_vs_nanogpt_eager=round(nano_ms / ms, 2),
                 gflop_per_s=round(flops * 12 * 64 / ms / 1e6, 1),
                 warmup_s=round(c.warmup_s, 1),
             )
@@ -132,8 +215,10 @@ def main() -> int:
     ap.add_argument("--round-steps", type=int, default=40, help="steps per timed round")
     ap.add_argument("--quick", action="store_true", help="100-step runs, 2 rounds (a smoke test)")
     ap.add_argument("--skip-quality", action="store_true", help="speed part only")
+    ap.add_argument("--nanogpt", type=Path, help="a nanoGPT checkout to time side by side")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    nanogpt = load_nanogpt(args.nanogpt) if args.nanogpt else None
     if args.quick:
         args.steps, args.rounds, args.round_steps = 100, 2, 10
     root = Path(tempfile.mkdtemp(prefix="bench_shakespeare-"))
@@ -149,8 +234,11 @@ def main() -> int:
         date=time.strftime("%Y-%m-%d"),
         command="python benchmarks/bench_shakespeare.py " + " ".join(sys.argv[1:]),
         nanogpt_reference=NANOGPT,
-        speed=speed(vocab, args.rounds, args.round_steps),
+        nanogpt_eager_basis="measured in this run" if nanogpt else "reference",
     )
+    if nanogpt:
+        report["same_as_nanogpt"] = same_as_nanogpt(nanogpt, vocab)
+    report["speed"] = speed(vocab, args.rounds, args.round_steps, nanogpt)
     # the trainer's progress lines go to stderr so that --json prints only JSON on stdout
     if not args.skip_quality:
         evals = dict(eval_interval=max(args.steps // 20, 1), eval_batches=20)
@@ -173,7 +261,16 @@ def main() -> int:
     print(
         f"{report['date']}  torch {report['machine']['torch']}  {report['machine']['threads']} threads"
     )
-    print("\nspeed: one training step at batch 12 x 64 (median of rounds)")
+    if nanogpt:
+        same = report["same_as_nanogpt"]
+        print(
+            f"\nnanoGPT's weights in gpt2-shakespeare-char: params {same['params']}, "
+            f"max |logit diff| {same['max_abs_logit_diff']:.2e}, losses {same['loss']}"
+        )
+    print(
+        "\nspeed: one training step at batch 12 x 64 (median of rounds); vs nanoGPT: its eager "
+        f"step, {report['nanogpt_eager_basis']}"
+    )
     print(f"{'model':<40}{'params':>10}{'ms/iter':>9}{'vs HF':>7}{'vs nanoGPT':>11}{'GFLOP/s':>9}")
     for r in report["speed"]:
         print(

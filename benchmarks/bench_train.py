@@ -69,13 +69,23 @@ class Contender:
     """A model, its AdamW and one training step (forward, backward, clip, update, one sync)."""
 
     def __init__(
-        self, name, model, compile=False, bf16=False, hf=False, lr=1e-4, betas=(0.9, 0.999)
+        self,
+        name,
+        model,
+        compile=False,
+        bf16=False,
+        hf=False,
+        lr=1e-4,
+        betas=(0.9, 0.999),
+        opt=None,
     ):
         self.name, self.model, self.hf, self.bf16 = name, model, hf, bf16
         self.fwd = torch.compile(model) if compile else model
-        groups = model.parameters() if hf else model.param_groups(0.1)
-        # fused AdamW where we ship it; HF gets torch's default (what its users get)
-        self.opt = torch.optim.AdamW(groups, lr=lr, betas=betas, fused=not hf)
+        if opt is None:  # else: the optimizer another project builds for its model
+            groups = model.parameters() if hf else model.param_groups(0.1)
+            # fused AdamW where we ship it; HF gets torch's default (what its users get)
+            opt = torch.optim.AdamW(groups, lr=lr, betas=betas, fused=not hf)
+        self.opt = opt
         self.params = sum(p.numel() for p in model.parameters())
         self.times: list[float] = []  # seconds per step, one entry per timed round
 
