@@ -113,7 +113,8 @@ def test_resume_after_sigkill_gives_the_same_losses(data_dir, tmp_path):
     assert [a[s] for s in a] == [b[s] for s in a]  # bit for bit, every step
 
 
-def test_sigterm_saves_a_checkpoint_and_exits_cleanly(data_dir, tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_saves_a_checkpoint_and_exits_cleanly(data_dir, tmp_path, sig):
     run = tmp_path / "run"
     proc = subprocess.Popen(
         _cli(data_dir, run, "--train.max_steps=100000", "--train.checkpoint_interval=0"),
@@ -128,10 +129,10 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(data_dir, tmp_path):
         if metrics.exists() and len(metrics.read_text().splitlines()) >= 15:
             break
         time.sleep(0.01)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(sig)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, out
-    assert "SIGTERM: saved" in out and "--resume" in out
+    assert f"{sig.name}: saved" in out and "--resume" in out
     step = _latest_step(run)
     assert step is not None and step == max(_losses(run))
     assert (run / "checkpoints" / f"step_{step:06d}" / "model.safetensors").exists()
