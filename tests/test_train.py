@@ -374,3 +374,27 @@ def test_tensorboard_without_the_extra_says_how_to_install_it(data_dir, tmp_path
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails
     with pytest.raises(ImportError, match=r"pip install 'llm-foundry\[tensorboard\]'"):
         make_trainer(data_dir, tmp_path / "run", max_steps=2, tensorboard=True).run()
+
+
+def test_tensorboard_after_a_crash_and_resume_holds_each_step_once(data_dir, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = tmp_path / "run"
+    t = make_trainer(data_dir, run, max_steps=8, tensorboard=True)  # saves at step 4
+    real = t.forward
+
+    def forward(x, y=None, **kw):  # the process dies during step 7, after step 6 was logged
+        if t.model.training and t.step + 1 == 7:
+            raise RuntimeError("crash")
+        return real(x, y, **kw)
+
+    t.forward = forward
+    with pytest.raises(RuntimeError, match="crash"):
+        t.run()
+    make_trainer(data_dir, run, resume=True, max_steps=8, tensorboard=True).run()
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    logged = [(e.step, e.value) for e in events.Scalars("train/loss")]
+    assert [s for s, _ in logged] == list(range(1, 9))
+    assert [v for _, v in logged] == pytest.approx([r["loss"] for r in rows if "loss" in r])

@@ -333,7 +333,10 @@ class Trainer:
             stop["signal"] = signal.Signals(signum).name
 
         old = {s: signal.signal(s, request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
-        tb = _tensorboard(self.out) if tc.tensorboard and main else None
+        # a resumed run hides what the interrupted one logged after its checkpoint, as in
+        # metrics.jsonl
+        purge = self.step + 1 if self.resumed_from else None
+        tb = _tensorboard(self.out, purge) if tc.tensorboard and main else None
         last_loss, last_ckpt, val_history = None, self.resumed_from, []
         bar = tqdm(
             total=tc.max_steps,
@@ -428,14 +431,14 @@ class Trainer:
         )
 
 
-def _tensorboard(out: Path):
+def _tensorboard(out: Path, purge_step: int | None):
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError as e:
         raise ImportError(
             "train.tensorboard=true needs TensorBoard: pip install 'llm-foundry[tensorboard]'"
         ) from e
-    return SummaryWriter(str(out / "tensorboard"))
+    return SummaryWriter(str(out / "tensorboard"), purge_step=purge_step)
 
 
 def _tb_write(tb, group: str, rec: dict) -> None:
