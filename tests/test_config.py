@@ -75,3 +75,30 @@ def test_presets_are_valid_data():
     assert get_preset("mistral-7b").sliding_window == 4096
     with pytest.raises(KeyError, match="available presets: gpt2"):
         get_preset("gpt-2")
+
+
+def test_changing_n_heads_keeps_mha_mha_and_gqa_gqa(capsys):
+    import json
+
+    from llm_foundry.cli import main
+
+    gpt2 = get_preset("gpt2")  # MHA: 12 query heads, 12 KV heads
+    assert gpt2.replace(n_heads=8).n_kv_heads == 8
+    assert gpt2.replace(n_heads=24, n_kv_heads=12).n_kv_heads == 12
+    gqa = get_preset("llama-shakespeare").replace(n_kv_heads=2)
+    assert gqa.replace(n_heads=8).n_kv_heads == 2  # an explicit GQA count stays
+    for argv, kv in (
+        (["--preset", "gpt2", "--model.n_heads", "8"], 8),
+        (["--preset", "gpt2", "--model.n_heads", "24", "--model.n_kv_heads", "12"], 12),
+        (["--model.n_heads", "4"], 4),  # the default config
+    ):
+        assert main(["params", *argv, "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["config"]["n_kv_heads"] == kv
+
+
+def test_a_model_section_that_is_not_a_mapping_is_refused(tmp_path, capsys):
+    from llm_foundry.cli import main
+
+    (tmp_path / "c.yaml").write_text("model: [1, 2]\n")
+    assert main(["params", "--config", str(tmp_path / "c.yaml")]) == 2
+    assert "the model section must be a mapping of fields, got [1, 2]" in capsys.readouterr().err

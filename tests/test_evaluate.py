@@ -121,3 +121,21 @@ def test_cli_table_and_json(tmp_path, capsys):
     assert rep["results"][2]["status"] == "cannot run" and rep["results"][0]["ppl"] > 1
     assert main([*args, "--context", "8", "--stride", "4"]) == 0
     assert "cannot run" not in capsys.readouterr().out
+
+
+def test_cli_refuses_data_from_another_tokenizer_and_a_directory(tmp_path):
+    model = _model(vocab_size=20)
+    save_checkpoint(model, tmp_path / "ck")
+    data = tmp_path / "data"
+    data.mkdir()
+    np.arange(100, dtype=np.uint16).tofile(data / "val.bin")  # ids up to 99 > vocab 20
+    meta = dict(dtype="uint16", vocab_size=100, train_tokens=0, val_tokens=100)
+    (data / "meta.json").write_text(json.dumps(meta))
+    args = ["--checkpoint", str(tmp_path / "ck")]
+    with pytest.raises(ValueError, match="holds token id 99, past the model's vocab_size 20"):
+        main([*args, "--data", str(data / "val.bin"), "--context", "8"])
+    with pytest.raises(ValueError, match="is a directory; give a token file"):
+        main([*args, "--data", str(data)])
+    CharTokenizer.train("abc").save(tmp_path / "ck" / "tokenizer.json")
+    with pytest.raises(FileNotFoundError, match="--text .*nope.txt: no such file"):
+        main([*args, "--text", str(tmp_path / "nope.txt")])

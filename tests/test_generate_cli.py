@@ -289,16 +289,39 @@ def test_errors(ckpt, tmp_path, capsys):
 
 def test_past_max_seq_len(tmp_path, capsys):
     tok = CharTokenizer.train(TEXT)
-    _save(tmp_path / "learned", tok, pos_encoding="learned")
+    learned = _save(tmp_path / "learned", tok, pos_encoding="learned")
     prompt = TEXT[:60]
     args = ["--checkpoint", str(tmp_path / "learned"), "--prompt", prompt, "--temperature", "0"]
-    for mode in ([], ["--stream"]):
-        err = _fails(capsys, *args, "--max-new-tokens", "5", *mode)
+    # by default the context is cropped to max_seq_len, as nanoGPT samples, with a note
+    assert main(["generate", *args, "--max-new-tokens", "10"]) == 0
+    cap = capsys.readouterr()
+    assert "(70) exceed the model's max_seq_len (64)" in cap.err and "last 64 tokens" in cap.err
+    ref = generate(learned, torch.tensor([tok.encode(prompt)]), 10, temperature=0, context=64)
+    assert cap.out == tok.decode(ref[0].tolist()) + "\n"
+    for mode in ([], ["--stream"]):  # --context 0: the whole sequence, which cannot fit
+        err = _fails(capsys, *args, "--max-new-tokens", "5", "--context", "0", *mode)
         assert "= 65 is past max_seq_len=64" in err and "learned positions" in err
+    err = _fails(capsys, *args, "--context", "65")
+    assert "--context 65 is past the 64 learned positions" in err
+    assert "--context must be >= 0" in _fails(capsys, *args, "--context", "-1")
     assert _run(capsys, *args, "--max-new-tokens", "4").startswith(prompt)  # 60 + 4 = 64 fits
-    # RoPE runs on past the trained context, with generate's warning
+    # RoPE runs on past the trained context with --context 0, and says so in one line
     _save(tmp_path / "rope", tok)
     args[1] = str(tmp_path / "rope")
-    with pytest.warns(UserWarning, match="past the trained context 64"):
-        out = _run(capsys, *args, "--max-new-tokens", "8")
-    assert len(out) == 60 + 8 + 1
+    assert main(["generate", *args, "--max-new-tokens", "8", "--context", "0"]) == 0
+    cap = capsys.readouterr()
+    assert len(cap.out) == 60 + 8 + 1
+    assert cap.err == (
+        "note: generating 68 tokens past the trained context 64 (rope positions run on, but "
+        "quality may drop)\n"
+    )
+
+
+def test_interactive_reports_a_bad_line_and_goes_on(ckpt, capsys, monkeypatch):
+    path, model, tok = ckpt
+    monkeypatch.setattr("sys.stdin", io.StringIO("Z\nto be\n"))  # 'Z' is not in the vocabulary
+    args = ["--checkpoint", str(path), "--interactive", "--temperature", "0"]
+    assert main(["generate", *args, "--max-new-tokens", "8"]) == 0
+    cap = capsys.readouterr()
+    assert "error: character 'Z'" in cap.err
+    assert cap.out == _greedy_text(model, tok, "to be", 8)[len("to be") :] + "\n"

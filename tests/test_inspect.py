@@ -151,3 +151,16 @@ def test_default_out_and_dispatch(tmp_path, monkeypatch, capsys):
     assert main([]) == 0 and "sinusoidal" in capsys.readouterr().out
     with pytest.raises(ValueError, match="unknown inspect sub-command 'heads'; choose one of lr"):
         main(["heads"])
+
+
+def test_out_gets_png_added_and_other_formats_are_refused(tmp_path, capsys, ckpt):
+    rep = run_json(capsys, ["lr", "--out", str(tmp_path / "plain")])
+    assert rep["path"] == str(tmp_path / "plain.png") and png_size(tmp_path / "plain.png")
+    with pytest.raises(ValueError, match=r"plots are written as PNG; give a name ending in \.png"):
+        main(["lr", "--out", str(tmp_path / "lr.svg")])
+    with pytest.raises(ValueError, match="--length 0 must be >= 1"):
+        main(["rope", "--length", "0", "--out", str(tmp_path / "r.png")])
+    bpe = tmp_path / "big.json"  # a tokenizer with ids past the checkpoint's vocabulary
+    CharTokenizer.train(TEXT + "".join(chr(c) for c in range(0x4E00, 0x4E40))).save(bpe)
+    with pytest.raises(ValueError, match="past the model's vocab_size"):
+        main(["attention", "--checkpoint", str(ckpt), "--tokenizer", str(bpe), "--prompt", "丿"])

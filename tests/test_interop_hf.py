@@ -403,3 +403,39 @@ def test_directory_without_safetensors_is_refused(tmp_path):
     (tmp_path / "pytorch_model.bin").write_bytes(b"not read")
     with pytest.raises(FileNotFoundError, match="safetensors"):
         from_hf(tmp_path)
+
+
+def test_to_hf_takes_a_run_directory_and_leaves_a_char_tokenizer_behind(tmp_path, capsys):
+    from llm_foundry.cli import main
+    from llm_foundry.tokenizer import BPETokenizer, CharTokenizer, load_tokenizer
+    from llm_foundry.train.state import LATEST
+
+    text = "to be or not to be, that is the question\n" * 20
+    for kind, tok in (("char", CharTokenizer.train(text)), ("bpe", BPETokenizer.train(text, 280))):
+        run = tmp_path / kind
+        cfg = get_preset("llama-shakespeare-char", vocab_size=tok.vocab_size, n_layers=1)
+        save_checkpoint(Transformer(cfg), run / "checkpoints" / "step_000001")
+        tok.save(run / "checkpoints" / "step_000001" / "tokenizer.json")
+        (run / "checkpoints" / LATEST).write_text(json.dumps({"path": "step_000001"}))
+        assert main(["convert", "--to-hf", str(run), "--out", str(tmp_path / f"hf-{kind}")]) == 0
+        err = capsys.readouterr().err
+        copied = (tmp_path / f"hf-{kind}" / "tokenizer.json").exists()
+        assert copied == (kind == "bpe")
+        assert ("(a character tokenizer) not copied: HF cannot read it" in err) == (kind == "char")
+    from transformers import AutoTokenizer
+
+    hf_tok = AutoTokenizer.from_pretrained(str(tmp_path / "hf-bpe"))
+    ours = load_tokenizer(tmp_path / "hf-bpe" / "tokenizer.json")
+    assert hf_tok("to be")["input_ids"] == ours.encode("to be")
+
+
+def test_weights_that_do_not_match_config_json_are_named(tmp_path):
+    save_checkpoint(Transformer(get_preset("llama-shakespeare-char", n_layers=1)), tmp_path)
+    meta = json.loads((tmp_path / "config.json").read_text())
+    meta["model"]["dim"] = 64
+    (tmp_path / "config.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="does not match the model its config.json describes"):
+        load_checkpoint(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="config.json is not valid JSON"):
+        load_checkpoint(tmp_path)

@@ -398,3 +398,39 @@ def test_tensorboard_after_a_crash_and_resume_holds_each_step_once(data_dir, tmp
     logged = [(e.step, e.value) for e in events.Scalars("train/loss")]
     assert [s for s, _ in logged] == list(range(1, 9))
     assert [v for _, v in logged] == pytest.approx([r["loss"] for r in rows if "loss" in r])
+
+
+def test_cli_refuses_before_training_what_would_fail_after_it(data_dir, tmp_path, capsys):
+    base = ["train", "--data", str(data_dir), *TINY_FLAGS, *TRAIN_FLAGS, "--train.max_steps=2"]
+
+    def fails(*args: str, code: int = 2) -> str:
+        assert main([*base, *args]) == code
+        return capsys.readouterr().err
+
+    run = tmp_path / "run"
+    assert main([*base, "--out", str(run)]) == 0
+    capsys.readouterr()
+    err = fails("--out", str(run))  # a second run must not clobber the first
+    assert f"--out {run} already holds a run with checkpoints" in err and "--resume" in err
+    assert "--out is empty" in fails("--out", "")
+    err = fails("--out", str(tmp_path / "gpu"), "--train.device=cuda")
+    assert "train.device=cuda: not available on this machine; use auto or cpu" in err
+    long = ["--train.block_size=6000", "--model.max_seq_len=6000"]  # longer than val.bin
+    err = fails("--out", str(tmp_path / "s"), *long)
+    assert "val.bin has 6,000 tokens; one window needs block_size + 1 = 6,001" in err
+    assert not (tmp_path / "s" / "metrics.jsonl").exists()  # refused before the first step
+    no_tok = tmp_path / "no_tok"
+    shutil.copytree(data_dir, no_tok)
+    (no_tok / "tokenizer.json").unlink()
+    err = fails("--data", str(no_tok), "--out", str(tmp_path / "t"), "--train.sample_tokens=5")
+    assert "tokenizer.json does not exist" in err
+    assert not (tmp_path / "t" / "metrics.jsonl").exists()  # refused before the first step
+    err = fails("--out", str(tmp_path / "nan"), "--train.lr=1e30", "--train.warmup_steps=0", code=1)
+    assert err.startswith("llm-foundry train: non-finite loss") and "Traceback" not in err
+
+
+def test_resume_of_a_run_without_checkpoints_prepares_nothing(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the default corpus would be prepared under ./data
+    assert main(["train", "--out", "nothing", "--resume"]) == 2
+    assert "--resume: no checkpoint in nothing/checkpoints" in capsys.readouterr().err
+    assert not (tmp_path / "data").exists()

@@ -164,8 +164,8 @@ def expand(study: Study) -> list[Variant]:
 
 def configs(study: Study, variant: Variant, seed_index: int) -> tuple[ModelConfig, TrainConfig]:
     preset = variant.preset or study.preset
-    base = get_preset(preset).to_dict() if preset else {}
-    mc = ModelConfig.from_dict({**base, **study.model, **variant.model})
+    changes = {**study.model, **variant.model}
+    mc = get_preset(preset).replace(**changes) if preset else ModelConfig.from_dict(changes)
     tc = TrainConfig.from_dict({**study.train, **variant.train})
     return mc, dataclasses.replace(tc, seed=tc.seed + seed_index)
 

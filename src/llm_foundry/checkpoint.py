@@ -61,7 +61,10 @@ def read_config(path: str | Path) -> ModelConfig:
     file = Path(path) / CONFIG_FILE
     if not file.exists():
         raise FileNotFoundError(f"{file} not found: {path} is not an llm-foundry checkpoint")
-    meta = json.loads(file.read_text())
+    try:
+        meta = json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{file} is not valid JSON: {e}") from e
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         hint = ""
         if isinstance(meta, dict) and "model_type" in meta:
@@ -88,7 +91,10 @@ def load_weights(model: torch.nn.Module, path: str | Path) -> None:
         raise FileNotFoundError(f"{file} not found: {path} is not an llm-foundry checkpoint")
     first = next(iter(model.parameters()), None)
     device = str(first.device) if first is not None else "cpu"
-    load_model(model, str(file), strict=True, device=device)
+    try:
+        load_model(model, str(file), strict=True, device=device)
+    except RuntimeError as e:  # names/shapes that don't match the config the model was built from
+        raise ValueError(f"{file} does not match the model its config.json describes: {e}") from e
 
 
 def load_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> Transformer:

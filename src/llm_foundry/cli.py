@@ -60,10 +60,20 @@ def parse_model_args(
         extra(p)
     ns = p.parse_args(argv)
     model = ns.model
-    cfg = ModelConfig.from_dict(
-        dict(model) if not isinstance(model, ModelConfig) else model.to_dict()
-    )
-    return ns, cfg
+    if not isinstance(model, ModelConfig) and not hasattr(model, "items"):
+        raise ConfigError([f"the model section must be a mapping of fields, got {model!r}"])
+    fields = dict(model) if not isinstance(model, ModelConfig) else model.to_dict()
+    if "n_kv_heads" not in _given_text(argv):  # an MHA base stays MHA if n_heads changes
+        fields = {**fields, "n_kv_heads": None} if base.n_kv_heads == base.n_heads else fields
+    return ns, ModelConfig.from_dict(fields)
+
+
+def _given_text(argv: list[str]) -> str:
+    """The command line and the text of every --config file in it (to see what was set)."""
+    files = [b for a, b in zip(argv, argv[1:], strict=False) if a == "--config"]
+    files += [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
+    texts = [Path(f).read_text() for f in files if Path(f).is_file()]
+    return " ".join(argv + texts)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -157,6 +167,7 @@ def cmd_train(argv: list[str]) -> int:
     import time
 
     from llm_foundry.train.config import TrainConfig
+    from llm_foundry.train.state import latest_checkpoint
 
     # a resumed run starts from its own saved settings; flags given now override them
     saved = _saved_run(argv)
@@ -185,7 +196,16 @@ def cmd_train(argv: list[str]) -> int:
     train_cfg = _dataclass_from(TrainConfig, ns.train)
     if ns.resume and ns.out is None:
         raise ValueError("--resume needs --out RUN_DIR (the run to continue)")
+    if ns.out is not None and not ns.out.strip():
+        raise ValueError("--out is empty: give a run directory")
     out = Path(ns.out or f"runs/{ns.preset or 'custom'}-{time.strftime('%Y%m%d-%H%M%S')}")
+    if ns.resume and saved is None:
+        raise FileNotFoundError(f"--resume: no checkpoint in {out / 'checkpoints'} to continue")
+    if not ns.resume and latest_checkpoint(out / "checkpoints") is not None:
+        raise ValueError(
+            f"--out {out} already holds a run with checkpoints: continue it with --resume, "
+            "or pass another --out"
+        )
     data = Path(ns.data)
     if ns.data == DEFAULT_DATA and not (data / "meta.json").exists():
         _prepare_default(data)
@@ -323,10 +343,20 @@ def main(argv: list[str] | None = None) -> int:
     except argparse.ArgumentError as e:  # jsonargparse: unknown flag, or a value of a wrong type
         print(f"llm-foundry {name}: error: {e}{_flag_hint(str(e))}", file=sys.stderr)
         return 2
-    except (ConfigError, KeyError, ValueError, FileNotFoundError) as e:
+    except (ConfigError, KeyError, ValueError, OSError) as e:  # OSError: a file in the way, ...
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"llm-foundry {name}: error: {msg}", file=sys.stderr)
         return 2
+    except _run_stops() as e:
+        print(f"llm-foundry {name}: {e}", file=sys.stderr)
+        return 1
+
+
+def _run_stops() -> tuple[type[Exception], ...]:
+    """Errors that end a run with a message saying what to do (imported once one is raised)."""
+    from llm_foundry.train.trainer import TrainingDiverged
+
+    return (TrainingDiverged,)
 
 
 def _flag_hint(message: str) -> str:

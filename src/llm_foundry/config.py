@@ -212,7 +212,11 @@ class ModelConfig:
         return cls(**d)
 
     def replace(self, **changes: Any) -> ModelConfig:
-        return ModelConfig.from_dict({**self.to_dict(), **changes})
+        """A copy with ``changes``; an MHA config stays MHA when only ``n_heads`` changes."""
+        d = self.to_dict()
+        if "n_kv_heads" not in changes and self.n_kv_heads == self.n_heads:
+            d["n_kv_heads"] = None  # resolved again to the (new) n_heads
+        return ModelConfig.from_dict({**d, **changes})
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)

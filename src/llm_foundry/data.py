@@ -463,7 +463,7 @@ class BatchSampler:
         n = len(self.data)
         if n < block_size + 1:
             raise DataError(
-                f"{name} has {n:,} tokens; one training window needs block_size + 1 = "
+                f"{name} has {n:,} tokens; one window needs block_size + 1 = "
                 f"{block_size + 1:,}: use block_size <= {max(n - 1, 0):,} or more text"
             )
         self.block_size, self.batch_size = block_size, batch_size

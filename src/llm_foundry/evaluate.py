@@ -134,11 +134,17 @@ def _load_tokens(ns, ckpt: Path) -> tuple[np.ndarray, str]:
         tok_file = ckpt / "tokenizer.json"
         if not tok_file.exists():
             raise FileNotFoundError(f"--text needs a tokenizer; {tok_file} does not exist")
+        if not Path(ns.text).is_file():
+            raise FileNotFoundError(f"--text {ns.text}: no such file")
         text = Path(ns.text).read_text(encoding="utf-8")
         return np.array(load_tokenizer(tok_file).encode(text), dtype=np.int64), ns.text
     from llm_foundry.data import load_meta, open_tokens
 
     path = Path(ns.data)
+    if path.is_dir():
+        raise ValueError(
+            f"--data {path} is a directory; give a token file, e.g. {path / 'val.bin'}"
+        )
     meta = load_meta(path.parent)
     return np.asarray(open_tokens(path, meta["dtype"])), str(path)
 
@@ -187,6 +193,12 @@ def main(argv: list[str]) -> int:
             raise ValueError("--rope-scaling needs --rope-factor F (e.g. 2 for twice the context)")
         model = with_rope_scaling(model, ns.rope_scaling, ns.rope_factor)
     tokens, source = _load_tokens(ns, ckpt)
+    top = int(tokens.max()) if len(tokens) else 0
+    if top >= model.cfg.vocab_size:
+        raise ValueError(
+            f"{source} holds token id {top}, past the model's vocab_size {model.cfg.vocab_size}: "
+            "it was tokenized with another tokenizer than the one the model was trained with"
+        )
     rows = [
         evaluate_tokens(model, tokens, c, ns.stride, ns.batch_size, ns.max_windows)
         for c in contexts

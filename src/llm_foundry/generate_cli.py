@@ -110,6 +110,25 @@ def _held_back(text: str, stops: list[str]) -> int:
     return n + len(stripped) - len(stripped.rstrip("\ufffd"))
 
 
+def _context(model, n_prompt: int, ns) -> int | None:
+    """How many tokens each step sees (None: all of them, through the KV cache)."""
+    longest, limit = n_prompt + ns.max_new_tokens, model.cfg.max_seq_len
+    if ns.context == 0 or (ns.context is None and longest <= limit):
+        return None
+    if ns.context is None:
+        print(
+            f"note: prompt + new tokens ({longest}) exceed the model's max_seq_len ({limit}): "
+            f"each step sees the last {limit} tokens (--context 0 to feed them all)",
+            file=sys.stderr,
+        )
+        return limit
+    if model.pos.max_positions is not None and ns.context > model.pos.max_positions:
+        raise ValueError(
+            f"--context {ns.context} is past the {model.pos.max_positions} learned positions"
+        )
+    return ns.context
+
+
 def _complete(model, tok, ids: list[int], ns, eos_ids: set[int], emit=None) -> dict:
     """Generate a continuation of ``ids``; ``emit(piece)`` receives the text (or, without a
     tokenizer, ``" ID"`` pieces) as it is produced. Returns the --json record: ``tokens`` is
@@ -135,6 +154,7 @@ def _complete(model, tok, ids: list[int], ns, eos_ids: set[int], emit=None) -> d
         min_p=ns.min_p,
         repetition_penalty=ns.repetition_penalty,
         seed=ns.seed,
+        context=_context(model, len(ids), ns),
     )
     # the continuation is the decoded whole sequence past the decoded prompt: decoding the new
     # ids alone could drop a leading space (SentencePiece-style decoders) or split a character
@@ -186,6 +206,14 @@ def _ids_text(ids: list[int]) -> str:
 
 
 def main(argv: list[str]) -> int:
+    import warnings
+
+    with warnings.catch_warnings():  # a warning is a one-line note here, not a source listing
+        warnings.showwarning = lambda message, *a, **k: print(f"note: {message}", file=sys.stderr)
+        return _main(argv)
+
+
+def _main(argv: list[str]) -> int:
     import torch
 
     p = argparse.ArgumentParser(
@@ -207,6 +235,15 @@ def main(argv: list[str]) -> int:
     p.add_argument(
         "--stop", nargs="+", default=[], metavar="STR", help="end at any of these (cut from output)"
     )
+    p.add_argument(
+        "--context",
+        type=int,
+        default=None,
+        metavar="N",
+        help="each step sees only the last N tokens (as nanoGPT samples; no KV cache); 0 = the "
+        "whole sequence. Default: the whole sequence while it fits the model's max_seq_len, "
+        "else max_seq_len",
+    )
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past eos")
     p.add_argument("--stream", action="store_true", help="print the text as it is generated")
     p.add_argument(
@@ -226,6 +263,8 @@ def main(argv: list[str]) -> int:
         raise ValueError("--stream and --json do not mix: --json prints one record when done")
     if ns.max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens must be >= 0; got {ns.max_new_tokens}")
+    if ns.context is not None and ns.context < 0:
+        raise ValueError(f"--context must be >= 0 (0 = the whole sequence); got {ns.context}")
     from llm_foundry.sampling import check_sampling
 
     check_sampling(ns.temperature, ns.top_k, ns.top_p, ns.min_p, ns.repetition_penalty)
@@ -294,5 +333,8 @@ def main(argv: list[str]) -> int:
             line = line.rstrip("\r\n")
             if not line.strip() or line.strip() in ("exit", "quit"):
                 break
-            run(encode(line), echo=False)
+            try:
+                run(encode(line), echo=False)
+            except ValueError as e:  # e.g. a character the tokenizer lacks: say so, keep going
+                print(f"error: {e}", file=sys.stderr)
     return 0

@@ -30,7 +30,12 @@ def _plt():
 
 
 def _save(fig, path: str | Path) -> Path:
+    """Write ``fig`` as a PNG at ``path`` (``.png`` added when it has no suffix)."""
     path = Path(path)
+    if not path.suffix:
+        path = path.with_suffix(".png")
+    if path.suffix.lower() != ".png":
+        raise ValueError(f"--out {path}: plots are written as PNG; give a name ending in .png")
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=DPI)  # no bbox_inches="tight": the pixel size stays figsize * DPI
     _plt().close(fig)
@@ -394,6 +399,11 @@ def cmd_attention(argv: list[str]) -> int:
     mc = model.cfg
     if tok is not None:
         ids = tok.encode(ns.prompt)
+        if max(ids) >= mc.vocab_size:
+            raise ValueError(
+                f"the tokenizer gives token id {max(ids)}, past the model's vocab_size "
+                f"{mc.vocab_size}: pass the tokenizer the model was trained with"
+            )
         tokens = [tok.decode([i]) for i in ids]
     else:  # no tokenizer: the prompt's UTF-8 bytes stand in for ids (fine for a random model)
         raw = ns.prompt.encode("utf-8")
@@ -448,7 +458,7 @@ def cmd_rope(argv: list[str]) -> int:
     if factor and factor > 1:
         for kind in ("linear", "ntk"):
             curves[f"{kind} x{factor:g}"] = rope_inv_freq(hd, theta, kind, factor)
-    length = ns.length or min(cfg.max_seq_len, 1024)
+    length = ns.length if ns.length is not None else min(cfg.max_seq_len, 1024)
     if length < 1:
         raise ValueError(f"--length {length} must be >= 1")
     own = rope_inv_freq(hd, theta, cfg.rope_scaling, cfg.rope_factor)  # what the model uses

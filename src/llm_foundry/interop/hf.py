@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +30,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from llm_foundry.checkpoint import load_checkpoint, save_checkpoint, unwrap
+from llm_foundry.checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint, unwrap
 from llm_foundry.config import ModelConfig
 from llm_foundry.models.transformer import Transformer
 
@@ -755,9 +756,17 @@ def to_hf(
 
 
 def _copy_tokenizer(src: Path, dst: Path) -> None:
-    """Bring ``tokenizer.json`` along when there is one (ours is an HF tokenizers file too)."""
-    if (src / TOKENIZER_FILE).exists():
-        shutil.copyfile(src / TOKENIZER_FILE, dst / TOKENIZER_FILE)
+    """Bring ``tokenizer.json`` along when there is one: our BPE file is an HF tokenizers file,
+    our character tokenizer has no HF equivalent and stays behind (with a note)."""
+    file = src / TOKENIZER_FILE
+    if not file.exists():
+        return
+    if "model" not in json.loads(file.read_text(encoding="utf-8")):
+        print(
+            f"note: {file} (a character tokenizer) not copied: HF cannot read it", file=sys.stderr
+        )
+        return
+    shutil.copyfile(file, dst / TOKENIZER_FILE)
 
 
 def convert_from_hf(src_dir: str | Path, out_ckpt: str | Path) -> Path:
@@ -770,6 +779,7 @@ def convert_from_hf(src_dir: str | Path, out_ckpt: str | Path) -> Path:
 
 def convert_to_hf(ckpt_dir: str | Path, out_dir: str | Path, family: str | None = None) -> Path:
     """``llm-foundry convert --to-hf CKPT --out DIR``: our checkpoint to an HF directory."""
+    ckpt_dir = resolve_checkpoint(Path(ckpt_dir))  # a run directory means its latest checkpoint
     out = to_hf(load_checkpoint(ckpt_dir), out_dir, family)
-    _copy_tokenizer(Path(ckpt_dir), out)
+    _copy_tokenizer(ckpt_dir, out)
     return out

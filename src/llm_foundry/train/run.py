@@ -35,6 +35,8 @@ def train_and_report(
     model_cfg: ModelConfig, train_cfg: TrainConfig, data: Path, out: Path, resume: bool = False
 ) -> RunResult:
     trainer = Trainer(model_cfg, train_cfg, data, out, resume=resume)
+    # the sample at the end needs the tokenizer: a missing one fails now, not after training
+    tok = load_tokenizer(data / "tokenizer.json") if train_cfg.sample_tokens else None
     w = trainer.world
     n = trainer.model.num_params()
     if w.main:
@@ -60,7 +62,6 @@ def train_and_report(
         checkpoint=str(result.checkpoint) if result.checkpoint else None,
     )
     if train_cfg.sample_tokens and not result.interrupted and not trainer.sharded:
-        tok = load_tokenizer(data / "tokenizer.json")
         text = sample_text(
             trainer.model, tok, train_cfg.sample_tokens, train_cfg.seed, train_cfg.block_size
         )

@@ -44,6 +44,9 @@ class TrainingDiverged(RuntimeError):
 
 
 def resolve_device(name: str) -> torch.device:
+    available = dict(cuda=torch.cuda.is_available(), mps=torch.backends.mps.is_available())
+    if name in available and not available[name]:
+        raise ValueError(f"train.device={name}: not available on this machine; use auto or cpu")
     if name != "auto":
         return torch.device(name)
     if torch.cuda.is_available():
@@ -145,6 +148,8 @@ class Trainer:
             rank=self.world.rank,
             world_size=self.world.world_size,
         )
+        # the validation split must hold a window too: fail now, not at the first evaluation
+        BatchSampler(self.val_data, train_cfg.block_size, train_cfg.batch_size)
         if train_cfg.monitor_interval and self.sharded:
             raise ValueError("train.monitor_interval needs whole weights: use parallel=ddp or none")
         self.monitor = (
