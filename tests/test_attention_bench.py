@@ -80,3 +80,20 @@ def test_kv_heads_must_divide_heads(capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "--kv-heads 5" in err and "valid values: 1, 2, 3, 4, 6, 12" in err
+
+
+def test_budget_and_out_are_checked_before_measuring(tmp_path, capsys):
+    from llm_foundry.cli import main as cli_main
+
+    (tmp_path / "file.txt").write_text("x")
+    for args, message in (
+        (["--max-mem-gib", "-1"], "--max-mem-gib must be > 0, got -1.0"),
+        (["--out", str(tmp_path / "file.txt")], "file.txt is a file; give a directory"),
+    ):
+        with pytest.raises(SystemExit) as exc:
+            cli_main(["bench", "attention", "--device", "cpu", *args])
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert err.startswith("usage: llm-foundry bench attention") and message in err
+    assert cli_main(["bench", "--help"]) == 0
+    assert "llm-foundry bench attention -h" in capsys.readouterr().out

@@ -102,3 +102,19 @@ def test_a_model_section_that_is_not_a_mapping_is_refused(tmp_path, capsys):
     (tmp_path / "c.yaml").write_text("model: [1, 2]\n")
     assert main(["params", "--config", str(tmp_path / "c.yaml")]) == 2
     assert "the model section must be a mapping of fields, got [1, 2]" in capsys.readouterr().err
+
+
+def test_one_config_file_serves_every_command(tmp_path, capsys):
+    import json
+
+    from llm_foundry.cli import main
+    from llm_foundry.inspection import main as inspect_main
+
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("model:\n  dim: 64\n  n_heads: 4\ntrain:\n  max_steps: 5\n")
+    assert main(["params", "--config", str(cfg), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["config"]["dim"] == 64
+    assert (
+        inspect_main(["lr", "--config", str(cfg), "--out", str(tmp_path / "lr.png"), "--json"]) == 0
+    )
+    assert json.loads(capsys.readouterr().out)["train"]["max_steps"] == 5

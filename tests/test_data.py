@@ -167,6 +167,10 @@ def test_prepare_input_errors(tmp_path):
     one.write_text("x")
     with pytest.raises(DataError, match="1 tokens .* one split would be empty"):
         prepare(tmp_path / "o", text_files=[one])
+    with pytest.raises(ValueError, match=r"output directory \(--out\) is empty"):
+        prepare("", text_files=[latin1])
+    with pytest.raises(ValueError, match="one.txt is a file; give a directory"):
+        prepare(one, text_files=[latin1])
 
 
 # ----------------------------------------------------------------------------------------------

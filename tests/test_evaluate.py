@@ -136,6 +136,8 @@ def test_cli_refuses_data_from_another_tokenizer_and_a_directory(tmp_path):
         main([*args, "--data", str(data / "val.bin"), "--context", "8"])
     with pytest.raises(ValueError, match="is a directory; give a token file"):
         main([*args, "--data", str(data)])
+    with pytest.raises(ValueError, match="--rope-factor needs --rope-scaling"):
+        main([*args, "--data", str(data / "val.bin"), "--rope-factor", "2"])
     CharTokenizer.train("abc").save(tmp_path / "ck" / "tokenizer.json")
     with pytest.raises(FileNotFoundError, match="--text .*nope.txt: no such file"):
         main([*args, "--text", str(tmp_path / "nope.txt")])

@@ -436,6 +436,8 @@ def test_weights_that_do_not_match_config_json_are_named(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(meta))
     with pytest.raises(ValueError, match="does not match the model its config.json describes"):
         load_checkpoint(tmp_path)
+    with pytest.raises(ValueError, match="is an llm-foundry checkpoint already; --to-hf"):
+        convert_from_hf(tmp_path, tmp_path / "again")
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="config.json is not valid JSON"):
         load_checkpoint(tmp_path)

@@ -415,6 +415,8 @@ def test_cli_refuses_before_training_what_would_fail_after_it(data_dir, tmp_path
     assert "--out is empty" in fails("--out", "")
     err = fails("--out", str(tmp_path / "gpu"), "--train.device=cuda")
     assert "train.device=cuda: not available on this machine; use auto or cpu" in err
+    err = fails("--out", str(tmp_path / "b"), "--train.block_size=65", "--model.max_seq_len=64")
+    assert "train.block_size=65 is past model.max_seq_len=64" in err
     long = ["--train.block_size=6000", "--model.max_seq_len=6000"]  # longer than val.bin
     err = fails("--out", str(tmp_path / "s"), *long)
     assert "val.bin has 6,000 tokens; one window needs block_size + 1 = 6,001" in err

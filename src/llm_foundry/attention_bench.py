@@ -569,8 +569,8 @@ def _str_list(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="bench_attention.py", description=__doc__.split("\n\n")[0])
+def parse_args(argv: list[str], prog: str = "bench_attention.py") -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     ap.add_argument("--seq-lens", type=_int_list, default=[256, 512, 1024, 2048, 4096])
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--heads", type=int, default=12, help="query heads H")
@@ -639,15 +639,19 @@ def resolve(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             f"--kv-heads {','.join(map(str, bad))}: each must divide --heads {args.heads}; "
             f"valid values: {', '.join(map(str, valid))}"
         )
+    if args.max_mem_gib is not None and args.max_mem_gib <= 0:
+        ap.error(f"--max-mem-gib must be > 0, got {args.max_mem_gib}")
+    if args.out is not None and args.out.exists() and not args.out.is_dir():
+        ap.error(f"--out {args.out} is a file; give a directory for the table, JSON and plot")
     args.impls = args.impls or (IMPLS if args.device == "cuda" else ["manual", "sdpa"])
     bad = [i for i in args.impls if i not in IMPLS]
     if bad:
         ap.error(f"--impls {','.join(bad)}: unknown; valid values: {', '.join(IMPLS)}")
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "bench_attention.py") -> int:
     argv = [str(a) for a in (sys.argv[1:] if argv is None else argv)]
-    args = parse_args(argv)
+    args = parse_args(argv, prog)
     report = bench(args, argv)
     paths = write_outputs(report, args.out) if args.out else {}
     if args.json:

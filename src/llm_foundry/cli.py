@@ -50,14 +50,19 @@ def parse_model_args(
     default_preset: str | None,
     extra=None,
     base: ModelConfig | None = None,
+    train_section: bool = False,
 ):
     """Parse ``argv`` into (namespace, ModelConfig) with preset < config file < overrides;
-    ``base`` (a resumed run's saved model) replaces the default preset unless --preset is given."""
+    ``base`` (a resumed run's saved model) replaces the default preset unless --preset is given.
+    Unless ``train_section`` (``extra`` adds --train), a --config file's train: section is read
+    and left unused, so one file serves every command."""
     name = _preset_prefix(argv, None if base else default_preset)
     base = get_preset(name) if name else base or ModelConfig()
     p = model_parser(prog, description, default_preset, base)
     if extra:
         extra(p)
+    if not train_section:
+        p.add_argument("--train", type=dict, default=None, help="a --config file's train: (unused)")
     ns = p.parse_args(argv)
     model = ns.model
     if not isinstance(model, ModelConfig) and not hasattr(model, "items"):
@@ -192,6 +197,7 @@ def cmd_train(argv: list[str]) -> int:
         DEFAULT_PRESET,
         extra,
         base=model_base,
+        train_section=True,
     )
     train_cfg = _dataclass_from(TrainConfig, ns.train)
     if ns.resume and ns.out is None:
@@ -302,12 +308,18 @@ def _ablate(argv: list[str]) -> int:
 
 
 def _bench(argv: list[str]) -> int:
+    usage = (
+        "usage: llm-foundry bench attention [options]  (options: llm-foundry bench attention -h)"
+    )
+    if argv[:1] in (["-h"], ["--help"]):
+        print(usage)
+        return 0
     if not argv or argv[0] != "attention":
-        print("usage: llm-foundry bench attention [options]  (see --help)", file=sys.stderr)
+        print(usage, file=sys.stderr)
         return 2
     from llm_foundry import attention_bench
 
-    return attention_bench.main(argv[1:])
+    return attention_bench.main(argv[1:], prog="llm-foundry bench attention")
 
 
 COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {

@@ -329,6 +329,10 @@ def prepare(
         raise ValueError(f"unknown tokenizer {tokenizer!r}; valid: {', '.join(TOKENIZER_KINDS)}")
     if not 0 < val_fraction < 1:
         raise ValueError(f"val_fraction must be strictly between 0 and 1; got {val_fraction}")
+    if not str(out_dir).strip():
+        raise ValueError("the output directory (--out) is empty: give a directory to write")
+    if Path(out_dir).exists() and not Path(out_dir).is_dir():
+        raise ValueError(f"output directory {out_dir} is a file; give a directory to write")
 
     text, source = load_shakespeare() if dataset else read_text_files(text_files)
     if not text:

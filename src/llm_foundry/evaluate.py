@@ -186,6 +186,8 @@ def main(argv: list[str]) -> int:
         contexts = [int(c) for c in ns.context.split(",")]
     except ValueError:
         raise ValueError(f"--context takes integers like 256,512; got {ns.context!r}") from None
+    if ns.rope_factor is not None and not ns.rope_scaling:
+        raise ValueError("--rope-factor needs --rope-scaling linear|ntk (it scales nothing alone)")
     ckpt = resolve_checkpoint(Path(ns.checkpoint))
     model = load_checkpoint(ckpt)
     if ns.rope_scaling:

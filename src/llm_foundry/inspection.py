@@ -324,6 +324,7 @@ def cmd_lr(argv: list[str]) -> int:
     )
     p.add_argument("--config", action=ActionConfigFile, help="YAML/JSON file with a train: section")
     p.add_argument("--train", type=TrainConfig, default=TrainConfig(), help="training settings")
+    p.add_argument("--model", type=dict, default=None, help="a --config file's model: (unused)")
     p.add_argument("--compare", action="store_true", help=f"overlay {', '.join(SCHEDULES)}")
     _common(p)
     ns = p.parse_args(argv)

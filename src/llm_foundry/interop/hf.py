@@ -772,6 +772,9 @@ def _copy_tokenizer(src: Path, dst: Path) -> None:
 def convert_from_hf(src_dir: str | Path, out_ckpt: str | Path) -> Path:
     """``llm-foundry convert --from-hf DIR --out CKPT``: an HF checkpoint directory to our
     checkpoint format (``llm_foundry.checkpoint``). Returns the checkpoint directory."""
+    config = Path(src_dir) / "config.json"
+    if config.is_file() and json.loads(config.read_text()).get("format") == "llm-foundry":
+        raise ValueError(f"{src_dir} is an llm-foundry checkpoint already; --to-hf exports one")
     out = save_checkpoint(from_hf(src_dir), out_ckpt)
     _copy_tokenizer(Path(src_dir), out)
     return out

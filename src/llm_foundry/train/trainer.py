@@ -109,6 +109,12 @@ class Trainer:
         resume: bool = False,
     ):
         self.tc = train_cfg
+        if train_cfg.block_size > model_cfg.max_seq_len:
+            raise ValueError(
+                f"train.block_size={train_cfg.block_size} is past model.max_seq_len="
+                f"{model_cfg.max_seq_len} (the context the model is built for): lower "
+                "train.block_size or raise model.max_seq_len"
+            )
         self.data_dir = Path(data_dir)
         self.out = Path(out_dir)
         self.ckpt_root = self.out / "checkpoints"
