@@ -20,9 +20,12 @@ from llm_foundry.presets import get_preset, preset_names
 
 def _preset_prefix(argv: list[str], default: str | None) -> str | None:
     """Read ``--preset`` before the full parse: it sets the defaults the other flags override."""
-    pre = argparse.ArgumentParser(add_help=False)
+    pre = argparse.ArgumentParser(add_help=False, exit_on_error=False)
     pre.add_argument("--preset", default=default)
-    known, _ = pre.parse_known_args(argv)
+    try:
+        known, _ = pre.parse_known_args(argv)
+    except argparse.ArgumentError:  # e.g. --preset without a value: the full parse says so
+        return default
     return known.preset
 
 
