@@ -71,9 +71,12 @@ def parse_model_args(
     if not isinstance(model, ModelConfig) and not hasattr(model, "items"):
         raise ConfigError([f"the model section must be a mapping of fields, got {model!r}"])
     fields = dict(model) if not isinstance(model, ModelConfig) else model.to_dict()
-    if "n_kv_heads" not in _given_text(argv):  # an MHA base stays MHA if n_heads changes
-        fields = {**fields, "n_kv_heads": None} if base.n_kv_heads == base.n_heads else fields
-    return ns, ModelConfig.from_dict(fields)
+    # the changes to the base, applied by ModelConfig.replace (which keeps an MHA base MHA);
+    # n_kv_heads counts as a change whenever it is named, even at the base's value
+    changes = {k: v for k, v in fields.items() if v != getattr(base, k)}
+    if "n_kv_heads" in _given_text(argv):
+        changes["n_kv_heads"] = fields["n_kv_heads"]
+    return ns, base.replace(**changes)
 
 
 def _given_text(argv: list[str]) -> str:

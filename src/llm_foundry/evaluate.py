@@ -2,9 +2,10 @@
 
 Non-overlapping (``stride=None``): the token stream is cut into windows of ``context + 1`` tokens
 sharing one token at each seam; every target is scored once, each seeing 0..context-1 tokens
-before it (a last window, ending at the last token, scores the few targets left over). Sliding (``stride=S``): windows start every S tokens and only their last S targets are
-scored (the first window scores all), so every scored token sees at least ``context - S`` tokens
-of history: closer to what the model does at its full context, at context/S times the compute.
+before it (a last window, ending at the last token, scores the few targets left over).
+Sliding (``stride=S``): windows start every S tokens and only their last S targets are scored
+(the first window scores all), so every scored token sees at least ``context - S`` tokens of
+history: closer to what the model does at its full context, at context/S times the compute.
 
 ``with_rope_scaling`` rebuilds a RoPE model with position interpolation or NTK-aware scaling
 (same weights, no retraining), to evaluate past the trained context.

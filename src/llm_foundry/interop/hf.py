@@ -30,7 +30,13 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from llm_foundry.checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint, unwrap
+from llm_foundry.checkpoint import (
+    FORMAT,
+    load_checkpoint,
+    resolve_checkpoint,
+    save_checkpoint,
+    unwrap,
+)
 from llm_foundry.config import ModelConfig
 from llm_foundry.models.transformer import Transformer
 
@@ -773,7 +779,7 @@ def convert_from_hf(src_dir: str | Path, out_ckpt: str | Path) -> Path:
     """``llm-foundry convert --from-hf DIR --out CKPT``: an HF checkpoint directory to our
     checkpoint format (``llm_foundry.checkpoint``). Returns the checkpoint directory."""
     config = Path(src_dir) / "config.json"
-    if config.is_file() and json.loads(config.read_text()).get("format") == "llm-foundry":
+    if config.is_file() and json.loads(config.read_text()).get("format") == FORMAT:
         raise ValueError(f"{src_dir} is an llm-foundry checkpoint already; --to-hf exports one")
     out = save_checkpoint(from_hf(src_dir), out_ckpt)
     _copy_tokenizer(Path(src_dir), out)
