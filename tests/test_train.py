@@ -436,3 +436,26 @@ def test_resume_of_a_run_without_checkpoints_prepares_nothing(tmp_path, capsys, 
     assert main(["train", "--out", "nothing", "--resume"]) == 2
     assert "--resume: no checkpoint in nothing/checkpoints" in capsys.readouterr().err
     assert not (tmp_path / "data").exists()
+
+
+def test_yaml_config_with_dotted_overrides_and_fused_adamw(data_dir, tmp_path, capsys):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(
+        "model:\n  dim: 32\n  n_layers: 1\n  n_heads: 2\n  max_seq_len: 32\n"
+        "train:\n  max_steps: 3\n  lr: 3e-3\n  batch_size: 2\n  block_size: 16\n"
+        "  sample_tokens: 0\n  progress: false\n"
+    )
+    run = tmp_path / "run"
+    args = ["train", "--data", str(data_dir), "--out", str(run), "--config", str(cfg)]
+    assert main([*args, "--model.n_layers", "2", "--train.lr", "1e-3"]) == 0  # flags win
+    info = json.loads((run / "run.json").read_text())
+    assert (info["model"]["dim"], info["model"]["n_layers"]) == (32, 2)
+    assert (info["train"]["max_steps"], info["train"]["lr"], info["train"]["block_size"]) == (
+        3,
+        1e-3,
+        16,
+    )
+    t = make_trainer(data_dir, tmp_path / "t", max_steps=1)
+    assert t.optimizer.defaults["fused"] is True  # fused AdamW on CPU
+    decay = {g["weight_decay"] for g in t.optimizer.param_groups}
+    assert decay == {t.tc.weight_decay, 0.0}  # the model's decay / no-decay groups
