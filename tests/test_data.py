@@ -70,7 +70,8 @@ def test_prepare_char_shakespeare_matches_nanogpt(shakespeare, tmp_path):
     assert (meta["train_tokens"], meta["val_tokens"]) == (1_003_854, 111_540)
     assert meta["dtype"] == "uint16"
     assert meta["sha256"] == hashlib.sha256(shakespeare.read_bytes()).hexdigest()
-    assert meta["source"] == str(shakespeare)
+    # the same file whichever way it was reached (../shared may be a symlink; prepare resolves it)
+    assert Path(meta["source"]).resolve() == shakespeare.resolve()
     assert json.loads((tmp_path / "meta.json").read_text()) == meta
     train, val = load_split(tmp_path, "train"), load_split(tmp_path, "val")
     assert train.dtype == np.uint16 and len(train) == 1_003_854 and len(val) == 111_540
@@ -443,3 +444,113 @@ def test_prepare_cli(tmp_path, capsys):
     assert (tmp_path / "d" / "train.bin").stat().st_size == 2 * meta["train_tokens"]
     assert main(["prepare", "--text", str(tmp_path / "missing.txt"), "--out", str(tmp_path)]) == 2
     assert "missing.txt" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------------
+# streaming prepare: chunk and read boundaries never change the ids; memory does not grow
+
+# blank lines, indented lines, a long line with no newline, CRLF, and 2-, 3- and 4-byte characters
+BOUNDARY_TEXT = (
+    "First line\n\n\nSecond  paragraph \n\tindented\n"
+    + " ".join(["word"] * 60)
+    + "\r\nCRLF line\r\n"
+    + "é東🙂 ü\n\né東🙂\n  x  \n\n"
+)
+
+
+def _bpe_for(text: str) -> BPETokenizer:
+    # merges for "\n\n", "  " and friends: cutting inside a whitespace run would show in the ids
+    return BPETokenizer.train([text * 20], vocab_size=300)
+
+
+def test_split_points_keep_bpe_and_char_ids_of_the_whole_text():
+    tok = _bpe_for(BOUNDARY_TEXT)
+    assert len(tok.encode("\n\n")) == 1  # the corpus taught a blank-line merge
+    for tokenizer in (tok, CharTokenizer.train(BOUNDARY_TEXT)):
+        whole = tokenizer.encode(BOUNDARY_TEXT)
+        for chunk_chars in range(1, 40):
+            chunks = list(split_text(BOUNDARY_TEXT, chunk_chars))
+            assert "".join(chunks) == BOUNDARY_TEXT
+            chunked = encode_text(tokenizer, BOUNDARY_TEXT, progress=False, chunk_chars=chunk_chars)
+            assert chunked.tolist() == whole, (chunk_chars, chunks)
+
+
+def test_prepare_reads_in_blocks_and_cuts_anywhere_with_the_ids_of_the_whole_text(
+    tmp_path, monkeypatch
+):
+    path = tmp_path / "corpus.txt"
+    path.write_text(BOUNDARY_TEXT * 3, encoding="utf-8", newline="")
+    text = path.read_bytes().decode("utf-8")
+    for kind in ("bpe", "char"):
+        whole = None
+        # 1..7-byte reads put a block boundary inside every multi-byte character
+        for read_bytes, chunk_chars in [
+            (1, 1),
+            (2, 3),
+            (3, 5),
+            (5, 2),
+            (7, 11),
+            (1 << 20, 1 << 16),
+        ]:
+            monkeypatch.setattr(data, "READ_BYTES", read_bytes)
+            monkeypatch.setattr(data, "CHUNK_CHARS", chunk_chars)
+            out = tmp_path / f"{kind}-{read_bytes}-{chunk_chars}"
+            vocab = 300 if kind == "bpe" else None
+            meta = prepare(out, text_files=[path], tokenizer=kind, vocab_size=vocab, progress=False)
+            assert meta["n_chars"] == len(text)
+            assert meta["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
+            tok = load_tokenizer(out / "tokenizer.json")
+            ids = np.concatenate([load_split(out, s) for s in ("train", "val")]).tolist()
+            assert ids == tok.encode(text), (kind, read_bytes, chunk_chars)
+            assert tok.decode(ids) == text
+            whole = whole or (out / "tokenizer.json").read_bytes()
+            assert (out / "tokenizer.json").read_bytes() == whole  # same training, any cut
+
+
+def test_non_utf8_byte_is_named_wherever_the_block_boundary_falls(tmp_path, monkeypatch):
+    path = tmp_path / "bad.txt"
+    path.write_bytes("héllo wörld ".encode() * 3 + b"\xff" + b" tail")
+    offset = len("héllo wörld ".encode() * 3)
+    for read_bytes in (1, 2, 3, 7, 1 << 20):
+        monkeypatch.setattr(data, "READ_BYTES", read_bytes)
+        with pytest.raises(
+            DataError, match=rf"bad.txt is not UTF-8 text: byte 0xff at offset {offset}"
+        ):
+            prepare(tmp_path / "o", text_files=[path], progress=False)
+        assert not (tmp_path / "o").exists()  # a refused input leaves no directory behind
+
+
+RSS_SCRIPT = """
+import resource, sys
+from llm_foundry import data
+data.READ_BYTES, data.CHUNK_CHARS = 1 << 16, 1 << 12
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+meta = data.prepare(sys.argv[1], text_files=[sys.argv[2]], tokenizer="char", progress=False)
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(meta["n_chars"], (peak - base) * 1024)
+"""
+
+
+def test_prepare_memory_does_not_grow_with_the_corpus(tmp_path):
+    import subprocess
+    import sys
+
+    bound = 16 << 20  # bytes of peak-memory growth allowed while preparing
+    corpus = tmp_path / "big.txt"
+    block = ("To be, or not to be: that is the question. Ünïcödé 東 🙂\n" * 2000).encode()
+    with open(corpus, "wb") as f:
+        while f.tell() < 4 * bound:  # four times the bound; all in memory would take ~80x it
+            f.write(block)
+    proc = subprocess.run(
+        [sys.executable, "-c", RSS_SCRIPT, str(tmp_path / "out"), str(corpus)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    n_chars, grew = map(int, proc.stdout.split())
+    assert n_chars > 3 * bound
+    assert grew < bound, f"peak RSS grew by {grew / 2**20:.1f} MiB preparing {n_chars:,} chars"
+    assert (tmp_path / "out" / "train.bin").stat().st_size + (
+        tmp_path / "out" / "val.bin"
+    ).stat().st_size == 2 * n_chars

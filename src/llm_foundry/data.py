@@ -32,17 +32,20 @@ used. Fetching it takes a few seconds; pip runs the sdist's ``setup.py`` to read
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import importlib.util
+import itertools
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
 import tempfile
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from http.client import HTTPException
 from pathlib import Path
 
@@ -50,6 +53,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from llm_foundry import lock
 from llm_foundry.tokenizer import TOKENIZER_KINDS, Tokenizer, build_tokenizer
 
 
@@ -86,6 +90,7 @@ PYPI_SOURCE = (
 )
 
 CHUNK_CHARS = 1 << 16  # characters per encoding chunk
+READ_BYTES = 1 << 20  # bytes read from a text file at a time
 CHUNKS_PER_BATCH = 16  # chunks handed to the tokenizer at once (BPE encodes them in parallel)
 PROGRESS_MIN_CHARS = 1 << 20  # inputs shorter than this get no progress bar
 DOWNLOAD_TIMEOUT_S = 10
@@ -221,32 +226,16 @@ def _clean_play(raw: str) -> str:
 
 
 def read_text_files(paths: Sequence[str | Path]) -> tuple[str, str]:
-    """Concatenate UTF-8 files (a newline added between them where one is missing).
-
-    A single file comes back byte for byte, so its sha256 in meta.json is the file's.
-    """
+    """Concatenate UTF-8 files (a newline added between them where one is missing) into one
+    string. A single file comes back byte for byte, so its sha256 in meta.json is the file's."""
     if not paths:
         raise DataError("no text files given; pass at least one UTF-8 text file")
-    texts = []
-    for p in map(Path, paths):
-        if not p.is_file():
-            raise DataError(f"text file {p} does not exist (or is not a file)")
-        texts.append(_read_utf8(p))
-    text = "".join(
-        t if t.endswith("\n") or i == len(texts) - 1 else t + "\n" for i, t in enumerate(texts)
-    )
-    return text, ", ".join(str(Path(p).resolve()) for p in paths)
+    source = TextSource(files=paths)
+    return "".join(source.pieces()), source.name
 
 
 def _read_utf8(path: Path) -> str:
-    raw = path.read_bytes()
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise DataError(
-            f"{path} is not UTF-8 text: byte {raw[e.start]:#04x} at offset {e.start} ({e.reason}); "
-            "convert it to UTF-8 first"
-        ) from None
+    return "".join(piece for piece, _ in _read_utf8_blocks(path, READ_BYTES))
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -257,48 +246,148 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# Prepare: text -> train.bin, val.bin, tokenizer.json, meta.json
+# Prepare: text -> train.bin, val.bin, tokenizer.json, meta.json, in bounded memory
+#
+# The corpus is read twice as a stream of pieces (once to train the tokenizer, once to encode),
+# never held whole: peak memory is a few chunks, whatever the corpus size.
 
-# BPE pre-tokens never span a newline followed by a word character: cutting there is invisible
-_CUT = re.compile(r"\n(?=\w)")
+# A cut just before a single space or newline that stands between two non-space characters is
+# invisible to both tokenizers: byte-level BPE's pre-tokenizer (GPT-2's pattern) starts a token
+# there and no token crosses it. Python's \s covers Unicode White_Space (and \x1c-\x1f besides),
+# so a cut never lands where the tokenizer would see whitespace that Python does not.
+_CUT = re.compile(r"(?<=\S)[ \n](?=\S)")
+
+
+class TextSource:
+    """A corpus as a stream of text pieces, read again on every ``pieces()`` call: UTF-8 files
+    (joined by a newline where one is missing) or a string. ``sha256`` and ``n_chars`` describe
+    the whole stream once it has been read through."""
+
+    def __init__(self, files: Sequence[str | Path] = (), text: str | None = None, name: str = ""):
+        self.files, self.text = [Path(f) for f in files], text
+        self.name = name or ", ".join(str(f.resolve()) for f in self.files)
+        self.sha256: str | None = None
+        self.n_chars: int | None = None
+        self.n_bytes = len(text.encode("utf-8")) if text is not None else 0
+        for f in self.files:
+            if not f.is_file():
+                raise DataError(f"text file {f} does not exist (or is not a file)")
+            self.n_bytes += f.stat().st_size
+
+    def pieces(self, block_bytes: int = READ_BYTES) -> Iterator[str]:
+        """The text in pieces of about ``block_bytes`` bytes (cut anywhere, even mid-line)."""
+        digest, n_chars = hashlib.sha256(), 0
+        if self.text is not None:
+            digest.update(self.text.encode("utf-8"))
+            n_chars = len(self.text)
+            yield self.text
+        for i, path in enumerate(self.files):
+            last = ""
+            for piece, raw in _read_utf8_blocks(path, block_bytes):
+                digest.update(raw)
+                n_chars += len(piece)
+                last = piece[-1:] or last
+                yield piece
+            if last not in ("\n", "") and i < len(self.files) - 1:
+                digest.update(b"\n")  # files are joined on a line boundary
+                n_chars += 1
+                yield "\n"
+        self.sha256, self.n_chars = digest.hexdigest(), n_chars
+
+
+def _read_utf8_blocks(path: Path, block_bytes: int) -> Iterator[tuple[str, bytes]]:
+    """(decoded text, raw bytes) of ``path`` block by block; a character split between two
+    blocks is decoded whole in the second. Not UTF-8: a DataError naming the byte and offset."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0
+    with open(path, "rb") as f:
+        while True:
+            raw = f.read(block_bytes)
+            pending = decoder.getstate()[0]  # the last block's unfinished character
+            try:
+                text = decoder.decode(raw, final=not raw)
+            except UnicodeDecodeError as e:  # e.start counts from the pending bytes
+                raise DataError(
+                    f"{path} is not UTF-8 text: byte {(pending + raw)[e.start]:#04x} at offset "
+                    f"{offset - len(pending) + e.start} ({e.reason}); convert it to UTF-8 first"
+                ) from None
+            offset += len(raw)
+            if text or raw:
+                yield text, raw
+            if not raw:
+                return
+
+
+def split_pieces(pieces: Iterable[str], chunk_chars: int = CHUNK_CHARS) -> Iterator[str]:
+    """Re-cut a stream of text pieces into chunks of at least ``chunk_chars`` characters (the
+    last may be shorter), each cut at a place (``_CUT``) where encoding the chunks gives the same
+    ids as encoding the whole text. A stretch with no such place stays in one chunk."""
+    buf = ""
+    for piece in pieces:
+        buf += piece
+        start = 0
+        while (cut := _CUT.search(buf, start + chunk_chars)) is not None:
+            yield buf[start : cut.start()]
+            start = cut.start()
+        buf = buf[start:]
+    if buf:
+        yield buf
 
 
 def split_text(text: str, chunk_chars: int = CHUNK_CHARS) -> Iterator[str]:
-    """Consecutive pieces of ``text`` of about ``chunk_chars`` characters.
+    """``split_pieces`` of one string: consecutive pieces whose encodings join to its encoding."""
+    return split_pieces([text], chunk_chars)
 
-    Each cut is just after a newline that precedes a letter, digit or "_", so for both tokenizers
-    encoding the pieces gives the same ids as encoding the whole text.
-    """
-    start = 0
-    while start < len(text):
-        cut = _CUT.search(text, start + chunk_chars)
-        end = cut.end() if cut else len(text)
-        yield text[start:end]
-        start = end
+
+def encode_chunks(tokenizer: Tokenizer, chunks: Iterable[str]) -> Iterator[tuple[np.ndarray, int]]:
+    """(token ids as int64, characters consumed) for groups of ``CHUNKS_PER_BATCH`` chunks (BPE
+    encodes a group in parallel threads)."""
+    encode_batch = getattr(tokenizer, "encode_batch", None)
+    group: list[str] = []
+
+    def flush():
+        ids = encode_batch(group) if encode_batch else [tokenizer.encode(c) for c in group]
+        flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int64)
+        return flat, sum(map(len, group))
+
+    for chunk in chunks:
+        group.append(chunk)
+        if len(group) == CHUNKS_PER_BATCH:
+            yield flush()
+            group = []
+    if group:
+        yield flush()
 
 
 def encode_text(
     tokenizer: Tokenizer, text: str, progress: bool = True, chunk_chars: int = CHUNK_CHARS
 ) -> np.ndarray:
     """All token ids of ``text``: shape (n_tokens,), int64. Shows a bar on large inputs."""
-    chunks = list(split_text(text, chunk_chars))
-    encode_batch = getattr(tokenizer, "encode_batch", None)
     parts = []
     show = progress and len(text) >= PROGRESS_MIN_CHARS
     with tqdm(
         total=len(text), unit="char", unit_scale=True, desc="encode", disable=not show
     ) as bar:
-        for i in range(0, len(chunks), CHUNKS_PER_BATCH):
-            group = chunks[i : i + CHUNKS_PER_BATCH]
-            ids = encode_batch(group) if encode_batch else [tokenizer.encode(c) for c in group]
-            parts.extend(np.asarray(x, dtype=np.int64) for x in ids)
-            bar.update(sum(map(len, group)))
+        for ids, n in encode_chunks(tokenizer, split_text(text, chunk_chars)):
+            parts.append(ids)
+            bar.update(n)
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
     """uint16 while every id fits (vocab_size <= 65536), else uint32."""
     return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
+
+
+def _bar(source: TextSource, desc: str, progress: bool) -> tqdm:
+    show = progress and source.n_bytes >= PROGRESS_MIN_CHARS
+    return tqdm(total=source.n_bytes, unit="B", unit_scale=True, desc=desc, disable=not show)
+
+
+def _bytes_counted(pieces: Iterable[str], bar: tqdm) -> Iterator[str]:
+    for piece in pieces:
+        bar.update(len(piece.encode("utf-8")))
+        yield piece
 
 
 def prepare(
@@ -314,7 +403,9 @@ def prepare(
     """Tokenize ``dataset`` or ``text_files`` into ``out_dir``; returns the meta.json dict.
 
     The tokenizer is trained on the whole text; train is the first ``1 - val_fraction`` of the
-    token stream and val the rest.
+    token stream and val the rest. Memory stays bounded whatever the corpus size: the text is
+    streamed twice (train the tokenizer, then encode straight into the token file). The
+    directory is locked while it is written (``llm_foundry.lock``).
     """
     if isinstance(text_files, (str, Path)):  # one path, not a string of one-letter paths
         text_files = [text_files]
@@ -334,31 +425,65 @@ def prepare(
     if Path(out_dir).exists() and not Path(out_dir).is_dir():
         raise ValueError(f"output directory {out_dir} is a file; give a directory to write")
 
-    text, source = load_shakespeare() if dataset else read_text_files(text_files)
-    if not text:
-        raise DataError(f"the text from {source} is empty (0 characters); nothing to tokenize")
-    tok = build_tokenizer(tokenizer, split_text(text), vocab_size)
-    ids = encode_text(tok, text, progress=progress)
-    n_train = int(len(ids) * (1 - val_fraction))
-    if not 0 < n_train < len(ids):
-        raise DataError(
-            f"{len(ids)} tokens from {source} cannot be split with val_fraction={val_fraction}: "
-            "one split would be empty; use more text"
-        )
-
+    if dataset:
+        text, name = load_shakespeare()
+        source = TextSource(text=text, name=name)
+    else:
+        source = TextSource(files=text_files)
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "meta.json").unlink(missing_ok=True)  # a run interrupted below leaves no meta.json
+    created = not out.exists()
+    with lock.hold(out, "data directory"):
+        try:
+            return _prepare_locked(
+                source, out, dataset, text_files, tokenizer, vocab_size, val_fraction, progress
+            )
+        except BaseException:
+            if created:  # leave no directory behind a refused input
+                shutil.rmtree(out, ignore_errors=True)
+            raise
+
+
+def _prepare_locked(
+    source, out, dataset, text_files, tokenizer, vocab_size, val_fraction, progress
+) -> dict:
+    with _bar(source, "read", progress) as bar:
+        chunks = split_pieces(_bytes_counted(source.pieces(READ_BYTES), bar), CHUNK_CHARS)
+        try:
+            tok = build_tokenizer(tokenizer, chunks, vocab_size)
+        except ValueError:
+            if source.n_chars == 0:  # the tokenizer saw nothing to learn from
+                raise DataError(
+                    f"the text from {source.name} is empty (0 characters); nothing to tokenize"
+                ) from None
+            raise
+    if not source.n_chars:
+        raise DataError(f"the text from {source.name} is empty (0 characters); nothing to tokenize")
     dtype = token_dtype(tok.vocab_size)
-    ids[:n_train].astype(dtype).tofile(out / "train.bin")
-    ids[n_train:].astype(dtype).tofile(out / "val.bin")
+    tokens = out / f".tokens.{os.getpid()}.tmp"
+    n = 0
+    try:
+        with open(tokens, "wb") as f, _bar(source, "encode", progress) as bar:
+            pieces = _bytes_counted(source.pieces(READ_BYTES), bar)
+            for ids, _ in encode_chunks(tok, split_pieces(pieces, CHUNK_CHARS)):
+                ids.astype(dtype).tofile(f)
+                n += len(ids)
+        n_train = int(n * (1 - val_fraction))
+        if not 0 < n_train < n:
+            raise DataError(
+                f"{n} tokens from {source.name} cannot be split with val_fraction="
+                f"{val_fraction}: one split would be empty; use more text"
+            )
+        (out / "meta.json").unlink(missing_ok=True)  # an interrupted run leaves no meta.json
+        _split_token_file(tokens, n_train, out / "train.bin", out / "val.bin", dtype)
+    finally:
+        tokens.unlink(missing_ok=True)
     tok.save(out / "tokenizer.json")
     meta = {
         "dataset": dataset,
-        "source": source,
+        "source": source.name,
         "text_files": [str(Path(p).resolve()) for p in text_files] if text_files else None,
-        "sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(),
-        "n_chars": len(text),
+        "sha256": source.sha256,
+        "n_chars": source.n_chars,
         "tokenizer": tok.kind,
         "tokenizer_file": "tokenizer.json",
         "vocab_size": tok.vocab_size,
@@ -367,12 +492,23 @@ def prepare(
         "pad_id": tok.pad_id,
         "dtype": dtype.name,
         "train_tokens": n_train,
-        "val_tokens": len(ids) - n_train,
+        "val_tokens": n - n_train,
         "val_fraction": val_fraction,
         "split": "train = first (1 - val_fraction) of the token stream, val = the rest",
     }
     _write_atomic(out / "meta.json", json.dumps(meta, indent=2) + "\n")
     return meta
+
+
+def _split_token_file(tokens: Path, n_train: int, train: Path, val: Path, dtype) -> None:
+    """The first ``n_train`` tokens of ``tokens`` become ``train``, the rest ``val``: the tail is
+    copied out in blocks, then the file is cut short and renamed (no second full copy)."""
+    itemsize = np.dtype(dtype).itemsize
+    with open(tokens, "rb") as src, open(val, "wb") as dst:
+        src.seek(n_train * itemsize)
+        shutil.copyfileobj(src, dst, READ_BYTES)
+    os.truncate(tokens, n_train * itemsize)
+    os.replace(tokens, train)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -402,6 +538,21 @@ def load_meta(data_dir: str | Path) -> dict:
     if missing:
         raise DataError(f"{path} lacks {missing}; run `llm-foundry prepare` again")
     return meta
+
+
+def data_fingerprint(data_dir: str | Path) -> dict:
+    """What identifies a prepared corpus: the text's sha256, its tokenizer file's sha256 and the
+    split. Two directories with equal fingerprints give a model the same batches."""
+    data_dir = Path(data_dir)
+    meta = load_meta(data_dir)
+    tok = data_dir / meta.get("tokenizer_file", "tokenizer.json")
+    return {
+        "text_sha256": meta.get("sha256"),
+        "tokenizer_sha256": hashlib.sha256(tok.read_bytes()).hexdigest() if tok.is_file() else None,
+        "vocab_size": meta["vocab_size"],
+        "train_tokens": meta.get("train_tokens"),
+        "val_tokens": meta.get("val_tokens"),
+    }
 
 
 def load_split(data_dir: str | Path, split: str) -> np.memmap:
