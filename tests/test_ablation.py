@@ -244,3 +244,19 @@ def test_norm_speed_probe_times_both_norms_eager_and_compiled(monkeypatch, tmp_p
     rows = ablation.probe_norm_speed(tiny_study(), [], tmp_path)["rows"]
     keys = {(r["norm"], r["compiled"], r["op"]) for r in rows}
     assert len(keys) == 8 and all(r["ms"] > 0 and r["shape"] == [8, 16] for r in rows)
+
+
+def test_a_finished_run_on_other_data_is_not_reused(data_dir, tmp_path):
+    from llm_foundry.data import prepare
+
+    # the same characters backwards: same vocabulary and tokenizer file, other text
+    (tmp_path / "rev.txt").write_text((data_dir.parent / "corpus.txt").read_text()[::-1])
+    other = tmp_path / "rev"
+    prepare(other, text_files=[tmp_path / "rev.txt"], progress=False)
+    assert (other / "tokenizer.json").read_bytes() == (data_dir / "tokenizer.json").read_bytes()
+    study = tiny_study(variants=[Variant("a")])
+    ablation.run_study(study, data_dir, tmp_path / "out")
+    with pytest.raises(ValueError, match=r"other inputs \(data\.text_sha256 differ\)"):
+        ablation.run_study(study, other, tmp_path / "out")
+    done = json.loads((tmp_path / "out" / "runs" / "a" / "seed0" / "result.json").read_text())
+    assert done["fingerprint"]["code"]["llm_foundry"]  # the code version is part of it too

@@ -459,3 +459,82 @@ def test_yaml_config_with_dotted_overrides_and_fused_adamw(data_dir, tmp_path, c
     assert t.optimizer.defaults["fused"] is True  # fused AdamW on CPU
     decay = {g["weight_decay"] for g in t.optimizer.param_groups}
     assert decay == {t.tc.weight_decay, 0.0}  # the model's decay / no-decay groups
+
+
+# ----------------------------------------------------------------------------------------------
+# misuse: torn metrics, settings from a config file, other data, bad --out, negative numbers
+
+
+@pytest.fixture(scope="module")
+def reversed_data(data_dir, tmp_path_factory) -> Path:
+    """The same corpus backwards: the same characters (so the same tokenizer), other text."""
+    from llm_foundry.data import prepare
+
+    root = tmp_path_factory.mktemp("reversed")
+    (root / "corpus.txt").write_text((data_dir.parent / "corpus.txt").read_text()[::-1])
+    prepare(root / "char", text_files=[root / "corpus.txt"], progress=False)
+    return root / "char"
+
+
+def test_resume_drops_a_torn_last_metrics_record_and_reads_out_and_resume_from_a_config_file(
+    data_dir, tmp_path, capsys
+):
+    flags = [*TINY_FLAGS, *TRAIN_FLAGS, "--train.max_steps=12", "--train.checkpoint_interval=6"]
+    flags.append("--train.keep_last=3")
+    full = tmp_path / "full"
+    assert main(["train", "--data", str(data_dir), "--out", str(full), *flags]) == 0
+    # the run as a crash after step 8 left it: checkpoint at 6, the last record half written
+    cut = tmp_path / "cut"
+    shutil.copytree(full, cut)
+    shutil.rmtree(cut / "checkpoints" / "step_000012")
+    train_state.write_json_atomic(
+        cut / "checkpoints" / "latest.json", {"step": 6, "path": "step_000006"}
+    )
+    lines = (cut / "metrics.jsonl").read_text().splitlines()
+    upto = next(i for i, line in enumerate(lines) if json.loads(line)["step"] == 9)
+    (cut / "metrics.jsonl").write_text("\n".join(lines[:upto]) + "\n" + lines[upto][:17])
+    conf = tmp_path / "resume.yaml"
+    conf.write_text(f"out: {cut}\nresume: true\n")
+    capsys.readouterr()
+    assert main(["train", "--config", str(conf)]) == 0
+    out = capsys.readouterr()
+    assert "resumed from" in out.out
+    assert f"{cut / 'metrics.jsonl'}: dropped a torn last record (line {upto + 1})" in out.err
+    assert _losses(cut) == _losses(full)
+    # a damaged record that is not the last is an error naming the file and the line
+    lines = (cut / "metrics.jsonl").read_text().splitlines()
+    (cut / "metrics.jsonl").write_text("\n".join([lines[0], lines[1][:9], *lines[2:]]) + "\n")
+    from llm_foundry.plots import read_metrics
+
+    with pytest.raises(ValueError, match=r"metrics.jsonl, line 2: not a JSON record"):
+        read_metrics(cut / "metrics.jsonl")
+
+
+def test_resume_on_other_data_is_refused_naming_what_differs(data_dir, reversed_data, tmp_path):
+    make_trainer(data_dir, tmp_path / "run").run()
+    assert (reversed_data / "tokenizer.json").read_bytes() == (
+        data_dir / "tokenizer.json"
+    ).read_bytes()
+    with pytest.raises(ConfigError, match="was trained on other data") as err:
+        make_trainer(reversed_data, tmp_path / "run", resume=True, max_steps=14)
+    assert [p.split(":")[0] for p in err.value.problems] == ["text_sha256"]
+    make_trainer(data_dir, tmp_path / "run", resume=True, max_steps=14).run()  # its own data
+
+
+def test_out_that_is_a_file_or_a_device_is_refused_first(tmp_path, capsys):
+    (tmp_path / "file").write_text("x")
+    missing = str(tmp_path / "no-data")  # were --out checked after the data, this would fail
+    for out in (str(tmp_path / "file"), "/dev/null"):
+        assert main(["train", "--data", missing, "--out", out]) == 2
+        err = capsys.readouterr().err
+        assert f"--out {out} exists and is not a directory" in err
+    assert Path("/dev/null").is_char_device()
+
+
+def test_negative_numbers_are_values_not_flags(data_dir, tmp_path, capsys):
+    argv = ["train", "--data", str(data_dir), "--out", str(tmp_path / "r"), *TINY_FLAGS]
+    assert main([*argv, "--train.lr", "-1e-3"]) == 2
+    err = capsys.readouterr().err
+    assert "lr=-0.001" in err and "expected one argument" not in err
+    assert main([*argv, *TRAIN_FLAGS, "--train.max_steps", "2", "--train.min_lr", "-0.0"]) == 0
+    assert json.loads((tmp_path / "r" / "run.json").read_text())["train"]["min_lr"] == 0.0

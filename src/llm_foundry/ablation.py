@@ -26,8 +26,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import llm_foundry
+from llm_foundry import lock
 from llm_foundry.config import ModelConfig, load_yaml
-from llm_foundry.data import load_split
+from llm_foundry.data import data_fingerprint, load_split
 from llm_foundry.models import Transformer
 from llm_foundry.plots import read_metrics
 from llm_foundry.presets import get_preset
@@ -274,19 +276,33 @@ def run_one(study: Study, variant: Variant, seed_index: int, data: Path, run_dir
 
     mc, tc = configs(study, variant, seed_index)
     result_file = run_dir / "result.json"
-    fingerprint = dict(model=mc.to_dict(), train=tc.to_dict())
+    # everything a result depends on: settings, the corpus and tokenizer, the code that ran
+    fingerprint = dict(
+        model=mc.to_dict(),
+        train=tc.to_dict(),
+        data=data_fingerprint(data),
+        code=dict(llm_foundry=llm_foundry.__version__),
+    )
+    fingerprint = json.loads(json.dumps(fingerprint))  # tuples as lists, as read back
     if result_file.exists():
-        done = json.loads(result_file.read_text())
-        if done["fingerprint"] != fingerprint:
-            changed = [
-                f"{s}.{k}"
-                for s in ("model", "train")
-                for k in fingerprint[s]
-                if done["fingerprint"][s].get(k) != fingerprint[s][k]
-            ]
+        try:
+            done = json.loads(result_file.read_text())
+            saved = done["fingerprint"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise ValueError(
-                f"{run_dir} was trained with other settings ({', '.join(changed)}); "
-                "use another --out or delete that directory"
+                f"{result_file} is damaged ({e!r}); delete it to train that run again"
+            ) from None
+        changed = [
+            f"{s}.{k}"
+            for s in fingerprint
+            for k in fingerprint[s]
+            if (saved.get(s) or {}).get(k) != fingerprint[s][k]
+        ]
+        if changed:
+            raise ValueError(
+                f"{run_dir} holds a result made from other inputs ({', '.join(changed)} "
+                "differ), so it is not reused: use another --out, or delete that directory to "
+                "train it again"
             )
         print(f"[{variant.name} seed {seed_index}] finished earlier: reusing {result_file}")
         return done
@@ -334,7 +350,11 @@ def run_one(study: Study, variant: Variant, seed_index: int, data: Path, run_dir
 def run_study(study: Study, data: str | Path, out: str | Path) -> dict:
     """Train every variant x seed (skipping finished ones), then write the table and plots."""
     data, out = Path(data), Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    with lock.hold(out, "ablation directory"):
+        return _run_study(study, data, out)
+
+
+def _run_study(study: Study, data: Path, out: Path) -> dict:
     study = dataclasses.replace(study, model={**study.model, "vocab_size": _vocab(data)})
     variants = expand(study)
     (out / "study.json").write_text(json.dumps(study.to_dict(), indent=1))

@@ -7,7 +7,9 @@ section), then dotted overrides such as ``--model.n_kv_heads 2``; later sources 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -66,7 +68,7 @@ def parse_model_args(
         extra(p)
     if not train_section:
         p.add_argument("--train", type=dict, default=None, help="a --config file's train: (unused)")
-    ns = p.parse_args(argv)
+    ns = p.parse_args(_join_negative_values(argv))
     model = ns.model
     if not isinstance(model, ModelConfig) and not hasattr(model, "items"):
         raise ConfigError([f"the model section must be a mapping of fields, got {model!r}"])
@@ -152,36 +154,84 @@ DEFAULT_DATA = "data/shakespeare_char"
 DEFAULT_PRESET = "llama-shakespeare-char"
 
 
-def _saved_run(argv: list[str]) -> tuple[ModelConfig, object, str] | None:
+def _run_dir_args(argv: list[str]) -> tuple[str | None, bool]:
+    """``--out`` and ``--resume`` as the full parse will see them: from the command line, else
+    from a ``--config`` file's top level (read now: they decide what the parse starts from)."""
+    from llm_foundry.config import load_yaml
+
+    pre = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+    pre.add_argument("--resume", action="store_true", default=None)
+    pre.add_argument("--out")
+    pre.add_argument("--config", action="append", default=[])
+    try:
+        known, _ = pre.parse_known_args(argv)
+    except argparse.ArgumentError:  # e.g. --out without a value: the full parse says so
+        return None, False
+    out, resume = known.out, known.resume
+    for file in known.config:
+        if not Path(file).is_file():
+            continue  # the full parse names the missing file
+        conf = load_yaml(Path(file).read_text())
+        if isinstance(conf, dict):
+            out = out if out is not None else conf.get("out")
+            resume = resume if resume is not None else conf.get("resume")
+    return (None if out is None else str(out)), bool(resume)
+
+
+def _saved_run(out: str | None, resume: bool) -> tuple[ModelConfig, object, str] | None:
     """With ``--resume --out RUN_DIR``: the model config, training config and data directory
     that RUN_DIR's latest checkpoint was trained with (None when there is no checkpoint)."""
     from llm_foundry.train.config import TrainConfig
-    from llm_foundry.train.state import latest_checkpoint
+    from llm_foundry.train.state import latest_checkpoint, read_state
 
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--resume", action="store_true")
-    pre.add_argument("--out")
-    known, _ = pre.parse_known_args(argv)
-    ckpt = (
-        latest_checkpoint(Path(known.out) / "checkpoints") if known.resume and known.out else None
-    )
+    ckpt = latest_checkpoint(Path(out) / "checkpoints") if resume and out else None
     if ckpt is None:
         return None
-    state = json.loads((ckpt / "state.json").read_text())
-    run_info = Path(known.out) / "run.json"
+    state = read_state(ckpt)
+    run_info = Path(out) / "run.json"
     data = json.loads(run_info.read_text())["data"]["dir"] if run_info.exists() else DEFAULT_DATA
     model = ModelConfig.from_dict(state["model_config"])
     return model, TrainConfig.from_dict(state["train_config"]), data
 
 
+def _join_negative_values(argv: list[str]) -> list[str]:
+    """``--train.lr -1e-3`` as ``--train.lr=-1e-3``: argparse takes a token starting with '-' for
+    a flag unless it looks like a plain integer or decimal, so '-1e-3' would lose its flag."""
+    out: list[str] = []
+    for arg in argv:
+        prev = out[-1] if out else ""
+        if prev.startswith("--") and "=" not in prev and _is_negative_number(arg):
+            out[-1] = f"{prev}={arg}"
+        else:
+            out.append(arg)
+    return out
+
+
+def _is_negative_number(text: str) -> bool:
+    if not text.startswith("-") or text.startswith("--"):
+        return False
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
 def cmd_train(argv: list[str]) -> int:
     import time
 
+    from llm_foundry import lock
     from llm_foundry.train.config import TrainConfig
     from llm_foundry.train.state import latest_checkpoint
 
+    given_out, given_resume = _run_dir_args(argv)
+    if given_out is not None and Path(given_out).exists() and not Path(given_out).is_dir():
+        raise ValueError(
+            f"--out {given_out} exists and is not a directory (a file or a device); give a run "
+            "directory"
+        )
     # a resumed run starts from its own saved settings; flags given now override them
-    saved = _saved_run(argv)
+    saved = _saved_run(given_out, given_resume)
     model_base, train_base, data_base = saved or (None, TrainConfig(), DEFAULT_DATA)
 
     def extra(p):
@@ -213,29 +263,31 @@ def cmd_train(argv: list[str]) -> int:
     out = Path(ns.out or f"runs/{ns.preset or 'custom'}-{time.strftime('%Y%m%d-%H%M%S')}")
     if ns.resume and saved is None:
         raise FileNotFoundError(f"--resume: no checkpoint in {out / 'checkpoints'} to continue")
-    if not ns.resume and latest_checkpoint(out / "checkpoints") is not None:
-        raise ValueError(
-            f"--out {out} already holds a run with checkpoints: continue it with --resume, "
-            "or pass another --out"
-        )
-    data = Path(ns.data)
-    if ns.data == DEFAULT_DATA and not (data / "meta.json").exists():
-        _prepare_default(data)
-    from llm_foundry.train.run import train_and_report
+    # rank 0 owns the run directory (the ranks of one torchrun write it together)
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    with lock.hold(out, "run directory") if rank0 else contextlib.nullcontext():
+        if not ns.resume and latest_checkpoint(out / "checkpoints") is not None:
+            raise ValueError(
+                f"--out {out} already holds a run with checkpoints: continue it with --resume, "
+                "or pass another --out"
+            )
+        data = Path(ns.data)
+        if ns.data == DEFAULT_DATA and not (data / "meta.json").exists():
+            _prepare_default(data)
+        from llm_foundry.train.run import train_and_report
 
-    try:
-        train_and_report(cfg, train_cfg, data, out, resume=ns.resume)
-    finally:
-        import torch.distributed as dist
+        try:
+            train_and_report(cfg, train_cfg, data, out, resume=ns.resume)
+        finally:
+            import torch.distributed as dist
 
-        if dist.is_initialized():
-            dist.destroy_process_group()
+            if dist.is_initialized():
+                dist.destroy_process_group()
     return 0
 
 
 def _prepare_default(data: Path, wait_s: float = 600.0) -> None:
     """Prepare the default corpus; under torchrun rank 0 prepares and the others wait for it."""
-    import os
     import time
 
     if int(os.environ.get("RANK", "0")) > 0:
@@ -372,9 +424,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run_stops() -> tuple[type[Exception], ...]:
     """Errors that end a run with a message saying what to do (imported once one is raised)."""
+    from llm_foundry.lock import DirectoryBusy
     from llm_foundry.train.trainer import TrainingDiverged
 
-    return (TrainingDiverged,)
+    return (TrainingDiverged, DirectoryBusy)
 
 
 def _flag_hint(message: str) -> str:

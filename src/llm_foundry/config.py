@@ -241,7 +241,8 @@ class ModelConfig:
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]  # O(sqrt n): n may be huge
+    return sorted(set(small + [n // d for d in small]))
 
 
 def _suggest(key: str, known: set[str]) -> str:

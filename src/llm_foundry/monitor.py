@@ -22,7 +22,6 @@ that line's (pre-clipping) ``grad_norm`` squared.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -171,13 +170,9 @@ def warnings_for(
 
 def read_monitor(metrics_path: str | Path) -> list[dict]:
     """The monitor records ``{"step": k, "monitor": {...}}`` of a ``metrics.jsonl``, in order."""
-    records = []
-    for line in Path(metrics_path).read_text().splitlines():
-        if line.strip():
-            rec = json.loads(line)
-            if "monitor" in rec:
-                records.append(rec)
-    return records
+    from llm_foundry.train.metrics import read_records
+
+    return [rec for rec in read_records(metrics_path) if "monitor" in rec]
 
 
 # ----------------------------------------------------------------------------------------------

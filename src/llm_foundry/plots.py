@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import matplotlib
@@ -11,6 +10,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from llm_foundry.train.config import TrainConfig  # noqa: E402
+from llm_foundry.train.metrics import read_records  # noqa: E402
 from llm_foundry.train.schedule import lr_at  # noqa: E402
 
 
@@ -18,13 +18,11 @@ def read_metrics(path: str | Path) -> tuple[list[dict], list[dict]]:
     """Split ``metrics.jsonl`` into train records and eval records (other kinds, such as
     ``monitor`` records, are left out)."""
     train, evals = [], []
-    for line in Path(path).read_text().splitlines():
-        if line.strip():
-            rec = json.loads(line)
-            if "val_loss" in rec:
-                evals.append(rec)
-            elif "loss" in rec:
-                train.append(rec)
+    for rec in read_records(path):
+        if "val_loss" in rec:
+            evals.append(rec)
+        elif "loss" in rec:
+            train.append(rec)
     return train, evals
 
 

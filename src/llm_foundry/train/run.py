@@ -36,7 +36,11 @@ def train_and_report(
 ) -> RunResult:
     trainer = Trainer(model_cfg, train_cfg, data, out, resume=resume)
     # the sample at the end needs the tokenizer: a missing one fails now, not after training
-    tok = load_tokenizer(data / "tokenizer.json") if train_cfg.sample_tokens else None
+    try:
+        tok = load_tokenizer(data / "tokenizer.json") if train_cfg.sample_tokens else None
+    except BaseException:
+        trainer.release()
+        raise
     w = trainer.world
     n = trainer.model.num_params()
     if w.main:

@@ -150,17 +150,42 @@ def save_train_checkpoint(
 
 
 def latest_checkpoint(ckpt_root: Path) -> Path | None:
+    """The step directory ``ckpt_root/latest.json`` names (None without a pointer, or when it
+    names a directory that is gone)."""
     pointer = ckpt_root / LATEST
     if not pointer.exists():
         return None
-    path = ckpt_root / json.loads(pointer.read_text())["path"]
+    try:
+        name = json.loads(pointer.read_text())["path"]
+        if not isinstance(name, str) or "/" in name or name in ("", ".", ".."):
+            raise TypeError(f"path {name!r} is not a step directory name")
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+        raise ValueError(
+            f"{pointer} is not a valid latest-checkpoint pointer ({e!r}); expected "
+            '{"step": N, "path": "step_000N"}'
+        ) from None
+    path = ckpt_root / name
     return path if path.exists() else None
+
+
+def read_state(path: Path) -> dict:
+    """``path/state.json`` (a training checkpoint's state), with errors naming the file."""
+    file = Path(path) / "state.json"
+    try:
+        state = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{file} is missing: {path} is not a training checkpoint") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{file} is not valid JSON ({e}); the checkpoint is damaged") from None
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+        raise ValueError(f"{file} holds no training state (expected an object with a 'step')")
+    return state
 
 
 def load_train_checkpoint(path: Path, model: torch.nn.Module, optimizer=None) -> dict:
     """Restore weights (and optimizer, RNG states) from ``path``; returns state.json's content."""
+    state = read_state(path)
     load_weights(model, path)
-    state = json.loads((path / "state.json").read_text())
     if optimizer is not None:
         tensors = load_file(str(path / "optimizer.safetensors"))
         optimizer.load_state_dict(optimizer_from_flat(tensors, state["optimizer"]))
@@ -171,7 +196,7 @@ def load_train_checkpoint(path: Path, model: torch.nn.Module, optimizer=None) ->
 def read_train_checkpoint(path: Path) -> tuple[dict, dict, dict]:
     """(model tensors, optimizer state dict, state.json) of ``path``, RNG states restored: for
     callers that place the tensors themselves (FSDP shards them)."""
-    state = json.loads((path / "state.json").read_text())
+    state = read_state(path)
     model_sd = load_file(str(path / "model.safetensors"))
     optim_sd = optimizer_from_flat(
         load_file(str(path / "optimizer.safetensors")), state["optimizer"]

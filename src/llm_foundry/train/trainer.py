@@ -22,17 +22,20 @@ import torch
 from tqdm import tqdm
 
 import llm_foundry
+from llm_foundry import lock
 from llm_foundry.config import ConfigError, ModelConfig
-from llm_foundry.data import BatchSampler, load_meta, load_split
+from llm_foundry.data import BatchSampler, data_fingerprint, load_meta, load_split
 from llm_foundry.models import Transformer
 from llm_foundry.monitor import Monitor, layer_grad_norms, rest_grad_norm
 from llm_foundry.train import distributed as D
 from llm_foundry.train.config import TrainConfig
+from llm_foundry.train.metrics import MetricsLog
 from llm_foundry.train.schedule import lr_at
 from llm_foundry.train.state import (
     latest_checkpoint,
     load_train_checkpoint,
     prune_checkpoints,
+    read_state,
     read_train_checkpoint,
     save_train_checkpoint,
     write_json_atomic,
@@ -68,35 +71,6 @@ class RunResult:
     interrupted: bool = False
     skipped_steps: int = 0
     checkpoint: Path | None = None
-
-
-class MetricsLog:
-    """``metrics.jsonl``: one JSON object a line, flushed as written."""
-
-    def __init__(self, path: Path, resume_step: int | None, enabled: bool = True):
-        self.path, self.file = path, None
-        if not enabled:  # ranks other than 0 write nothing
-            return
-        if resume_step is not None and path.exists():  # drop what came after the checkpoint
-            kept = [
-                line
-                for line in path.read_text().splitlines()
-                if line.strip() and json.loads(line)["step"] <= resume_step
-            ]
-            path.write_text("".join(line + "\n" for line in kept))
-        elif resume_step is None:
-            path.write_text("")
-        self.file = open(path, "a")
-
-    def write(self, record: dict) -> None:
-        if self.file is None:
-            return
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
-
-    def close(self) -> None:
-        if self.file is not None:
-            self.file.close()
 
 
 class Trainer:
@@ -168,11 +142,22 @@ class Trainer:
         self.best_name: str | None = None
         self.skipped = 0
         self.resumed_from: Path | None = None
-        if resume:
-            self._resume()
+        self.data_id = data_fingerprint(self.data_dir)
+        if self.world.main:  # the run directory is this process's until run() ends
+            lock.acquire(self.out, "run directory")
+        try:
+            if resume:
+                self._resume()
+            if self.world.main:
+                self._write_run_info()
+        except BaseException:
+            self.release()
+            raise
+
+    def release(self) -> None:
+        """Give up the run directory (``run`` does this when it ends)."""
         if self.world.main:
-            self.out.mkdir(parents=True, exist_ok=True)
-            self._write_run_info()
+            lock.release(self.out)
 
     # ------------------------------------------------------------------------------------------
     def _resume(self) -> None:
@@ -182,7 +167,7 @@ class Trainer:
                 f"--resume: no checkpoint in {self.ckpt_root} (latest.json missing); "
                 "start without --resume"
             )
-        self._check_resumable(json.loads((path / "state.json").read_text()), path)
+        self._check_resumable(read_state(path), path)
         if self.sharded:  # every rank reads the full tensors and keeps its shard
             model_sd, optim_sd, state = read_train_checkpoint(path)
             D.load_full_state(self.model, self.optimizer, model_sd, optim_sd, "fsdp", self.world)
@@ -213,6 +198,17 @@ class Trainer:
                 changed,
                 f"resume: {path} holds a model with other settings; a run resumes with the "
                 "architecture it was started with, drop or fix these --model flags",
+            )
+        saved_data = state.get("data")  # absent in checkpoints written before it was recorded
+        if saved_data is not None and saved_data != self.data_id:
+            raise ConfigError(
+                [
+                    f"{k}: saved {saved_data.get(k)!r}, now {v!r}"
+                    for k, v in self.data_id.items()
+                    if saved_data.get(k) != v
+                ],
+                f"resume: {path} was trained on other data than {self.data_dir}; a run resumes "
+                "on the data it started with: pass that --data, or start a new run with --out",
             )
         saved = state["train_config"]
         now = json.loads(json.dumps(self.tc.to_dict()))
@@ -278,6 +274,7 @@ class Trainer:
             skipped=self.skipped,
             model_config=self.mc.to_dict(),
             train_config=self.tc.to_dict(),
+            data=self.data_id,
         )
         tok = self.data_dir / "tokenizer.json"
         parallel, w = self.tc.parallel, self.world
@@ -417,6 +414,7 @@ class Trainer:
                     if D.any_rank(stop["signal"] is not None, self.world, self.device):
                         stop["signal"] = stop["signal"] or "SIGTERM"
                 if save_now or stop["signal"]:
+                    metrics.sync()  # the records up to a checkpoint survive whatever follows
                     last_ckpt = self.save()
                 if stop["signal"]:
                     say(
@@ -427,6 +425,7 @@ class Trainer:
         finally:
             bar.close()
             metrics.close()
+            self.release()
             if tb:
                 tb.close()
             for s, handler in old.items():

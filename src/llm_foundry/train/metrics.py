@@ -1,0 +1,69 @@
+"""``metrics.jsonl``: one JSON record a line, appended as training goes; its one reader.
+
+The file is flushed after every record and fsynced with every checkpoint, so a crash can lose at
+most the records written since the last checkpoint, and tear at most the last line: readers drop
+a torn final record with a note. A damaged line anywhere else is an error naming file and line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+
+def read_records(path: str | Path) -> list[dict]:
+    """Every record of ``path``, in order; a final line cut short by a crash is dropped (with a
+    note on stderr)."""
+    path = Path(path)
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    records = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            if not isinstance(rec, dict):
+                raise ValueError(f"a {type(rec).__name__}, not an object")
+        except ValueError as e:
+            if i == len(lines) - 1:  # torn by a crash mid-write
+                print(f"note: {path}: dropped a torn last record (line {i + 1})", file=sys.stderr)
+                break
+            raise ValueError(
+                f"{path}, line {i + 1}: not a JSON record ({e}); the file is damaged"
+            ) from None
+        records.append(rec)
+    return records
+
+
+class MetricsLog:
+    """Appends records to ``metrics.jsonl``. A resumed run keeps the records up to its
+    checkpoint's step and drops the rest (they are trained again)."""
+
+    def __init__(self, path: Path, resume_step: int | None, enabled: bool = True):
+        self.path, self.file = path, None
+        if not enabled:  # ranks other than 0 write nothing
+            return
+        if resume_step is not None and path.exists():
+            kept = [r for r in read_records(path) if r.get("step", 0) <= resume_step]
+            path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        elif resume_step is None:
+            path.write_text("")
+        self.file = open(path, "a")  # noqa: SIM115 - open for the whole run
+
+    def write(self, record: dict) -> None:
+        if self.file is None:
+            return
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+
+    def sync(self) -> None:
+        """Make what was written durable (called with every checkpoint)."""
+        if self.file is not None:
+            self.file.flush()
+            os.fsync(self.file.fileno())
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()

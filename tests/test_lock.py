@@ -1,0 +1,125 @@
+"""One process per output directory: real processes race for a run directory; the loser is
+refused with the holder's pid; a lock left by a killed process is taken over."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from llm_foundry import ablation, lock
+from llm_foundry.cli import main as cli
+from llm_foundry.data import prepare
+from llm_foundry.train.metrics import read_records
+from llm_foundry.train.state import latest_checkpoint
+
+HOLD = """
+import sys, time
+from llm_foundry import lock
+lock.acquire(sys.argv[1], "test directory")
+print("held", flush=True)
+time.sleep(float(sys.argv[2]))
+"""
+
+
+def _holder(directory: Path, seconds: float = 60) -> subprocess.Popen:
+    """Another process holding ``directory``'s lock (until killed or ``seconds`` pass)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(directory), str(seconds)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+@pytest.fixture
+def held(tmp_path):
+    proc = _holder(tmp_path / "busy")
+    yield tmp_path / "busy", proc.pid
+    proc.kill()
+    proc.wait()
+
+
+def test_every_writer_is_refused_a_directory_another_process_holds(held, char_data, capsys):
+    busy, pid = held
+    data = char_data(20_000)
+    with pytest.raises(lock.DirectoryBusy, match=rf"busy is in use by process {pid}"):
+        lock.acquire(busy)
+    with pytest.raises(
+        lock.DirectoryBusy, match=rf"data directory .*busy is in use by process {pid}"
+    ):
+        prepare(busy, text_files=[data.parent / "corpus.txt"], progress=False)
+    argv = ["--data", str(data), "--out", str(busy), "--train.max_steps", "2"]
+    assert cli(["train", *argv]) == 1
+    assert f"run directory {busy} is in use by process {pid}" in capsys.readouterr().err
+    study = ablation.Study.from_dict(
+        dict(vary={"norm": ["rmsnorm", "layernorm"]}, model=dict(dim=32, n_layers=1, n_heads=2))
+    )
+    with pytest.raises(lock.DirectoryBusy, match=rf"ablation directory .*in use by process {pid}"):
+        ablation.run_study(study, data, busy)
+    assert sorted(p.name for p in busy.iterdir()) == [".lock"]  # nothing was written there
+
+
+def test_a_lock_left_by_a_killed_process_is_taken_over_with_a_note(tmp_path, capsys):
+    proc = _holder(tmp_path / "run")
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert (tmp_path / "run" / ".lock").read_text().startswith(f"pid={proc.pid} ")
+    with lock.hold(tmp_path / "run"):
+        assert f"left by process {proc.pid}" in capsys.readouterr().err
+        assert (tmp_path / "run" / ".lock").read_text().startswith(f"pid={os.getpid()} ")
+        with lock.hold(tmp_path / "run"):  # re-entrant within one process
+            pass
+        assert (tmp_path / "run" / ".lock").exists()
+    assert not (tmp_path / "run" / ".lock").exists()  # released cleanly: nothing to take over
+    with lock.hold(tmp_path / "run"):
+        assert "took over" not in capsys.readouterr().err
+
+
+def test_a_file_in_the_way_is_named(tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(NotADirectoryError, match="run directory .*f exists and is not a directory"):
+        lock.acquire(tmp_path / "f", "run directory")
+
+
+STEPS = 100  # long enough that the second process reaches the lock while the first trains
+
+
+def test_two_train_processes_started_together_one_runs_the_other_is_refused(char_data, tmp_path):
+    data = char_data(20_000)
+    out = tmp_path / "run"
+    argv = [sys.executable, "-m", "llm_foundry", "train", "--data", str(data), "--out", str(out)]
+    argv += ["--preset", "llama-shakespeare-char", "--model.n_layers", "1", "--model.dim", "32"]
+    argv += ["--model.n_heads", "2", "--train.max_steps", str(STEPS), "--train.batch_size", "4"]
+    argv += [
+        "--train.block_size",
+        "32",
+        "--train.eval_interval",
+        "100",
+        "--train.eval_batches",
+        "2",
+    ]
+    argv += ["--train.sample_tokens", "0", "--train.progress", "false", "--train.device", "cpu"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    procs = [
+        subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        for _ in range(2)
+    ]
+    deadline = time.monotonic() + 300
+    results = [p.communicate(timeout=max(1, deadline - time.monotonic())) for p in procs]
+    codes = sorted(p.returncode for p in procs)
+    assert codes == [0, 1], results
+    loser = next(i for i, p in enumerate(procs) if p.returncode == 1)
+    winner = procs[1 - loser]
+    assert f"is in use by process {winner.pid}" in results[loser][1]
+    # the run directory is the winner's alone: its metrics, each step once, its last checkpoint
+    steps = [r["step"] for r in read_records(out / "metrics.jsonl") if "loss" in r]
+    assert steps == list(range(1, STEPS + 1))
+    assert latest_checkpoint(out / "checkpoints").name == f"step_{STEPS:06d}"
+    assert not (out / ".lock").exists()
