@@ -12,12 +12,14 @@ reads a training step directory as well.
 from __future__ import annotations
 
 import json
+import math
+import re
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_model, save_model
 
-from llm_foundry.config import ModelConfig
+from llm_foundry.config import ConfigError, ModelConfig
 from llm_foundry.models.transformer import Transformer
 
 FORMAT = "llm-foundry"
@@ -79,28 +81,183 @@ def read_config(path: str | Path) -> ModelConfig:
             f"{file}: version={meta.get('version')!r} is not supported; this code reads "
             f"version {VERSION}"
         )
-    return ModelConfig.from_dict(meta["model"])
+    fields = meta.get("model")
+    if not isinstance(fields, dict):
+        raise ValueError(
+            f"{file}: 'model' is {fields!r}; expected an object of ModelConfig fields "
+            '({"vocab_size": ..., "dim": ..., ...})'
+        )
+    try:
+        return ModelConfig.from_dict(fields)
+    except ConfigError as e:
+        raise ConfigError(e.problems, f"model config in {file}") from None
+
+
+# ----------------------------------------------------------------------------------------------
+# The weight file's header: every tensor's name, dtype and shape, read without the data
+
+# bytes per element of each safetensors dtype
+SAFETENSORS_DTYPES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1,
+    "U16": 2, "I16": 2, "F16": 2, "BF16": 2,
+    "U32": 4, "I32": 4, "F32": 4,
+    "U64": 8, "I64": 8, "F64": 8,
+}  # fmt: skip
+MAX_HEADER_BYTES = 100 << 20  # the limit the safetensors library itself sets
+
+
+def read_safetensors_header(file: str | Path) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape in a ``.safetensors`` file, from its header alone (no tensor data
+    is read), after checking that the file is whole: a header that parses and tensor data that
+    fits the file. Errors are one line naming the file."""
+    file = Path(file)
+    if not file.is_file():
+        raise FileNotFoundError(f"{file} not found")
+    size = file.stat().st_size
+    bad = f"{file} is not a safetensors file ({{}}); the weights are damaged or not weights"
+    with open(file, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(bad.format(f"{size} bytes, shorter than the 8-byte header length"))
+        n = int.from_bytes(head, "little")
+        if n > min(size - 8, MAX_HEADER_BYTES):
+            raise ValueError(bad.format(f"header length {n:,} does not fit its {size:,} bytes"))
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(bad.format(f"its header is not JSON: {e}")) from None
+    if not isinstance(header, dict):
+        raise ValueError(bad.format("its header is not a JSON object"))
+    data_bytes, shapes = size - 8 - n, {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
+            numel = math.prod(shape)
+            ok = (
+                dtype in SAFETENSORS_DTYPES
+                and all(isinstance(d, int) and d >= 0 for d in shape)
+                and 0 <= begin <= end <= data_bytes
+                and end - begin == numel * SAFETENSORS_DTYPES[dtype]
+            )
+        except (KeyError, TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise ValueError(
+                bad.format(
+                    f"tensor {name!r}: {entry!r} does not describe data within the file's "
+                    f"{data_bytes:,} data bytes (truncated?)"
+                )
+            )
+        shapes[name] = tuple(shape)
+    return shapes
+
+
+def layer_indices(names) -> set[int]:
+    """The layer numbers in tensor names (``layers.3.attn...``, ``model.layers.3...``,
+    ``transformer.h.3...``): the first integer path component of each name."""
+    found = set()
+    for name in names:
+        m = re.search(r"(?:^|\.)(\d+)\.", name)
+        if m:
+            found.add(int(m.group(1)))
+    return found
+
+
+def check_layer_count(cfg: ModelConfig, names, file: Path, config_file: Path) -> None:
+    """Refuse a config whose layer count the weights do not hold, before any module is built:
+    building is linear in ``n_layers``, even on the meta device."""
+    layers = layer_indices(names)
+    if cfg.n_layers != len(layers) or layers != set(range(len(layers))):
+        held = f"layers 0..{max(layers)} ({len(layers)} distinct)" if layers else "no layers"
+        raise ValueError(
+            f"{config_file} says n_layers={cfg.n_layers}, but {file} holds {held}: the config and "
+            "the weights do not belong together"
+        )
+
+
+def meta_transformer(cfg: ModelConfig, config_file: Path | None = None, weights=None):
+    """The model with every shape and no storage: free to build at any size that can exist."""
+    try:
+        with torch.device("meta"):
+            return Transformer(cfg)
+    except RuntimeError as e:  # e.g. a tensor of more than 2**63 bytes
+        where = f"{config_file} describes" if config_file else "the config describes"
+        of = f", not the weights in {weights}" if weights else ""
+        raise ValueError(f"{where} a model too large to exist{of} ({e})") from None
+
+
+def check_weights_fit(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], path: Path) -> None:
+    """Refuse (one line) weights whose names or shapes differ from what ``cfg`` builds, checked
+    on the meta device, so that a config can never make the process allocate more than the
+    weights it came with."""
+    file, config_file = path / WEIGHTS_FILE, path / CONFIG_FILE
+    check_layer_count(cfg, shapes, file, config_file)
+    model = meta_transformer(cfg, config_file, file)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    tied = {"tok_emb.weight", "lm_head.weight"} if cfg.tie_embeddings else set()
+    problems = [
+        f"{k} is {shapes[k]} in the file, the config builds {s}"
+        for k, s in expected.items()
+        if k in shapes and shapes[k] != s
+    ]
+    missing = [k for k in expected if k not in shapes and not (k in tied and tied & set(shapes))]
+    problems += [f"{k} {expected[k]} is missing" for k in missing]
+    problems += [
+        f"{k} is in the file, the config has no such tensor" for k in shapes if k not in expected
+    ]
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise ValueError(f"{file} does not match {config_file}: {'; '.join(problems[:3])}{more}")
 
 
 def load_weights(model: torch.nn.Module, path: str | Path) -> None:
     """Fill ``model``'s parameters from ``path/model.safetensors`` in place (strict: every
-    parameter present, no unknown tensor); tied parameters stay tied."""
-    model = unwrap(model)
+    parameter present, no unknown tensor); tied parameters stay tied. Weights that are not
+    finite (NaN/inf) are refused: nothing useful can be computed from them."""
     file = Path(path) / WEIGHTS_FILE
     if not file.exists():
         raise FileNotFoundError(f"{file} not found: {path} is not an llm-foundry checkpoint")
+    read_safetensors_header(file)  # a damaged file is named here, not deep in the loader
+    _load_into(unwrap(model), file)
+
+
+def _load_into(model: torch.nn.Module, file: Path) -> None:
     first = next(iter(model.parameters()), None)
     device = str(first.device) if first is not None else "cpu"
     try:
         load_model(model, str(file), strict=True, device=device)
-    except RuntimeError as e:  # names/shapes that don't match the config the model was built from
-        raise ValueError(f"{file} does not match the model its config.json describes: {e}") from e
+    except (RuntimeError, OSError) as e:  # names/shapes that don't match the model's config
+        msg = " ".join(str(e).split())
+        raise ValueError(f"{file} does not match the model its config describes: {msg}") from None
+    check_finite(model.state_dict(), file)
+
+
+def check_finite(tensors: dict[str, torch.Tensor], file: Path) -> None:
+    """Refuse tensors holding NaN or inf, naming the first such tensor and how many values."""
+    for name, t in tensors.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            bad = int((~torch.isfinite(t)).sum())
+            raise ValueError(
+                f"{file}: tensor {name} holds {bad:,} non-finite values (NaN/inf) of "
+                f"{t.numel():,}; the weights are corrupt (a diverged run?): use an earlier "
+                "checkpoint"
+            )
 
 
 def load_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> Transformer:
-    """Build the ``Transformer`` saved in directory ``path`` and load its weights; eval mode."""
-    model = Transformer(read_config(path)).to(device)
-    load_weights(model, path)
+    """Build the ``Transformer`` saved in directory ``path`` and load its weights; eval mode.
+    The config is checked against the weight file's header on the meta device first, so the
+    model is materialised only at the size of the weights that are there."""
+    path = Path(path)
+    cfg = read_config(path)
+    file = path / WEIGHTS_FILE
+    if not file.exists():
+        raise FileNotFoundError(f"{file} not found: {path} is not an llm-foundry checkpoint")
+    check_weights_fit(cfg, read_safetensors_header(file), path)
+    model = Transformer(cfg).to(device)
+    _load_into(model, file)
     return model.eval()
 
 
@@ -111,17 +268,15 @@ def resolve_checkpoint(path: Path) -> Path:
         raise FileNotFoundError(f"--checkpoint {path}: no such directory")
     if (path / "config.json").exists():
         return path
+    from llm_foundry.train.state import LATEST, latest_checkpoint
+
     for root in (path / "checkpoints", path):
-        pointer = root / "latest.json"
-        if pointer.exists():
-            try:
-                step = root / json.loads(pointer.read_text())["path"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise ValueError(
-                    f"{pointer} is not a valid latest-checkpoint pointer: {e}"
-                ) from None
-            if not (step / "config.json").exists():
-                raise FileNotFoundError(f"{pointer} points at {step}, which has no config.json")
+        if (root / LATEST).exists():
+            step = latest_checkpoint(root)
+            if step is None or not (step / "config.json").exists():
+                raise FileNotFoundError(
+                    f"{root / LATEST} points at a step directory with no config.json"
+                )
             return step
     raise FileNotFoundError(
         f"--checkpoint {path}: no config.json (an llm-foundry checkpoint or an HF transformers "

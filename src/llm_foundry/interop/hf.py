@@ -32,7 +32,11 @@ from safetensors.torch import load_file, save_file
 
 from llm_foundry.checkpoint import (
     FORMAT,
+    check_finite,
+    check_layer_count,
     load_checkpoint,
+    meta_transformer,
+    read_safetensors_header,
     resolve_checkpoint,
     save_checkpoint,
     unwrap,
@@ -56,6 +60,10 @@ TOKENIZER_FILE = "tokenizer.json"
 
 class ConversionError(ValueError):
     """A config or checkpoint cannot be converted exactly; the message says what and why."""
+
+    def __init__(self, message: str, problems: list[str] | None = None):
+        super().__init__(message)
+        self.problems = problems or [message]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -165,7 +173,7 @@ GPT2_IGNORED = (r"(^|\.)h\.\d+\.attn\.(bias|masked_bias)$",)  # causal-mask buff
 def _fail(problems: list[str], what: str) -> None:
     if problems:
         lines = "\n".join(f"  - {p}" for p in problems)
-        raise ConversionError(f"{what} ({len(problems)} problem(s)):\n{lines}")
+        raise ConversionError(f"{what} ({len(problems)} problem(s)):\n{lines}", problems)
 
 
 def _lookup(c: Any, attr: str, table: dict[str, Any], problems: list[str]) -> Any:
@@ -677,15 +685,20 @@ def _check_against_hf(tensors: dict[str, torch.Tensor], hf_config: Any, family: 
     _fail(problems, f"exported tensors do not match {family.model_class}")
 
 
-def read_safetensors_dir(path: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of an HF checkpoint directory: ``model.safetensors``, or the shards named by
-    ``model.safetensors.index.json``. Pickle files (``pytorch_model.bin``) are never read."""
-    path = Path(path)
+def _weight_files(path: Path) -> tuple[list[str], dict[str, str]]:
+    """The safetensors files of an HF checkpoint directory (``model.safetensors``, or the shards
+    named by ``model.safetensors.index.json``) and the index's weight map (empty without one)."""
     index = path / INDEX_FILE
     weight_map: dict[str, str] = {}
     if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = sorted(set(weight_map.values()))
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise ConversionError(
+                f"{index} is not a valid shard index ({e!r}); expected "
+                '{"weight_map": {"tensor name": "shard file", ...}}'
+            ) from None
     elif (path / WEIGHTS_FILE).exists():
         files = [WEIGHTS_FILE]
     else:
@@ -696,17 +709,57 @@ def read_safetensors_dir(path: str | Path) -> dict[str, torch.Tensor]:
             "(pytorch_model.bin is a pickle and is never loaded: re-save the model with "
             "transformers' save_pretrained, which writes safetensors)"
         )
-    tensors: dict[str, torch.Tensor] = {}
+    return files, weight_map
+
+
+def read_safetensors_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape in an HF checkpoint directory, from the file headers alone (no
+    tensor data read); each file checked to be whole, each tensor in exactly one shard."""
+    path = Path(path)
+    files, weight_map = _weight_files(path)
+    shapes: dict[str, tuple[int, ...]] = {}
     for file in files:
-        part = load_file(str(path / file))
-        twice = sorted(tensors.keys() & part.keys())
+        part = read_safetensors_header(path / file)
+        twice = sorted(shapes.keys() & part.keys())
         if twice:
             raise ConversionError(f"{path}: tensors {twice} appear in more than one shard")
-        tensors.update(part)
-    absent = sorted(set(weight_map) - set(tensors))
+        shapes.update(part)
+    absent = sorted(set(weight_map) - set(shapes))
     if absent:
-        raise ConversionError(f"{index} lists tensors that no shard holds: {absent}")
+        raise ConversionError(f"{path / INDEX_FILE} lists tensors that no shard holds: {absent}")
+    return shapes
+
+
+def read_safetensors_dir(path: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of an HF checkpoint directory (see ``read_safetensors_shapes``, which checks
+    the files first). Pickle files (``pytorch_model.bin``) are never read."""
+    path = Path(path)
+    read_safetensors_shapes(path)
+    tensors: dict[str, torch.Tensor] = {}
+    for file in _weight_files(path)[0]:
+        tensors.update(load_file(str(path / file)))
     return tensors
+
+
+def _check_hf_weights_fit(path: Path, cfg: ModelConfig, family: Family) -> dict[str, tuple]:
+    """Refuse an HF directory whose config.json does not describe its weights, from the headers
+    and on the meta device, before anything is allocated. Returns our tensors' shapes."""
+    shapes = read_safetensors_shapes(path)
+    check_layer_count(cfg, shapes, path, path / "config.json")
+    model = meta_transformer(cfg, path / "config.json", path)
+    ours = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    meta = {k: torch.empty(s, device="meta") for k, s in shapes.items()}
+    try:
+        hf_to_ours(meta, cfg, family, ours)  # names and shapes, no data
+    except ConversionError as e:
+        more = f" (and {len(e.problems) - 2} more)" if len(e.problems) > 2 else ""
+        raise ConversionError(
+            f"the weights in {path} do not match its config.json: "
+            + "; ".join(e.problems[:2])
+            + more,
+            e.problems,
+        ) from None
+    return ours
 
 
 # ----------------------------------------------------------------------------------------------
@@ -722,21 +775,27 @@ def from_hf(model_or_dir: Any, dtype: torch.dtype | None = None) -> Transformer:
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"{path / 'config.json'} not found: not an HF checkpoint")
         hf_config = transformers.AutoConfig.from_pretrained(str(path))
+        cfg, family = config_from_hf(hf_config), _family_of(hf_config)
+        # the config is checked against the weight files before anything is allocated
+        shapes = _check_hf_weights_fit(path, cfg, family)
         hf_tensors = read_safetensors_dir(path)
+        weights_file: Path = path
     elif isinstance(model_or_dir, transformers.PreTrainedModel):
         hf_config = model_or_dir.config
         hf_tensors = model_or_dir.state_dict()
+        cfg, family = config_from_hf(hf_config), _family_of(hf_config)
+        shapes = {k: tuple(v.shape) for k, v in meta_transformer(cfg).state_dict().items()}
+        weights_file = Path(type(model_or_dir).__name__)
     else:
         raise TypeError(
             "from_hf takes a transformers PreTrainedModel or a checkpoint directory; "
             f"got {type(model_or_dir).__name__}"
         )
-    cfg = config_from_hf(hf_config)
-    family = _family_of(hf_config)
+    ours = hf_to_ours(hf_tensors, cfg, family, shapes)
+    check_finite(ours, weights_file)
     model = Transformer(cfg)
-    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     with torch.no_grad():
-        model.load_state_dict(hf_to_ours(hf_tensors, cfg, family, shapes), strict=True)
+        model.load_state_dict(ours, strict=True)
     if dtype is not None:
         model = model.to(dtype)
     return model.eval()

@@ -203,6 +203,9 @@ class SinusoidalPosition(NoPosition):
         return x + sinusoidal_table(pos, self.dim).to(x.dtype)
 
 
+ROPE_BLOCK = 64  # positions whose cos/sin are computed together
+
+
 class RotaryPosition(NoPosition):
     """RoPE: rotate q and k by position-dependent angles so q_m . k_n depends on m - n only."""
 
@@ -212,15 +215,21 @@ class RotaryPosition(NoPosition):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.register_buffer("cos", torch.empty(0), persistent=False)
         self.register_buffer("sin", torch.empty(0), persistent=False)
-        self.max_seq_len = cfg.max_seq_len
 
     def _grow(self, length: int) -> None:
-        """(Re)build the cos/sin cache to cover positions 0..length-1 (doubling past the end)."""
-        n = max(self.max_seq_len, length)
-        if n > self.max_seq_len:
-            n = 2 ** math.ceil(math.log2(n))  # grow geometrically: few rebuilds when decoding long
-        pos = torch.arange(n, device=self.inv_freq.device)
-        self.cos, self.sin = rope_cos_sin(pos, self.inv_freq)
+        """Extend the cos/sin cache to cover positions 0..length-1, doubling, in blocks of
+        ``ROPE_BLOCK`` positions: sized by use, not by max_seq_len, and a position's values never
+        depend on the cache size (each block is one same-shaped computation, never redone)."""
+        have = self.cos.shape[0] if self.cos.device == self.inv_freq.device else 0
+        n = max(length, 2 * have)
+        n = -(-n // ROPE_BLOCK) * ROPE_BLOCK
+        dev = self.inv_freq.device
+        new = [
+            rope_cos_sin(torch.arange(s, s + ROPE_BLOCK, device=dev), self.inv_freq)
+            for s in range(have, n, ROPE_BLOCK)
+        ]
+        self.cos = torch.cat([self.cos[:have].to(dev)] + [c for c, _ in new])
+        self.sin = torch.cat([self.sin[:have].to(dev)] + [s for _, s in new])
 
     def rotate(self, q, k, start):
         end = start + q.shape[2]
@@ -235,7 +244,10 @@ class AlibiPosition(NoPosition):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.register_buffer("slopes", alibi_slopes(cfg.n_heads), persistent=False)
+        # on the meta device (shape checks) the values are not needed: skip the per-head loop
+        meta = torch.empty(0).is_meta
+        slopes = torch.empty(cfg.n_heads) if meta else alibi_slopes(cfg.n_heads)
+        self.register_buffer("slopes", slopes, persistent=False)
 
     has_bias = True
 
