@@ -4,6 +4,7 @@ import itertools
 
 import pytest
 import torch
+from conftest import assert_decisive
 
 from llm_foundry.config import ModelConfig
 from llm_foundry.generate import generate
@@ -24,6 +25,12 @@ def greedy_recompute(model, idx, n):
         nxt = model(idx)[0][:, -1].argmax(-1, keepdim=True)
         idx = torch.cat([idx, nxt], dim=1)
     return idx
+
+
+@torch.no_grad()
+def decision_logits(model, seq, prompt_len):
+    """The full forward's logits at each greedy decision that produced seq[:, prompt_len:]."""
+    return model(seq[:, :-1])[0][:, prompt_len - 1 :]
 
 
 CASES = [
@@ -52,7 +59,9 @@ def test_cached_greedy_equals_recompute(pe, kind, window):
     model = Transformer(tiny(pos_encoding=pe, n_kv_heads=KV_HEADS[kind], sliding_window=window))
     model.eval()
     idx = torch.randint(0, 37, (2, 6))
-    assert torch.equal(generate(model, idx, 25, temperature=0), greedy_recompute(model, idx, 25))
+    ref = greedy_recompute(model, idx, 25)
+    assert_decisive(decision_logits(model, ref, 6), f"{pe}, {kind}, window {window}")
+    assert torch.equal(generate(model, idx, 25, temperature=0), ref)
 
 
 def test_cache_bytes_follow_kv_heads():
@@ -100,8 +109,9 @@ def test_batched_ragged_prompts_equal_each_alone(pe, kind, window):
     prompts = [torch.randint(0, 37, (n,), generator=g).tolist() for n in (3, 9, 6)]
     batched = generate_batch(model, prompts, 12, temperature=0)
     for p, row in zip(prompts, batched, strict=True):
-        alone = generate(model, torch.tensor([p]), 12, temperature=0)[0].tolist()
-        assert row == alone
+        alone = generate(model, torch.tensor([p]), 12, temperature=0)
+        assert_decisive(decision_logits(model, alone, len(p)), f"prompt of {len(p)}")
+        assert row == alone[0].tolist()
 
 
 @pytest.mark.parametrize("batch", [1, 2])  # batch 1 decodes through the fused matvec
@@ -110,6 +120,7 @@ def test_compiled_decode_equals_eager(batch):
     model = Transformer(tiny(pos_encoding="rope", n_kv_heads=2, attn_bias=True)).eval()
     idx = torch.randint(0, 37, (batch, 5))
     eager = generate(model, idx, 8, temperature=0)
+    assert_decisive(decision_logits(model, eager, 5))  # fused kernels round otherwise
     assert torch.equal(generate(model, idx, 8, temperature=0, compile=True), eager)
 
 
@@ -125,6 +136,7 @@ def test_linear_matvec_equals_linear():
 
 def test_batched_repetition_penalty_ignores_padding():
     from llm_foundry.generate import generate_batch
+    from llm_foundry.sampling import apply_repetition_penalty
 
     torch.manual_seed(0)
     model = Transformer(tiny(vocab_size=6)).eval()
@@ -132,6 +144,45 @@ def test_batched_repetition_penalty_ignores_padding():
     rows = generate_batch(model, prompts, 10, temperature=0, repetition_penalty=1.5)
     for p, row in zip(prompts, rows, strict=True):
         alone = generate(model, torch.tensor([p]), 10, temperature=0, repetition_penalty=1.5)
+        logits = decision_logits(model, alone, len(p))
+        penalised = [  # what each greedy step chose from: seen tokens penalised
+            apply_repetition_penalty(logits[:, t], alone[:, : len(p) + t], 1.5)
+            for t in range(logits.shape[1])
+        ]
+        assert_decisive(torch.stack(penalised, 1), f"prompt of {len(p)}")
         assert row == alone[0].tolist()
     with pytest.raises(ValueError, match="padded"):
         generate_batch(model, prompts, 3, context=4)
+
+
+def test_compiled_batch_with_learned_positions_has_no_graph_break():
+    """generate_batch(compile=True) on a GPT-2-style model: one graph, no warnings, eager tokens."""
+    import logging
+    import warnings
+
+    from torch._dynamo.utils import counters
+
+    from llm_foundry.generate import generate_batch
+
+    torch.manual_seed(0)
+    model = Transformer(tiny(pos_encoding="learned")).eval()
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    eager = generate_batch(model, prompts, 4, temperature=0)
+    for p, row in zip(prompts, eager, strict=True):
+        assert_decisive(decision_logits(model, torch.tensor([row]), len(p)))
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append  # dynamo logs graph breaks here, once per process
+    dynamo_log = logging.getLogger("torch._dynamo")
+    dynamo_log.addHandler(handler)
+    counters.clear()  # the count, unlike the log, does not depend on what ran before
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            compiled = generate_batch(model, prompts, 4, temperature=0, compile=True)
+    finally:
+        dynamo_log.removeHandler(handler)
+    assert compiled == eager
+    assert not dict(counters["graph_break"])
+    assert not [r.getMessage() for r in records]
+    assert not [w for w in caught if "graph break" in str(w.message).lower()]

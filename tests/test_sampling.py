@@ -4,6 +4,7 @@ import warnings
 
 import pytest
 import torch
+from conftest import assert_decisive
 
 from llm_foundry.config import ModelConfig
 from llm_foundry.generate import generate, stream
@@ -101,10 +102,12 @@ def test_cropped_context_equals_recompute_on_the_last_tokens():
     idx = torch.randint(0, 40, (2, 5))
     # 35 tokens with a 16-row position table: each window must restart at position 0
     out = generate(model, idx, 30, temperature=0, context=8)
-    ref = idx
+    ref, decisions = idx, []
     for _ in range(30):
-        nxt = model(ref[:, -8:])[0][:, -1].argmax(-1, keepdim=True)
-        ref = torch.cat([ref, nxt], dim=1)
+        logits = model(ref[:, -8:])[0][:, -1]  # all 8 rows; generate computes only the last
+        decisions.append(logits)
+        ref = torch.cat([ref, logits.argmax(-1, keepdim=True)], dim=1)
+    assert_decisive(torch.stack(decisions, 1))
     assert torch.equal(out, ref)
     with pytest.raises(ValueError, match="context=17 must be in"):
         generate(model, idx, 2, context=17)
@@ -127,3 +130,34 @@ def test_sampling_settings_out_of_range_are_refused_by_name(kw, message):
     with pytest.raises(ValueError, match=message):
         generate(model, torch.zeros(1, 3, dtype=torch.long), 2, **kw)
     check_sampling(top_k=1, top_p=1.0, min_p=0.0, repetition_penalty=1.0)  # edges are valid
+
+
+@pytest.mark.parametrize("temperature", [0, 1.0])
+@pytest.mark.parametrize(
+    "bad, what",
+    [
+        ([0.5, float("nan"), 1.0], "NaN"),
+        ([float("inf"), 0.0, 1.0], r"\+inf"),
+        ([float("-inf")] * 3, "only -inf"),  # nothing left to sample (argmax would say 0)
+    ],
+)
+def test_sample_next_refuses_non_finite_logits(bad, what, temperature):
+    logits = torch.tensor([[0.0, 2.0, 1.0], bad])
+    with pytest.raises(ValueError, match=rf"non-finite logits \({what}\) for batch row\(s\) \[1\]"):
+        sample_next(logits, temperature=temperature)
+    masked = torch.tensor([[0.0, float("-inf"), 1.0]])  # some -inf (top-k, a ban): still fine
+    assert sample_next(masked, temperature=temperature, top_k=2).tolist() in ([0], [2])
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=0), dict(temperature=0.8, top_k=5, top_p=0.9)])
+def test_generate_with_nan_weights_is_refused(kw):
+    model = model_for()
+    with torch.no_grad():
+        model.layers[1].attn.wo.weight[3, 5] = float("nan")  # one corrupt entry, late layer
+    idx = torch.randint(0, 23, (2, 4))
+    message = (
+        r"new token 1 of 5: the model produced non-finite logits \(NaN\) for batch row\(s\) "
+        r"\[0, 1\]: its weights are likely corrupt or diverged"
+    )
+    with pytest.raises(ValueError, match=message):
+        generate(model, idx, 5, seed=0, **kw)

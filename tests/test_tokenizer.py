@@ -1,6 +1,7 @@
 """Tokenizers: exact round trips, clear errors, one-file save/load, vocabulary sizes."""
 
 import json
+import re
 
 import pytest
 from hypothesis import given, settings
@@ -169,3 +170,132 @@ def test_load_tokenizer_errors(tmp_path):
     other.write_text(json.dumps({"type": "wordpiece"}))
     with pytest.raises(ValueError, match=r"other.json is neither .* keys: \['type'\]"):
         load_tokenizer(other)
+
+
+# ----------------------------------------------------------------------------------------------
+# damaged tokenizer files: one line naming the file, what was wrong and what was expected
+
+
+def _load_error(path) -> str:
+    with pytest.raises(ValueError) as err:
+        load_tokenizer(path)
+    message = str(err.value)
+    assert "\n" not in message and str(path) in message
+    return message
+
+
+@pytest.mark.parametrize(
+    "chars, wrong",
+    [
+        (5, r"'chars' is a number \(5\); expected a string of distinct characters"),
+        (["a", "b"], r"'chars' is a list; expected a string"),
+        (None, r"'chars' is null; expected a string"),
+        ("", r"'chars' is empty; expected at least one character"),
+        ("abca", r"'chars' holds 'a' twice \(at 0 and 3\); expected distinct characters"),
+    ],
+)
+def test_char_file_with_bad_chars_is_named(tmp_path, chars, wrong):
+    path = tmp_path / "tok.json"
+    path.write_text(json.dumps({"type": "char", "chars": chars}))
+    assert re.search(r"tok\.json \(a char tokenizer\): " + wrong, _load_error(path))
+
+
+def test_char_file_without_chars_is_named(tmp_path):
+    path = tmp_path / "tok.json"
+    path.write_text(json.dumps({"type": "char"}))
+    assert "tok.json (a char tokenizer) has no 'chars'; expected 'chars'" in _load_error(path)
+
+
+def _drop_special(data, token="<eos>"):
+    data["added_tokens"] = [t for t in data["added_tokens"] if t["content"] != token]
+    del data["model"]["vocab"][token]
+
+
+def _no_bytes(data):
+    data["model"]["vocab"], data["model"]["merges"] = {}, []
+
+
+BAD_BPE = {
+    "no vocab": (
+        lambda d: d["model"].pop("vocab"),
+        r"'model\.vocab' is missing; expected an object of token -> id",
+    ),
+    "vocab a list": (
+        lambda d: d["model"].update(vocab=["a", "b"]),
+        r"'model\.vocab' is a list; expected an object",
+    ),
+    "vocab id a string": (
+        lambda d: d["model"]["vocab"].update(a="x"),
+        r"'model\.vocab' gives 'a' the id 'x'; expected ids that are integers >= 0",
+    ),
+    "no merges": (
+        lambda d: d["model"].pop("merges"),
+        r"'model\.merges' is missing; expected a list of merges \(empty for a vocabulary of bytes",
+    ),
+    "merges null": (
+        lambda d: d["model"].update(merges=None),
+        r"'model\.merges' is null; expected a list",
+    ),
+    "merge of unknown tokens": (  # left to tokenizers: its error rewrapped, file named
+        lambda d: d["model"].update(merges=[["zzq", "qqz"]]),
+        r"cannot be read by Hugging Face tokenizers \(Token `zzq` out of vocabulary at line 1 "
+        r"column \d+\); expected a file saved by BPETokenizer\.save",
+    ),
+    "no <eos>": (
+        _drop_special,
+        r"lacks the special tokens \['<eos>'\]; expected all of \['<bos>', '<eos>', '<pad>'\]",
+    ),
+    "no byte tokens": (  # loads in tokenizers, then encodes every text to []
+        _no_bytes,
+        r"'model\.vocab' lacks 256 of the 256 byte-level symbols .* so encode would drop text",
+    ),
+    "no pre-tokenizer": (  # loads in tokenizers, then drops every space and newline
+        lambda d: d.update(pre_tokenizer=None),
+        r"does not give text back: .* decodes as 'Hithere,.*'; expected a byte-level BPE",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", BAD_BPE)
+def test_bpe_file_with_bad_fields_is_named(bpe, tmp_path, case):
+    damage, wrong = BAD_BPE[case]
+    path = tmp_path / "tokenizer.json"
+    bpe.save(path)
+    data = json.loads(path.read_text())
+    damage(data)
+    path.write_text(json.dumps(data))
+    message = _load_error(path)
+    assert re.search(r"tokenizer\.json \(a BPE tokenizer\.json\).* " + wrong, message), message
+
+
+def test_bpe_file_with_empty_merges_loads_as_bytes_only(tmp_path):
+    """An empty merges list is what training to 259 ids writes (no merges): a valid tokenizer;
+    a merges field that is absent is not (tokenizers itself refuses it)."""
+    path = tmp_path / "tokenizer.json"
+    BPETokenizer.train([CORPUS], vocab_size=259).save(path)
+    data = json.loads(path.read_text())
+    assert data["model"]["merges"] == []
+    tok = load_tokenizer(path)
+    assert tok.decode(tok.encode(CORPUS)) == CORPUS
+    del data["model"]["merges"]
+    path.write_text(json.dumps(data))
+    assert "'model.merges' is missing; expected a list of merges" in _load_error(path)
+
+
+def test_truncated_empty_and_non_utf8_files_are_named(bpe, tmp_path):
+    path = tmp_path / "tokenizer.json"
+    bpe.save(path)
+    text = path.read_text()
+    path.write_text(text[: len(text) // 2])
+    assert re.search(
+        r"tokenizer\.json is not valid JSON \(.*: line \d+ column \d+\); expected a tokenizer "
+        r"saved by llm-foundry",
+        _load_error(path),
+    )
+    for blank in ("", " \n"):
+        path.write_text(blank)
+        assert "tokenizer.json is empty; expected a tokenizer saved by" in _load_error(path)
+    path.write_bytes('{"type": "char", "chars": "café"}'.encode("latin-1"))
+    assert "tokenizer.json is not UTF-8 text (byte 0xe9 at offset 30); expected" in _load_error(
+        path
+    )

@@ -59,18 +59,21 @@ def stream(
         seen = torch.where(slot < pad[:, None], idx.gather(1, pad[:, None]), idx)
     new = None  # nothing generated yet: the first step reads the whole prompt
     try:
-        for _ in range(max_new_tokens):
+        for step in range(max_new_tokens):
             logits = next_logits(seen, new)  # (B, V)
             if repetition_penalty is not None and repetition_penalty != 1.0:
                 logits = apply_repetition_penalty(logits, seen, repetition_penalty)
-            nxt = sample_next(
-                logits,
-                temperature=temperature,
-                top_k=top_k,
-                top_p=top_p,
-                min_p=min_p,
-                generator=generator,
-            )
+            try:
+                nxt = sample_next(
+                    logits,
+                    temperature=temperature,
+                    top_k=top_k,
+                    top_p=top_p,
+                    min_p=min_p,
+                    generator=generator,
+                )
+            except ValueError as e:  # non-finite logits: say which step
+                raise ValueError(f"new token {step + 1} of {max_new_tokens}: {e}") from None
             if eos_id is not None:
                 nxt = nxt.masked_fill(done, eos_id)  # finished rows keep emitting eos
                 done |= nxt == eos_id
@@ -101,6 +104,7 @@ def _cached_step(model, idx, max_new_tokens, pad, compile):
         )
     cache = model.new_cache(idx.shape[0], total)
     cache.pad = pad
+    model.pos.reserve(longest)  # position tables built now, not inside a compiled decode step
     decode = _compiled(model) if compile else model
 
     def next_logits(seen, new):

@@ -62,6 +62,24 @@ def min_p_filter(logits: torch.Tensor, min_p: float) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
+def check_finite_logits(logits: torch.Tensor) -> None:
+    """Raise ValueError unless every row of ``logits`` (B, V) has a finite maximum: no NaN, no
+    +inf, not all -inf. One reduction and one read-back per step."""
+    # max propagates NaN, so one (B,) reduction sees NaN, +inf and all -inf rows alike
+    if bool(torch.isfinite(logits.amax(-1)).all()):
+        return
+    peak = logits.amax(-1)
+    rows = torch.nonzero(~torch.isfinite(peak)).flatten().tolist()
+    what = sorted(
+        {"NaN" if peak[r].isnan() else "+inf" if peak[r] > 0 else "only -inf" for r in rows}
+    )
+    raise ValueError(
+        f"the model produced non-finite logits ({', '.join(what)}) for batch row(s) {rows[:8]}: "
+        "its weights are likely corrupt or diverged (or overflowed in half precision); check the "
+        "checkpoint for NaN/inf, load an earlier one, or run in float32"
+    )
+
+
 def sample_next(
     logits: torch.Tensor,
     *,
@@ -71,7 +89,12 @@ def sample_next(
     min_p: float | None = None,
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
-    """Pick one token per row of ``logits`` (B, V); temperature 0 is greedy. Returns (B,)."""
+    """Pick one token per row of ``logits`` (B, V); temperature 0 is greedy. Returns (B,).
+
+    A row holding NaN or +inf, or nothing but -inf, has no distribution to sample (nor a
+    meaningful argmax): ValueError. -inf entries elsewhere (tokens masked out) are fine.
+    """
+    check_finite_logits(logits)
     if temperature == 0:
         return logits.argmax(-1)
     logits = logits.float() / temperature

@@ -117,7 +117,10 @@ class BPETokenizer(Tokenizer):
         ids = [self.hf.token_to_id(t) for t in SPECIAL_TOKENS]
         if any(i is None for i in ids):
             missing = [t for t, i in zip(SPECIAL_TOKENS, ids, strict=True) if i is None]
-            raise ValueError(f"BPE tokenizer lacks the special tokens {missing}")
+            raise ValueError(
+                f"BPE tokenizer lacks the special tokens {missing}; expected all of "
+                f"{list(SPECIAL_TOKENS)}"
+            )
         self.bos_id, self.eos_id, self.pad_id = ids
 
     @classmethod
@@ -196,23 +199,142 @@ def build_tokenizer(
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
-    """Read a tokenizer saved by ``save``: a char JSON or a Hugging Face BPE ``tokenizer.json``."""
+    """Read a tokenizer saved by ``save``: a char JSON or a Hugging Face BPE ``tokenizer.json``.
+
+    A damaged file (empty, truncated, not UTF-8, fields missing or of the wrong type, a vocabulary
+    that would drop text) raises a one-line ValueError naming the file and what was expected.
+    """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"tokenizer file {path} does not exist")
+    raw = path.read_bytes()
+    if not raw.strip():
+        raise ValueError(f"tokenizer file {path} is empty; expected {_EXPECTED}")
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"tokenizer file {path} is not valid JSON: {e}") from None
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(
+            f"tokenizer file {path} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset "
+            f"{e.start}); expected {_EXPECTED}"
+        ) from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(
+            f"tokenizer file {path} is not valid JSON ({e.msg}: line {e.lineno} column "
+            f"{e.colno}); expected {_EXPECTED}"
+        ) from None
     if isinstance(data, dict) and data.get("type") == "char":
-        return CharTokenizer(data["chars"])
+        return _load_char(path, data)
     model = data.get("model") if isinstance(data, dict) else None
     if isinstance(model, dict) and model.get("type") == "BPE":
-        from tokenizers import Tokenizer as HFTokenizer
-
-        return BPETokenizer(HFTokenizer.from_file(str(path)))
-    found = sorted(data) if isinstance(data, dict) else type(data).__name__
+        return _load_bpe(path, text, model)
+    found = (
+        f"top-level keys: {sorted(data)}"
+        if isinstance(data, dict)
+        else f"it holds {_json_type(data)}"
+    )
     raise ValueError(
         f"tokenizer file {path} is neither a char tokenizer ({{'type': 'char', ...}}) nor a "
-        f"Hugging Face BPE tokenizer.json (model.type == 'BPE'); top-level keys: {found}"
+        f"Hugging Face BPE tokenizer.json (model.type == 'BPE'); {found}"
     )
+
+
+_EXPECTED = (
+    "a tokenizer saved by llm-foundry: {'type': 'char', 'chars': ...} or a Hugging Face BPE "
+    "tokenizer.json"
+)
+
+
+def _json_type(value) -> str:
+    """The JSON name of a parsed value's type, for messages about a file."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, numbers.Number):
+        return f"a number ({value!r})"
+    return {str: "a string", list: "a list", dict: "an object"}.get(
+        type(value), type(value).__name__
+    )
+
+
+def _load_char(path: Path, data: dict) -> CharTokenizer:
+    """A char tokenizer from its parsed file, each malformed field named with the file."""
+    where = f"tokenizer file {path} (a char tokenizer)"
+    if "chars" not in data:
+        raise ValueError(
+            f"{where} has no 'chars'; expected 'chars': a string of distinct characters"
+        )
+    chars = data["chars"]
+    if not isinstance(chars, str):
+        raise ValueError(
+            f"{where}: 'chars' is {_json_type(chars)}; expected a string of distinct characters"
+        )
+    if not chars:
+        raise ValueError(f"{where}: 'chars' is empty; expected at least one character")
+    first: dict[str, int] = {}
+    for i, c in enumerate(chars):
+        if c in first:
+            raise ValueError(
+                f"{where}: 'chars' holds {c!r} twice (at {first[c]} and {i}); expected distinct "
+                "characters, one id each"
+            )
+        first[c] = i
+    return CharTokenizer(chars)
+
+
+def _load_bpe(path: Path, text: str, model: dict) -> BPETokenizer:
+    """A BPE tokenizer from its file's text, checked for what ``BPETokenizer`` relies on: the
+    special tokens, every byte in the vocabulary, and decode giving back what encode read."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import pre_tokenizers
+
+    where = f"tokenizer file {path} (a BPE tokenizer.json)"
+    vocab = model.get("vocab")
+    if not isinstance(vocab, dict):
+        got = "missing" if "vocab" not in model else _json_type(vocab)
+        raise ValueError(f"{where}: 'model.vocab' is {got}; expected an object of token -> id")
+    for token, i in vocab.items():
+        if isinstance(i, bool) or not isinstance(i, int) or i < 0:
+            raise ValueError(
+                f"{where}: 'model.vocab' gives {token!r} the id {i!r}; expected ids that are "
+                "integers >= 0"
+            )
+    merges = model.get("merges")
+    if not isinstance(merges, list):
+        got = "missing" if "merges" not in model else _json_type(merges)
+        raise ValueError(
+            f"{where}: 'model.merges' is {got}; expected a list of merges (empty for a "
+            "vocabulary of bytes alone)"
+        )
+    try:
+        hf = HFTokenizer.from_str(text)
+    except Exception as e:  # tokenizers raises plain Exception from Rust
+        reason = " ".join(str(e).split())
+        raise ValueError(
+            f"{where} cannot be read by Hugging Face tokenizers ({reason}); expected a file "
+            "saved by BPETokenizer.save or tokenizers.Tokenizer.save"
+        ) from None
+    try:
+        tok = BPETokenizer(hf)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    # a byte missing from the vocabulary is silently dropped by encode (no unk token)
+    missing = [b for b in pre_tokenizers.ByteLevel.alphabet() if hf.token_to_id(b) is None]
+    if missing:
+        raise ValueError(
+            f"{where}: 'model.vocab' lacks {len(missing)} of the 256 byte-level symbols "
+            f"(e.g. {sorted(missing)[0]!r}), so encode would drop text; expected a byte-level BPE "
+            "vocabulary with every byte"
+        )
+    back = tok.decode(tok.encode(_PROBE))
+    if back != _PROBE:
+        raise ValueError(
+            f"{where} does not give text back: {_PROBE!r} decodes as {back!r}; expected a "
+            "byte-level BPE (ByteLevel pre-tokenizer and decoder, no normalizer)"
+        )
+    return tok
+
+
+_PROBE = "Hi there,\n  café 東京 🙂 <eos>"  # spaces, a newline, 2- to 4-byte UTF-8, a special

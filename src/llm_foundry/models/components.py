@@ -152,12 +152,17 @@ class NoPosition(nn.Module):
         """Additive attention bias (H, T, S) for query positions (T,) and key positions (S,)."""
         return None
 
+    def reserve(self, length: int) -> None:
+        """Prepare for positions 0..length-1 ahead of use (a compiled decode step then never
+        rebuilds a cache)."""
+
 
 def _row_positions(start: int, T: int, pad: torch.Tensor, limit: int | None = None):
     """Per-row positions (B, T) of left-padded rows: slot start + t of row b is position
     start + t - pad[b] (pads clamp to 0; they are masked out anyway)."""
     pos = (torch.arange(start, start + T, device=pad.device)[None] - pad[:, None]).clamp(min=0)
-    if limit is not None and start + T - int(pad.min()) > limit:
+    # slots inside the table need no read-back of pad (a graph break under torch.compile)
+    if limit is not None and start + T > limit and start + T - int(pad.min()) > limit:
         raise ValueError(
             f"position {start + T - 1 - int(pad.min())} is past max_seq_len={limit}: learned "
             "absolute positions have no row beyond it; use a shorter input or rope/alibi"
@@ -230,6 +235,10 @@ class RotaryPosition(NoPosition):
         ]
         self.cos = torch.cat([self.cos[:have].to(dev)] + [c for c, _ in new])
         self.sin = torch.cat([self.sin[:have].to(dev)] + [s for _, s in new])
+
+    def reserve(self, length: int) -> None:
+        if self.cos.shape[0] < length or self.cos.device != self.inv_freq.device:
+            self._grow(length)
 
     def rotate(self, q, k, start):
         end = start + q.shape[2]
