@@ -301,26 +301,27 @@ def test_train_config_names_the_field_the_value_and_the_valid_range(field, value
     assert err.value.problems == [message]
 
 
-def test_resume_with_only_out_uses_the_saved_model_settings_and_data(data_dir, tmp_path, capsys):
-    """``train --out RUN --resume`` alone (the README's form) continues a run started with a
-    preset and overrides, on its own data, loss for loss; --model flags that change the saved
-    architecture are refused, changed training settings are named."""
-    flags = ["--preset", "gpt2-shakespeare-char", "--model.dim=32", "--model.n_layers=2"]
-    flags += [
-        *TRAIN_FLAGS,
-        "--train.max_steps=12",
-        "--train.checkpoint_interval=6",
-        "--train.keep_last=3",
-    ]
-    full = tmp_path / "full"
-    assert main(["train", "--data", str(data_dir), "--out", str(full), *flags]) == 0
-    # a copy of the run as a crash right after step 6 would have left it
-    cut = tmp_path / "cut"
+def _run_and_cut_at_6(data_dir: Path, tmp_path: Path, model_flags: list[str]):
+    """A 12-step run (checkpoints every 6 steps) and a copy of it as a crash right after step 6
+    would have left it."""
+    flags = [*model_flags, *TRAIN_FLAGS, "--train.max_steps=12", "--train.checkpoint_interval=6"]
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    argv = ["train", "--data", str(data_dir), "--out", str(full), "--train.keep_last=3", *flags]
+    assert main(argv) == 0
     shutil.copytree(full, cut)
     shutil.rmtree(cut / "checkpoints" / "step_000012")
     train_state.write_json_atomic(
         cut / "checkpoints" / "latest.json", {"step": 6, "path": "step_000006"}
     )
+    return full, cut
+
+
+def test_resume_with_only_out_uses_the_saved_model_settings_and_data(data_dir, tmp_path, capsys):
+    """``train --out RUN --resume`` alone (the README's form) continues a run started with a
+    preset and overrides, on its own data, loss for loss; --model flags that change the saved
+    architecture are refused, changed training settings are named."""
+    flags = ["--preset", "gpt2-shakespeare-char", "--model.dim=32", "--model.n_layers=2"]
+    full, cut = _run_and_cut_at_6(data_dir, tmp_path, flags)
     capsys.readouterr()
     assert main(["train", "--out", str(cut), "--resume"]) == 0
     assert "resumed from" in capsys.readouterr().out
@@ -479,17 +480,8 @@ def reversed_data(data_dir, tmp_path_factory) -> Path:
 def test_resume_drops_a_torn_last_metrics_record_and_reads_out_and_resume_from_a_config_file(
     data_dir, tmp_path, capsys
 ):
-    flags = [*TINY_FLAGS, *TRAIN_FLAGS, "--train.max_steps=12", "--train.checkpoint_interval=6"]
-    flags.append("--train.keep_last=3")
-    full = tmp_path / "full"
-    assert main(["train", "--data", str(data_dir), "--out", str(full), *flags]) == 0
-    # the run as a crash after step 8 left it: checkpoint at 6, the last record half written
-    cut = tmp_path / "cut"
-    shutil.copytree(full, cut)
-    shutil.rmtree(cut / "checkpoints" / "step_000012")
-    train_state.write_json_atomic(
-        cut / "checkpoints" / "latest.json", {"step": 6, "path": "step_000006"}
-    )
+    full, cut = _run_and_cut_at_6(data_dir, tmp_path, TINY_FLAGS)
+    # as a crash after step 8 left it: checkpoint at 6, the last record half written
     lines = (cut / "metrics.jsonl").read_text().splitlines()
     upto = next(i for i, line in enumerate(lines) if json.loads(line)["step"] == 9)
     (cut / "metrics.jsonl").write_text("\n".join(lines[:upto]) + "\n" + lines[upto][:17])
