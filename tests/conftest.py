@@ -1,10 +1,12 @@
-"""Shared fixtures: small character-level corpora prepared once per test session."""
+"""Shared fixtures: small character-level corpora prepared once per test session; a check that
+greedy tokens compared across two float32 code paths cannot hinge on rounding."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+import torch
 
 from llm_foundry.config import ModelConfig
 from llm_foundry.data import prepare
@@ -30,6 +32,25 @@ def make_trainer(data_dir: Path, out: Path, resume: bool = False, **train) -> Tr
     )
     cfg.update(train)
     return Trainer(ModelConfig(**TINY), TrainConfig(**cfg), data_dir, out, resume=resume)
+
+
+# Two float32 paths to the same logits (KV cache vs recompute, batched vs alone, compiled vs
+# eager, ours vs transformers) sum in other orders, on other CPUs with other SIMD kernels: they
+# differ by up to ~n * eps32 * |logits| for reductions of length n <= ~100 here, ~1e-5 relative
+# (measured: <= 1e-6). A greedy choice whose top two logits are closer than that could go either
+# way, so a token-for-token comparison would pass on one machine and fail on another.
+DECISIVE_REL = 1e-5
+
+
+def assert_decisive(logits: torch.Tensor, what: str = "") -> None:
+    """Every greedy choice read from ``logits`` (..., vocab), the reference path's logits at each
+    decision, wins by more than DECISIVE_REL * (1 + max |logit|): then two paths that agree to
+    rounding pick the same tokens on any CPU, and a seed whose continuation hinges on rounding
+    fails here, on every machine, instead of as a token mismatch on some."""
+    top = logits.detach().float().topk(2, dim=-1).values
+    gap = (top[..., 0] - top[..., 1]).min().item()
+    tol = DECISIVE_REL * (1 + logits.detach().abs().max().item())
+    assert gap > tol, f"{what}: a greedy choice is won by {gap:.1e} <= {tol:.1e}, within rounding"
 
 
 def corpus_text(n_chars: int) -> str:

@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+from conftest import assert_decisive
 
 from llm_foundry.checkpoint import save_checkpoint
 from llm_foundry.cli import main
@@ -216,25 +217,26 @@ def _hf_llama(tmp_path):
     return hf, tmp_path / "hf"
 
 
+@torch.no_grad()
+def _hf_generate(hf, ids: list[int], n: int, **kw) -> list[int]:
+    """HF greedy decoding of ``n`` tokens after ``ids``, whose every choice (read from HF's full
+    forward) is clear of a tie by more than rounding: our decoding must then pick the same."""
+    out = hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, pad_token_id=0, **kw)
+    assert_decisive(hf(input_ids=out[:, :-1]).logits[:, len(ids) - 1 :], "HF greedy")
+    return out[0].tolist()
+
+
 def test_hf_directory_with_prompt_ids(tmp_path, capsys):
     hf, path = _hf_llama(tmp_path)
     base = ["--checkpoint", str(path), "--prompt-ids", "1,2,3", "--temperature", "0"]
     out = _run(capsys, *base, "--max-new-tokens", "12", "--ignore-eos")
-    ref = hf.generate(
-        torch.tensor([[1, 2, 3]]),
-        max_new_tokens=12,
-        min_new_tokens=12,
-        do_sample=False,
-        eos_token_id=None,
-        pad_token_id=0,
-    )
-    assert out.split() == [str(t) for t in ref[0].tolist()]
+    ref = _hf_generate(hf, [1, 2, 3], 12, min_new_tokens=12, eos_token_id=None)
+    assert out.split() == [str(t) for t in ref]
     assert _run(capsys, *base, "--max-new-tokens", "12", "--ignore-eos", "--stream") == out
     # config.json's eos_token_id (2) ends generation the way HF's generate does
     eos = hf.config.eos_token_id
     rec = json.loads(_run(capsys, *base, "--max-new-tokens", "40", "--json"))
-    ref = hf.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=40, do_sample=False)
-    assert rec["tokens"] == ref[0].tolist()
+    assert rec["tokens"] == _hf_generate(hf, [1, 2, 3], 40)
     assert rec["stop_reason"] == ("eos" if eos in rec["tokens"][3:] else "length")
     err = _fails(capsys, "--checkpoint", str(path), "--prompt", "hello")
     assert "no tokenizer.json" in err and "--prompt-ids" in err
@@ -254,9 +256,7 @@ def test_hf_directory_with_its_own_tokenizer_file(tmp_path, capsys):
     args = ["--checkpoint", str(path), "--prompt", "to be or", "--temperature", "0"]
     args += ["--max-new-tokens", "6", "--ignore-eos"]
     ids = tk.encode("to be or").ids
-    ref = hf.generate(
-        torch.tensor([ids]), max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0
-    )[0].tolist()
+    ref = _hf_generate(hf, ids, 6, min_new_tokens=6)
     rec = json.loads(_run(capsys, *args, "--json"))
     assert rec["tokens"] == ref and rec["prompt"] == "to be or"
     assert rec["prompt"] + rec["completion"] == tk.decode(ref)

@@ -15,6 +15,7 @@ import torch
 
 pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).parent))
+from conftest import assert_decisive  # noqa: E402
 from test_interop_hf import VOCAB, _hf_model  # noqa: E402
 
 from llm_foundry.generate import generate, generate_batch, stream  # noqa: E402
@@ -26,7 +27,8 @@ NAMES = ["llama_gqa_tied", "qwen3", "gpt2", "mistral_window"]
 
 def _lively(name: str):
     """``_hf_model(name)`` with every matrix scaled by 8: varied greedy continuations whose
-    top-two logits stay well apart (>= 1e-3 here), so fp32 rounding cannot flip an argmax."""
+    top-two logits stay well apart (>= 1e-3 here; ``_hf_greedy`` checks every choice), so fp32
+    rounding cannot flip an argmax."""
     hf = _hf_model(name)
     with torch.no_grad():
         for p in hf.parameters():
@@ -43,7 +45,7 @@ def _prompts(batch: int, length: int, seed: int) -> torch.Tensor:
 def _hf_greedy(hf, idx: torch.Tensor, n: int = NEW, **kw) -> torch.Tensor:
     """HF greedy decoding (its own KV cache) for ``n`` tokens; no eos unless given in ``kw``."""
     kw = {"eos_token_id": None, "min_new_tokens": n, **kw}
-    return hf.generate(
+    out = hf.generate(
         idx,
         attention_mask=torch.ones_like(idx),
         max_new_tokens=n,
@@ -51,6 +53,9 @@ def _hf_greedy(hf, idx: torch.Tensor, n: int = NEW, **kw) -> torch.Tensor:
         pad_token_id=0,
         **kw,
     )
+    # HF's choices, read from its full forward: none within rounding of a tie
+    assert_decisive(hf(input_ids=out[:, :-1]).logits[:, idx.shape[1] - 1 :], "HF greedy")
+    return out
 
 
 @pytest.fixture(scope="module", params=NAMES)
