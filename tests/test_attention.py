@@ -6,17 +6,18 @@ import math
 import pytest
 import torch
 
-from llm_foundry.config import ModelConfig
 from llm_foundry.models import Transformer
-from llm_foundry.models.components import attention_mask, manual_attention, sdpa_attention
+from llm_foundry.models.attention import (
+    ATTENTION_IMPL_NAMES,
+    attention_mask,
+    manual_attention,
+    sdpa_attention,
+)
+from llm_foundry.models.position import POSITION_NAMES
 
-POSITIONS = ["learned", "sinusoidal", "rope", "alibi", "none"]
+# every registered position encoding and attention implementation, read at collection time
+POSITIONS = list(POSITION_NAMES)
 KV_HEADS = {"mha": 4, "gqa": 2, "mqa": 1}
-
-
-def tiny(**kw):
-    base = dict(vocab_size=37, dim=32, n_layers=2, n_heads=4, max_seq_len=32)
-    return ModelConfig(**{**base, **kw})
 
 
 def reference_attention(q, k, v, window=None):
@@ -50,10 +51,10 @@ def test_paths_match_reference(n_kv, window):
 
 
 @pytest.mark.parametrize("pe, kind", list(itertools.product(POSITIONS, KV_HEADS)))
-def test_sdpa_model_equals_manual_model(pe, kind):
+def test_sdpa_model_equals_manual_model(tiny_config, pe, kind):
     torch.manual_seed(0)
     idx = torch.randint(0, 37, (2, 13))
-    cfg = tiny(pos_encoding=pe, n_kv_heads=KV_HEADS[kind])
+    cfg = tiny_config(pos_encoding=pe, n_kv_heads=KV_HEADS[kind])
     sdpa = Transformer(cfg).eval()
     manual = Transformer(cfg.replace(attn_impl="manual")).eval()
     manual.load_state_dict(sdpa.state_dict())
@@ -64,14 +65,16 @@ def test_sdpa_model_equals_manual_model(pe, kind):
     "pe, kind, impl, window",
     [
         (pe, kind, impl, window)
-        for pe, kind, impl in itertools.product(POSITIONS, KV_HEADS, ["sdpa", "manual"])
+        for pe, kind, impl in itertools.product(POSITIONS, KV_HEADS, ATTENTION_IMPL_NAMES)
         for window in ([None, 4] if pe == "rope" else [None])
     ],
 )
-def test_causality(pe, kind, impl, window):
+def test_causality(tiny_config, pe, kind, impl, window):
     """Changing a future token changes no earlier logit, for every position and attention kind."""
     torch.manual_seed(0)
-    cfg = tiny(pos_encoding=pe, n_kv_heads=KV_HEADS[kind], attn_impl=impl, sliding_window=window)
+    cfg = tiny_config(
+        pos_encoding=pe, n_kv_heads=KV_HEADS[kind], attn_impl=impl, sliding_window=window
+    )
     model = Transformer(cfg).eval()
     idx = torch.randint(0, 37, (1, 16))
     t = 9
@@ -89,11 +92,11 @@ def test_sdpa_without_a_mask_is_causal_like_the_per_head_reference():
     torch.testing.assert_close(sdpa_attention(q, k, v, None)[0], reference_attention(q, k, v))
 
 
-def test_gqa_equals_mha_with_shared_kv_heads():
+def test_gqa_equals_mha_with_shared_kv_heads(tiny_config):
     """A GQA model equals the MHA model whose K/V projections repeat each KV head per group."""
     torch.manual_seed(0)
-    gqa = Transformer(tiny(n_kv_heads=2)).eval()
-    mha = Transformer(tiny(n_kv_heads=4)).eval()
+    gqa = Transformer(tiny_config(n_kv_heads=2)).eval()
+    mha = Transformer(tiny_config(n_kv_heads=4)).eval()
     state = gqa.state_dict()
     for name, w in list(state.items()):
         if name.endswith(("attn.wk.weight", "attn.wv.weight")):  # (K*hd, D) -> (H*hd, D)
@@ -103,7 +106,7 @@ def test_gqa_equals_mha_with_shared_kv_heads():
     torch.testing.assert_close(gqa(idx)[0], mha(idx)[0], atol=1e-5, rtol=1e-5)
 
 
-def test_sliding_window_mask():
+def test_sliding_window_mask(tiny_config):
     allowed = attention_mask(torch.arange(6), torch.arange(6), window=3)[0] == 0
     expected = torch.tensor(
         [
@@ -117,14 +120,14 @@ def test_sliding_window_mask():
         dtype=torch.bool,
     )
     assert torch.equal(allowed, expected)
-    assert not Transformer(tiny()).needs_mask  # plain causal: SDPA's own causal kernel
-    assert Transformer(tiny(sliding_window=3)).needs_mask
-    assert Transformer(tiny(pos_encoding="alibi")).needs_mask
+    assert not Transformer(tiny_config()).needs_mask  # plain causal: SDPA's own causal kernel
+    assert Transformer(tiny_config(sliding_window=3)).needs_mask
+    assert Transformer(tiny_config(pos_encoding="alibi")).needs_mask
 
 
-def test_sliding_window_hides_tokens_outside_it():
+def test_sliding_window_hides_tokens_outside_it(tiny_config):
     torch.manual_seed(0)
-    model = Transformer(tiny(n_layers=1, sliding_window=4, pos_encoding="rope")).eval()
+    model = Transformer(tiny_config(n_layers=1, sliding_window=4, pos_encoding="rope")).eval()
     idx = torch.randint(0, 37, (1, 12))
     changed = idx.clone()
     changed[0, 2] = (idx[0, 2] + 1) % 37
@@ -133,8 +136,8 @@ def test_sliding_window_hides_tokens_outside_it():
     torch.testing.assert_close(a[0, 6:], b[0, 6:], atol=0, rtol=0)  # 6 - 2 = 4: outside
 
 
-def test_attention_weights_api():
-    model = Transformer(tiny(pos_encoding="alibi")).eval()
+def test_attention_weights_api(tiny_config):
+    model = Transformer(tiny_config(pos_encoding="alibi")).eval()
     weights = model.attention_weights(torch.randint(0, 37, (2, 10)))
     assert len(weights) == 2 and weights[0].shape == (2, 4, 10, 10)
     torch.testing.assert_close(weights[1].sum(-1), torch.ones(2, 4, 10))

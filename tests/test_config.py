@@ -8,7 +8,7 @@ from llm_foundry.presets import PRESETS, get_preset
 
 def test_defaults_and_derived_sizes():
     cfg = ModelConfig(dim=4096, n_heads=32, mlp="swiglu", multiple_of=256)
-    assert cfg.n_kv_heads == 32 and cfg.head_size == 128
+    assert cfg.n_kv_heads is None and cfg.kv_heads == 32 and cfg.head_size == 128
     assert cfg.ffn_dim == 11008  # LLaMA: int(2 * 4 * 4096 / 3) = 10922, rounded up to 256
     assert ModelConfig(dim=768, n_heads=12, mlp="gelu").ffn_dim == 3072
     assert ModelConfig(dim=64, n_heads=4, head_dim=32).head_size == 32
@@ -82,18 +82,20 @@ def test_changing_n_heads_keeps_mha_mha_and_gqa_gqa(capsys):
 
     from llm_foundry.cli import main
 
-    gpt2 = get_preset("gpt2")  # MHA: 12 query heads, 12 KV heads
-    assert gpt2.replace(n_heads=8).n_kv_heads == 8
-    assert gpt2.replace(n_heads=24, n_kv_heads=12).n_kv_heads == 12
+    gpt2 = get_preset("gpt2")  # MHA: 12 query heads, n_kv_heads not given
+    assert gpt2.n_kv_heads is None and gpt2.kv_heads == 12
+    assert gpt2.replace(n_heads=8).kv_heads == 8
+    assert gpt2.replace(n_heads=24, n_kv_heads=12).kv_heads == 12
     gqa = get_preset("llama-shakespeare").replace(n_kv_heads=2)
-    assert gqa.replace(n_heads=8).n_kv_heads == 2  # an explicit GQA count stays
+    assert gqa.replace(n_heads=8).kv_heads == 2  # an explicit GQA count stays
     for argv, kv in (
         (["--preset", "gpt2", "--model.n_heads", "8"], 8),
         (["--preset", "gpt2", "--model.n_heads", "24", "--model.n_kv_heads", "12"], 12),
         (["--model.n_heads", "4"], 4),  # the default config
     ):
         assert main(["params", *argv, "--json"]) == 0
-        assert json.loads(capsys.readouterr().out)["config"]["n_kv_heads"] == kv
+        saved = json.loads(capsys.readouterr().out)["config"]
+        assert ModelConfig.from_dict(saved).kv_heads == kv
 
 
 def test_a_model_section_that_is_not_a_mapping_is_refused(tmp_path, capsys):
@@ -108,7 +110,7 @@ def test_one_config_file_serves_every_command(tmp_path, capsys):
     import json
 
     from llm_foundry.cli import main
-    from llm_foundry.inspection import main as inspect_main
+    from llm_foundry.cli.inspect import main as inspect_main
 
     cfg = tmp_path / "run.yaml"
     cfg.write_text("model:\n  dim: 64\n  n_heads: 4\ntrain:\n  max_steps: 5\n")

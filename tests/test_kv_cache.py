@@ -6,17 +6,12 @@ import pytest
 import torch
 from conftest import assert_decisive
 
-from llm_foundry.config import ModelConfig
 from llm_foundry.generate import generate
 from llm_foundry.models import Transformer
+from llm_foundry.models.position import POSITION_NAMES
 
-POSITIONS = ["learned", "sinusoidal", "rope", "alibi", "none"]
+POSITIONS = list(POSITION_NAMES)  # every registered encoding, read at collection time
 KV_HEADS = {"mha": 4, "gqa": 2, "mqa": 1}
-
-
-def tiny(**kw):
-    base = dict(vocab_size=37, dim=32, n_layers=2, n_heads=4, max_seq_len=64)
-    return ModelConfig(**{**base, **kw})
 
 
 def greedy_recompute(model, idx, n):
@@ -41,9 +36,11 @@ CASES = [
 
 
 @pytest.mark.parametrize("pe, kind, window", CASES)
-def test_cached_logits_equal_full_forward(pe, kind, window):
+def test_cached_logits_equal_full_forward(tiny_config, pe, kind, window):
     torch.manual_seed(0)
-    model = Transformer(tiny(pos_encoding=pe, n_kv_heads=KV_HEADS[kind], sliding_window=window))
+    model = Transformer(
+        tiny_config(pos_encoding=pe, n_kv_heads=KV_HEADS[kind], sliding_window=window)
+    )
     model.eval()
     idx = torch.randint(0, 37, (2, 20))
     full = model(idx)[0]
@@ -54,9 +51,11 @@ def test_cached_logits_equal_full_forward(pe, kind, window):
 
 
 @pytest.mark.parametrize("pe, kind, window", CASES)
-def test_cached_greedy_equals_recompute(pe, kind, window):
+def test_cached_greedy_equals_recompute(tiny_config, pe, kind, window):
     torch.manual_seed(1)
-    model = Transformer(tiny(pos_encoding=pe, n_kv_heads=KV_HEADS[kind], sliding_window=window))
+    model = Transformer(
+        tiny_config(pos_encoding=pe, n_kv_heads=KV_HEADS[kind], sliding_window=window)
+    )
     model.eval()
     idx = torch.randint(0, 37, (2, 6))
     ref = greedy_recompute(model, idx, 25)
@@ -64,25 +63,25 @@ def test_cached_greedy_equals_recompute(pe, kind, window):
     assert torch.equal(generate(model, idx, 25, temperature=0), ref)
 
 
-def test_cache_bytes_follow_kv_heads():
+def test_cache_bytes_follow_kv_heads(tiny_config):
     sizes = {}
     for kind, n_kv in KV_HEADS.items():
-        model = Transformer(tiny(n_kv_heads=n_kv))
+        model = Transformer(tiny_config(n_kv_heads=n_kv))
         sizes[kind] = model.new_cache(1, 64).nbytes
         assert sizes[kind] == model.kv_cache_bytes_per_token(4) * 64
     assert sizes["mha"] == 2 * sizes["gqa"] == 4 * sizes["mqa"]
 
 
-def test_sliding_window_cache_keeps_only_the_window():
-    model = Transformer(tiny(sliding_window=5))
+def test_sliding_window_cache_keeps_only_the_window(tiny_config):
+    model = Transformer(tiny_config(sliding_window=5))
     cache = model.new_cache(1, 64)
     assert cache.k[0].shape[2] == 5
     model(torch.randint(0, 37, (1, 12)), cache=cache)
     assert sorted(cache.slot_pos.tolist()) == [7, 8, 9, 10, 11]
 
 
-def test_cache_overflow_message():
-    model = Transformer(tiny())
+def test_cache_overflow_message(tiny_config):
+    model = Transformer(tiny_config())
     cache = model.new_cache(1, 8)
     with pytest.raises(ValueError, match="KV cache full"):
         model(torch.randint(0, 37, (1, 9)), cache=cache)
@@ -99,11 +98,13 @@ def test_cache_overflow_message():
         ("rope", "gqa", 4),
     ],
 )
-def test_batched_ragged_prompts_equal_each_alone(pe, kind, window):
+def test_batched_ragged_prompts_equal_each_alone(tiny_config, pe, kind, window):
     from llm_foundry.generate import generate_batch
 
     torch.manual_seed(0)
-    model = Transformer(tiny(pos_encoding=pe, n_kv_heads=KV_HEADS[kind], sliding_window=window))
+    model = Transformer(
+        tiny_config(pos_encoding=pe, n_kv_heads=KV_HEADS[kind], sliding_window=window)
+    )
     model.eval()
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 37, (n,), generator=g).tolist() for n in (3, 9, 6)]
@@ -114,10 +115,11 @@ def test_batched_ragged_prompts_equal_each_alone(pe, kind, window):
         assert row == alone[0].tolist()
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("batch", [1, 2])  # batch 1 decodes through the fused matvec
-def test_compiled_decode_equals_eager(batch):
+def test_compiled_decode_equals_eager(tiny_config, batch):
     torch.manual_seed(0)
-    model = Transformer(tiny(pos_encoding="rope", n_kv_heads=2, attn_bias=True)).eval()
+    model = Transformer(tiny_config(pos_encoding="rope", n_kv_heads=2, attn_bias=True)).eval()
     idx = torch.randint(0, 37, (batch, 5))
     eager = generate(model, idx, 8, temperature=0)
     assert_decisive(decision_logits(model, eager, 5))  # fused kernels round otherwise
@@ -125,7 +127,7 @@ def test_compiled_decode_equals_eager(batch):
 
 
 def test_linear_matvec_equals_linear():
-    from llm_foundry.models.components import Linear, matvec
+    from llm_foundry.models.fast_decode import Linear, matvec
 
     layer = Linear(24, 40, bias=True)
     x = torch.randn(1, 1, 24)
@@ -134,12 +136,12 @@ def test_linear_matvec_equals_linear():
     assert torch.allclose(compiled(x), layer(x), atol=1e-5)
 
 
-def test_batched_repetition_penalty_ignores_padding():
+def test_batched_repetition_penalty_ignores_padding(tiny_config):
     from llm_foundry.generate import generate_batch
     from llm_foundry.sampling import apply_repetition_penalty
 
     torch.manual_seed(0)
-    model = Transformer(tiny(vocab_size=6)).eval()
+    model = Transformer(tiny_config(vocab_size=6)).eval()
     prompts = [[1, 2], [3, 4, 5, 1, 2, 3, 4]]
     rows = generate_batch(model, prompts, 10, temperature=0, repetition_penalty=1.5)
     for p, row in zip(prompts, rows, strict=True):
@@ -155,7 +157,8 @@ def test_batched_repetition_penalty_ignores_padding():
         generate_batch(model, prompts, 3, context=4)
 
 
-def test_compiled_batch_with_learned_positions_has_no_graph_break():
+@pytest.mark.heavy
+def test_compiled_batch_with_learned_positions_has_no_graph_break(tiny_config):
     """generate_batch(compile=True) on a GPT-2-style model: one graph, no warnings, eager tokens."""
     import logging
     import warnings
@@ -165,7 +168,7 @@ def test_compiled_batch_with_learned_positions_has_no_graph_break():
     from llm_foundry.generate import generate_batch
 
     torch.manual_seed(0)
-    model = Transformer(tiny(pos_encoding="learned")).eval()
+    model = Transformer(tiny_config(pos_encoding="learned")).eval()
     prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
     eager = generate_batch(model, prompts, 4, temperature=0)
     for p, row in zip(prompts, eager, strict=True):

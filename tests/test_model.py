@@ -8,18 +8,14 @@ import torch.nn.functional as F
 
 from llm_foundry.config import ModelConfig
 from llm_foundry.models import Transformer
-from llm_foundry.models.components import Block, ParallelBlock, PostNormBlock
+from llm_foundry.models.block import NORM_POSITION_NAMES, Block, ParallelBlock, PostNormBlock
+from llm_foundry.models.mlp import GATED_MLPS, MLP_NAMES
 from llm_foundry.presets import PRESETS, get_preset
 
 
-def tiny(**kw):
-    base = dict(vocab_size=37, dim=32, n_layers=2, n_heads=4, max_seq_len=32)
-    return ModelConfig(**{**base, **kw})
-
-
-def test_forward_shapes_and_loss():
+def test_forward_shapes_and_loss(tiny_config):
     torch.manual_seed(0)
-    model = Transformer(tiny())
+    model = Transformer(tiny_config())
     idx = torch.randint(0, 37, (3, 10))
     logits, loss = model(idx)
     assert logits.shape == (3, 10, 37) and loss is None
@@ -28,8 +24,8 @@ def test_forward_shapes_and_loss():
     assert abs(loss.item() - math.log(37)) < 0.3  # small init: close to uniform
 
 
-def test_ignore_index():
-    model = Transformer(tiny())
+def test_ignore_index(tiny_config):
+    model = Transformer(tiny_config())
     idx = torch.randint(0, 37, (2, 8))
     targets = idx.clone()
     targets[:, :4] = -100
@@ -38,33 +34,33 @@ def test_ignore_index():
     torch.testing.assert_close(loss, expected)
 
 
-def test_block_forms_from_factory():
-    assert all(type(b) is Block for b in Transformer(tiny()).layers)
-    post = Transformer(tiny(norm_position="post", norm="layernorm"))
+def test_block_forms_from_factory(tiny_config):
+    assert all(type(b) is Block for b in Transformer(tiny_config()).layers)
+    post = Transformer(tiny_config(norm_position="post", norm="layernorm"))
     assert all(type(b) is PostNormBlock for b in post.layers)
     assert isinstance(post.norm, torch.nn.Identity)  # post-norm blocks already end in a norm
-    par = Transformer(tiny(parallel_block=True))
+    par = Transformer(tiny_config(parallel_block=True))
     assert all(type(b) is ParallelBlock for b in par.layers)
     assert not hasattr(par.layers[0], "mlp_norm")  # one shared norm (GPT-J, Falcon-7B)
 
 
-def test_parallel_block_formula():
+def test_parallel_block_formula(tiny_config):
     torch.manual_seed(0)
-    block = Transformer(tiny(parallel_block=True, n_layers=1)).layers[0]
+    block = Transformer(tiny_config(parallel_block=True, n_layers=1)).layers[0]
     x = torch.randn(2, 5, 32)
-    from llm_foundry.models.components import NoPosition
+    from llm_foundry.models.position import NoPosition
 
     h = block.attn_norm(x)
     a, _ = block.attn(h, NoPosition(), 0, None)
     torch.testing.assert_close(block(x, NoPosition(), 0, None)[0], x + a + block.mlp(h))
 
 
-@pytest.mark.parametrize("norm_position", ["pre", "post"])
-def test_residual_false_keeps_only_the_branches(norm_position):
-    from llm_foundry.models.components import NoPosition
+@pytest.mark.parametrize("norm_position", NORM_POSITION_NAMES)
+def test_residual_false_keeps_only_the_branches(tiny_config, norm_position):
+    from llm_foundry.models.position import NoPosition
 
     torch.manual_seed(0)
-    cfg = tiny(n_layers=1, norm_position=norm_position, norm="layernorm")
+    cfg = tiny_config(n_layers=1, norm_position=norm_position, norm="layernorm")
     with_skip = Transformer(cfg).layers[0]
     without = Transformer(cfg.replace(residual=False)).layers[0]
     without.load_state_dict(with_skip.state_dict())
@@ -79,18 +75,18 @@ def test_residual_false_keeps_only_the_branches(norm_position):
     assert not torch.allclose(with_skip(x, pos, 0, None)[0], expected)
 
 
-@pytest.mark.parametrize("mlp, n_mats", [("gelu", 2), ("relu", 2), ("swiglu", 3), ("geglu", 3)])
-def test_mlp_variants(mlp, n_mats):
-    model = Transformer(tiny(mlp=mlp))
+@pytest.mark.parametrize("mlp, n_mats", [(m, 3 if m in GATED_MLPS else 2) for m in MLP_NAMES])
+def test_mlp_variants(tiny_config, mlp, n_mats):
+    model = Transformer(tiny_config(mlp=mlp))
     mats = [n for n, _ in model.layers[0].mlp.named_parameters() if n.endswith("weight")]
     assert len(mats) == n_mats
     assert model(torch.randint(0, 37, (1, 6)), torch.randint(0, 37, (1, 6)))[1].isfinite()
 
 
-def test_tied_embeddings_share_storage():
-    model = Transformer(tiny(tie_embeddings=True))
+def test_tied_embeddings_share_storage(tiny_config):
+    model = Transformer(tiny_config(tie_embeddings=True))
     assert model.lm_head.weight is model.tok_emb.weight
-    untied = Transformer(tiny(tie_embeddings=False))
+    untied = Transformer(tiny_config(tie_embeddings=False))
     assert model.num_params() == untied.num_params() - 37 * 32
 
 
@@ -107,8 +103,8 @@ def test_init_statistics():
     assert (model.layers[0].attn_norm.weight == 1).all()
 
 
-def test_param_groups_exclude_norms_biases_embeddings():
-    model = Transformer(tiny(pos_encoding="learned", attn_bias=True, norm="layernorm"))
+def test_param_groups_exclude_norms_biases_embeddings(tiny_config):
+    model = Transformer(tiny_config(pos_encoding="learned", attn_bias=True, norm="layernorm"))
     decay, no_decay = model.param_groups(0.1)
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
     decay_ids = {id(p) for p in decay["params"]}
@@ -121,13 +117,13 @@ def test_param_groups_exclude_norms_biases_embeddings():
     assert total == model.num_params()
 
 
-def test_num_params_non_embedding():
-    model = Transformer(tiny(pos_encoding="learned", tie_embeddings=True))
-    assert model.num_params(non_embedding=True) == model.num_params() - 37 * 32 - 32 * 32
+def test_num_params_non_embedding(tiny_config):
+    model = Transformer(tiny_config(pos_encoding="learned", tie_embeddings=True))
+    assert model.num_params(non_embedding=True) == model.num_params() - 37 * 32 - 64 * 32
 
 
-def test_dropout_is_off_in_eval():
-    model = Transformer(tiny(dropout=0.5))
+def test_dropout_is_off_in_eval(tiny_config):
+    model = Transformer(tiny_config(dropout=0.5))
     idx = torch.randint(0, 37, (1, 8))
     model.train()
     assert not torch.equal(model(idx)[0], model(idx)[0])
@@ -160,9 +156,9 @@ def test_every_family_trains_one_step():
         assert all(g is not None and g.isfinite().all() for g in grads), name
 
 
-def test_activation_checkpointing_gives_the_same_loss_and_gradients():
+def test_activation_checkpointing_gives_the_same_loss_and_gradients(tiny_config):
     torch.manual_seed(0)
-    model = Transformer(tiny(n_kv_heads=2))
+    model = Transformer(tiny_config(n_kv_heads=2))
     idx = torch.randint(0, 37, (2, 12))
     grads, calls = [], []
     model.layers[0].register_forward_pre_hook(lambda *a: calls.append(1))

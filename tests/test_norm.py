@@ -3,7 +3,7 @@
 import torch
 
 from llm_foundry.config import ModelConfig
-from llm_foundry.models.components import RMSNorm, build_norm, rms_norm
+from llm_foundry.models.norm import RMSNorm, build_norm, rms_norm
 
 
 def test_rmsnorm_formula():

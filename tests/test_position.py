@@ -7,7 +7,7 @@ import torch
 
 from llm_foundry.config import ModelConfig
 from llm_foundry.models import Transformer
-from llm_foundry.models.components import (
+from llm_foundry.models.position import (
     alibi_slopes,
     apply_rope,
     build_position,

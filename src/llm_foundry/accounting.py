@@ -51,7 +51,7 @@ def param_report(cfg: ModelConfig) -> dict:
     """Per-component parameter counts, totals, FLOPs per token and KV-cache bytes.
 
     Returns a JSON-ready dict: ``rows`` (component, formula, count, per_layer), ``total``,
-    ``non_embedding``, ``flops_per_token``, ``kv_cache`` per token and per ``max_seq_len``
+    ``non_embedding``, ``active`` (parameters each token uses), ``flops_per_token``, ``kv_cache`` per token and per ``max_seq_len``
     sequence for fp32 and bf16.
     """
     model = meta_model(cfg)
@@ -91,6 +91,7 @@ def param_report(cfg: ModelConfig) -> dict:
         per_block=block_total,
         total=model.num_params(),
         non_embedding=model.num_params(non_embedding=True),
+        active=model.active_params(),
         flops_per_token=model.flops_per_token(seq),
         flops_seq_len=seq,
         kv_cache=dict(
@@ -129,6 +130,9 @@ def format_report(rep: dict, title: str = "") -> str:
     lines.append(f"{'total':<{w + fw}}{rep['total']:>16,}  ({human(rep['total'])})")
     ne = rep["non_embedding"]
     lines.append(f"{'non-embedding':<{w + fw}}{ne:>16,}  ({human(ne)})")
+    if rep["active"] != rep["total"]:  # only models whose tokens skip parameters (experts)
+        a = rep["active"]
+        lines.append(f"{'active per token':<{w + fw}}{a:>16,}  ({human(a)})")
     lines.append("")
     f = rep["flops_per_token"]
     lines.append(

@@ -11,20 +11,21 @@ import dataclasses
 import json
 import math
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-POS_ENCODINGS = ("learned", "sinusoidal", "rope", "alibi", "none")
-ROPE_SCALINGS = ("none", "linear", "ntk")
-NORMS = ("layernorm", "rmsnorm")
-NORM_POSITIONS = ("pre", "post")
-MLPS = ("gelu", "relu", "swiglu", "geglu")
-GATED_MLPS = ("swiglu", "geglu")
-GELU_APPROX = ("none", "tanh")
-ATTN_IMPLS = ("sdpa", "manual")
+# each component module owns its registry; the valid names come from there
+from llm_foundry.models.attention import ATTENTION_IMPL_NAMES
+from llm_foundry.models.block import NORM_POSITION_NAMES
+from llm_foundry.models.mlp import GATED_MLPS, MLP_NAMES
+from llm_foundry.models.norm import NORM_NAMES
+from llm_foundry.models.position import POSITION_NAMES, ROPE_SCALINGS
+
+GELU_APPROX = ("none", "tanh")  # F.gelu's own two flavours
 
 
 class ConfigError(ValueError):
@@ -52,8 +53,9 @@ def load_yaml(text: str) -> Any:
     return yaml.load(text, Loader=_Loader)
 
 
-def _one_of(problems: list[str], name: str, value: Any, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
+def one_of(problems: list[str], name: str, value: Any, allowed: Iterable[str]) -> None:
+    """Add a problem naming ``name``, its ``value`` and the ``allowed`` ones when it is not one."""
+    if not isinstance(value, str) or value not in allowed:
         problems.append(f"{name}={value!r} is not one of {', '.join(allowed)}")
 
 
@@ -66,7 +68,9 @@ class ModelConfig:
     dim: int = 512  # residual stream width (d_model)
     n_layers: int = 8  # number of Transformer blocks
     n_heads: int = 8  # query heads
-    n_kv_heads: int | None = None  # key/value heads: = n_heads MHA, 1 < g < n_heads GQA, 1 MQA
+    n_kv_heads: int | None = (
+        None  # key/value heads: None or n_heads MHA, 1 < g < n_heads GQA, 1 MQA
+    )
     head_dim: int | None = None  # per-head width; default dim // n_heads (Qwen3 sets it)
     hidden_dim: int | None = None  # MLP width; default mlp_ratio*dim (x 2/3 for gated MLPs)
     mlp_ratio: float = 4.0  # MLP width multiplier when hidden_dim is not given
@@ -103,13 +107,16 @@ class ModelConfig:
     init_std: float = 0.02
 
     def __post_init__(self) -> None:
-        if self.n_kv_heads is None:
-            self.n_kv_heads = self.n_heads
         problems = self.problems()
         if problems:
             raise ConfigError(problems)
 
     # --- derived sizes
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads actually used: ``n_kv_heads``, or ``n_heads`` (MHA) when not given."""
+        return self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
+
     @property
     def head_size(self) -> int:
         """Per-head width actually used."""
@@ -132,30 +139,30 @@ class ModelConfig:
     def problems(self) -> list[str]:
         """Every problem with this config, each naming the field, the value and what is valid."""
         p: list[str] = []
-        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "max_seq_len"):
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 p.append(f"{name}={v!r} must be a positive integer")
-        for name in ("head_dim", "hidden_dim", "sliding_window"):
+        for name in ("n_kv_heads", "head_dim", "hidden_dim", "sliding_window"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 p.append(f"{name}={v!r} must be a positive integer or null")
         m = self.multiple_of
         if not isinstance(m, int) or isinstance(m, bool) or m < 1:
             p.append(f"multiple_of={self.multiple_of!r} must be a positive integer")
-        _one_of(p, "pos_encoding", self.pos_encoding, POS_ENCODINGS)
-        _one_of(p, "rope_scaling", self.rope_scaling, ROPE_SCALINGS)
-        _one_of(p, "norm", self.norm, NORMS)
-        _one_of(p, "norm_position", self.norm_position, NORM_POSITIONS)
-        _one_of(p, "mlp", self.mlp, MLPS)
-        _one_of(p, "gelu_approx", self.gelu_approx, GELU_APPROX)
-        _one_of(p, "attn_impl", self.attn_impl, ATTN_IMPLS)
+        one_of(p, "pos_encoding", self.pos_encoding, POSITION_NAMES)
+        one_of(p, "rope_scaling", self.rope_scaling, ROPE_SCALINGS)
+        one_of(p, "norm", self.norm, NORM_NAMES)
+        one_of(p, "norm_position", self.norm_position, NORM_POSITION_NAMES)
+        one_of(p, "mlp", self.mlp, MLP_NAMES)
+        one_of(p, "gelu_approx", self.gelu_approx, GELU_APPROX)
+        one_of(p, "attn_impl", self.attn_impl, ATTENTION_IMPL_NAMES)
         ints_ok = all(
             isinstance(getattr(self, n), int) and getattr(self, n) >= 1
-            for n in ("dim", "n_heads", "n_kv_heads")
+            for n in ("dim", "n_heads", "kv_heads")
         )
         if ints_ok:
-            if self.n_heads % self.n_kv_heads:
+            if self.n_heads % self.kv_heads:
                 p.append(
                     f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads} "
                     f"(valid n_kv_heads: {', '.join(str(d) for d in _divisors(self.n_heads))})"
@@ -207,16 +214,13 @@ class ModelConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
-            hints = [f"unknown field {k!r}{_suggest(k, known)}" for k in unknown]
+            hints = [f"unknown field {k!r}{suggest(k, known)}" for k in unknown]
             raise ConfigError(hints)
         return cls(**d)
 
     def replace(self, **changes: Any) -> ModelConfig:
-        """A copy with ``changes``; an MHA config stays MHA when only ``n_heads`` changes."""
-        d = self.to_dict()
-        if "n_kv_heads" not in changes and self.n_kv_heads == self.n_heads:
-            d["n_kv_heads"] = None  # resolved again to the (new) n_heads
-        return ModelConfig.from_dict({**d, **changes})
+        """A copy with ``changes`` (validated; unknown fields refused)."""
+        return ModelConfig.from_dict({**self.to_dict(), **changes})
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
@@ -245,7 +249,8 @@ def _divisors(n: int) -> list[int]:
     return sorted(set(small + [n // d for d in small]))
 
 
-def _suggest(key: str, known: set[str]) -> str:
+def suggest(key: str, known: set[str]) -> str:
+    """' (did you mean ...?)' for the closest of ``known`` to a mistyped ``key``, else ''."""
     import difflib
 
     close = difflib.get_close_matches(key, sorted(known), n=1)

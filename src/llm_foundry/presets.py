@@ -46,7 +46,6 @@ PRESETS: dict[str, dict[str, Any]] = {
         dim=4096,
         n_layers=32,
         n_heads=32,
-        n_kv_heads=32,
         hidden_dim=11008,
         max_seq_len=4096,
         norm_eps=1e-5,

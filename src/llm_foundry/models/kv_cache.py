@@ -7,9 +7,12 @@ holds only the last ``window`` positions, as a ring: position p lives in slot p 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from llm_foundry.config import ModelConfig
+if TYPE_CHECKING:
+    from llm_foundry.config import ModelConfig
 
 EMPTY = 2**62  # position recorded for an unused ring slot: "in the future", so always masked
 
@@ -26,7 +29,7 @@ class KVCache:
         self.window = cfg.sliding_window
         self.max_len = max_len
         self.size = min(max_len, self.window) if self.window else max_len
-        shape = (batch_size, cfg.n_kv_heads, self.size, cfg.head_size)
+        shape = (batch_size, cfg.kv_heads, self.size, cfg.head_size)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
         self.slot_pos = torch.full((self.size,), EMPTY, dtype=torch.long, device=device)

@@ -1,34 +1,34 @@
-"""The decoder-only Transformer, assembled from ``components`` according to a ``ModelConfig``.
+"""The decoder-only Transformer, assembled from its components according to a ``ModelConfig``.
 
     idx (B, T) ─ tok_emb ─ pos.embed ─ emb_norm ─ dropout ─ [block] x n_layers ─ norm ─ lm_head
                                                                │
                       positions act here too: pos.rotate (RoPE) and pos.bias (ALiBi) in attention
 
 Notable choices: GPT-2-style initialisation (std 0.02, residual projections scaled by
-1/sqrt(2 n_layers)); no weight decay on norms, biases and embeddings; a single attention mask
+1/sqrt(2 n_layers); each component says which of its projections are residual outputs) and
+costs summed from what each component reports; no weight decay on norms, biases and embeddings; a single attention mask
 built once per forward and shared by all layers.
 """
 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from llm_foundry.config import ModelConfig
-from llm_foundry.models.components import (
-    Linear,
-    RMSNorm,
-    attention_mask,
-    build_block,
-    build_norm,
-    build_position,
-    padding_mask,
-)
+from llm_foundry.models.attention import attention_mask, padding_mask
+from llm_foundry.models.block import build_block
+from llm_foundry.models.fast_decode import Linear
 from llm_foundry.models.kv_cache import KVCache
+from llm_foundry.models.norm import build_norm, init_norm
+from llm_foundry.models.position import build_position
+
+if TYPE_CHECKING:
+    from llm_foundry.config import ModelConfig
 
 IGNORE_INDEX = -100
 
@@ -56,22 +56,18 @@ class Transformer(nn.Module):
     # ------------------------------------------------------------------------------------------
     def init_weights(self) -> None:
         """GPT-2 initialisation: N(0, init_std) for matrices and embeddings, zero biases, unit
-        norms; the two projections that write into the residual stream (attention ``wo`` and MLP
-        ``w2``) get std / sqrt(2 n_layers), so the stream's variance stays O(1) with depth."""
+        norms; projections that write into the residual stream (each component names its own)
+        get std / sqrt(2 n_layers), so the stream's variance stays O(1) with depth."""
         std = self.cfg.init_std
-        for name, module in self.named_modules():
-            if isinstance(module, nn.Linear):
-                residual = name.endswith(("attn.wo", "mlp.w2"))
-                s = std / math.sqrt(2 * self.cfg.n_layers) if residual else std
-                nn.init.normal_(module.weight, mean=0.0, std=s)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, mean=0.0, std=std)
-            elif isinstance(module, (nn.LayerNorm, RMSNorm)):
-                nn.init.ones_(module.weight)
-                if getattr(module, "bias", None) is not None:
-                    nn.init.zeros_(module.bias)
+        residual_std = std / math.sqrt(2 * self.cfg.n_layers)
+        nn.init.normal_(self.tok_emb.weight, mean=0.0, std=std)
+        self.pos.init_weights(std)
+        init_norm(self.emb_norm)
+        for layer in self.layers:
+            layer.init_weights(std, residual_std)
+        init_norm(self.norm)
+        # when tied this redraws the shared matrix: a seed gives the weights it always gave
+        self.lm_head.init_weights(std)
 
     # ------------------------------------------------------------------------------------------
     def forward(
@@ -156,18 +152,28 @@ class Transformer(nn.Module):
         return n
 
     def flops_per_token(self, seq_len: int | None = None) -> int:
-        """Training FLOPs per token (forward + backward = 3x forward, Kaplan et al. 2020):
-        6 per weight of every matrix multiply (output head included) plus the attention scores
-        and weighted sum, 12 * n_layers * n_heads * head_dim * seq_len (PaLM, Chowdhery 2022)."""
-        c = self.cfg
-        T = seq_len or c.max_seq_len
-        matmul = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
-        return 6 * matmul + 12 * c.n_layers * c.n_heads * c.head_size * T
+        """Training FLOPs per token at context ``seq_len`` (forward + backward = 3x forward,
+        Kaplan et al. 2020): what each block reports (6 per active matrix weight, plus attention
+        scores and weighted sum, 12 * n_heads * head_dim * seq_len; PaLM, Chowdhery 2022) and
+        the output head."""
+        T = seq_len or self.cfg.max_seq_len
+        return (
+            sum(layer.flops_per_token(T) for layer in self.layers) + self.lm_head.flops_per_token()
+        )
+
+    def active_params(self) -> int:
+        """Parameters each token passes through: all of them in a dense model; a layer whose
+        parts are not all used per token (experts) reports fewer."""
+        idle = sum(
+            sum(p.numel() for p in layer.parameters()) - layer.active_params()
+            for layer in self.layers
+        )
+        return self.num_params() - idle
 
     def kv_cache_bytes_per_token(self, bytes_per_value: int = 2) -> int:
         """Bytes of K and V cached per token across all layers: 2 * n_layers * n_kv_heads * hd."""
         c = self.cfg
-        return 2 * c.n_layers * c.n_kv_heads * c.head_size * bytes_per_value
+        return 2 * c.n_layers * c.kv_heads * c.head_size * bytes_per_value
 
     def param_groups(self, weight_decay: float) -> list[dict]:
         """AdamW groups: decay matrices; no decay for norms, biases and embedding tables."""

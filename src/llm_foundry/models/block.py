@@ -1,0 +1,115 @@
+"""Transformer blocks, chosen by ``ModelConfig.norm_position`` and ``parallel_block``: where the
+norms sit relative to the residual adds, and whether attention and MLP run in sequence.
+
+  pre-norm (GPT-2, LLaMA)      post-norm (Vaswani 2017)      parallel (GPT-J, Falcon)
+
+  x ──┬─ norm ─ attn ─┐         x ──┬─ attn ─┐                x ──┬─ norm ─┬─ attn ─┐
+      └──────────── (+)             └───── (+) ─ norm             │        └─ mlp ──┤
+  h ──┬─ norm ─ mlp ──┐         h ──┬─ mlp ──┐                    └────────────── (+)
+      └──────────── (+)             └───── (+) ─ norm
+
+Pre-norm keeps an identity path from output to input, so gradients reach early layers
+undamped; post-norm renormalises the residual stream and needs warmup to train deep models.
+``residual=False`` swaps the skip-add for "keep only the branch" (gradient-flow ablation).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn as nn
+
+from llm_foundry.models.attention import Attention
+from llm_foundry.models.mlp import build_mlp
+from llm_foundry.models.norm import build_norm, init_norm
+
+if TYPE_CHECKING:
+    from llm_foundry.config import ModelConfig
+
+
+def add_skip(x: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
+    return x + branch
+
+
+def no_skip(x: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
+    return branch
+
+
+SKIPS = {True: add_skip, False: no_skip}
+
+
+class Block(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then h + mlp(norm(h))."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attn_norm = build_norm(cfg)
+        self.attn = Attention(cfg)
+        self.mlp_norm = build_norm(cfg)
+        self.mlp = build_mlp(cfg)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.skip = SKIPS[cfg.residual]
+
+    def norms(self) -> list[nn.Module]:
+        return [self.attn_norm, self.mlp_norm]
+
+    def init_weights(self, std: float, residual_std: float) -> None:
+        """Unit norms; attention and MLP each say which of their projections take
+        ``residual_std`` (those writing into the residual stream)."""
+        for norm in self.norms():
+            init_norm(norm)
+        self.attn.init_weights(std, residual_std)
+        self.mlp.init_weights(std, residual_std)
+
+    def flops_per_token(self, context: int) -> int:
+        """Training FLOPs per token of attention over ``context`` keys and of the MLP."""
+        return self.attn.flops_per_token(context) + self.mlp.flops_per_token(context)
+
+    def active_params(self) -> int:
+        """Parameters each token uses: the norms', and what attention and the MLP report."""
+        norms = sum(p.numel() for norm in self.norms() for p in norm.parameters())
+        return norms + self.attn.active_params() + self.mlp.active_params()
+
+    def forward(self, x, pos, start, mask, need_weights=False, kv=None):
+        a, weights = self.attn(self.attn_norm(x), pos, start, mask, need_weights, kv)
+        x = self.skip(x, self.drop(a))
+        return self.skip(x, self.drop(self.mlp(self.mlp_norm(x)))), weights
+
+
+class PostNormBlock(Block):
+    """Post-norm block: norm(x + attn(x)), then norm(h + mlp(h))."""
+
+    def forward(self, x, pos, start, mask, need_weights=False, kv=None):
+        a, weights = self.attn(x, pos, start, mask, need_weights, kv)
+        x = self.attn_norm(self.skip(x, self.drop(a)))
+        return self.mlp_norm(self.skip(x, self.drop(self.mlp(x)))), weights
+
+
+class ParallelBlock(Block):
+    """Parallel block: x + attn(norm(x)) + mlp(norm(x)) with one shared norm."""
+
+    def __init__(self, cfg: ModelConfig):
+        nn.Module.__init__(self)
+        self.attn_norm = build_norm(cfg)
+        self.attn = Attention(cfg)
+        self.mlp = build_mlp(cfg)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.skip = SKIPS[cfg.residual]
+
+    def norms(self) -> list[nn.Module]:
+        return [self.attn_norm]
+
+    def forward(self, x, pos, start, mask, need_weights=False, kv=None):
+        h = self.attn_norm(x)
+        a, weights = self.attn(h, pos, start, mask, need_weights, kv)
+        return self.skip(x, self.drop(a)) + self.drop(self.mlp(h)), weights
+
+
+BLOCKS = {"pre": Block, "post": PostNormBlock}
+NORM_POSITION_NAMES = BLOCKS.keys()  # ``ModelConfig.norm_position``'s values (a live view)
+
+
+def build_block(cfg: ModelConfig) -> nn.Module:
+    """The block named by ``cfg.norm_position``, or the parallel block (``cfg.parallel_block``)."""
+    return ParallelBlock(cfg) if cfg.parallel_block else BLOCKS[cfg.norm_position](cfg)
