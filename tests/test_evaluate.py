@@ -11,8 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from llm_foundry.checkpoint import save_checkpoint
+from llm_foundry.cli.eval import main
 from llm_foundry.config import ModelConfig
-from llm_foundry.evaluate import evaluate_tokens, main, windows, with_rope_scaling
+from llm_foundry.evaluate import evaluate_tokens, windows, with_rope_scaling
 from llm_foundry.models import Transformer
 from llm_foundry.tokenizer import CharTokenizer
 
@@ -170,3 +171,26 @@ def test_cli_refuses_data_from_another_tokenizer_and_a_directory(tmp_path):
     CharTokenizer.train("abc").save(tmp_path / "ck" / "tokenizer.json")
     with pytest.raises(FileNotFoundError, match="--text .*nope.txt: no such file"):
         main([*args, "--text", str(tmp_path / "nope.txt")])
+
+
+def test_cli_evaluates_an_hf_directory_as_its_source_checkpoint(tmp_path, capsys):
+    """The directory `convert --to-hf` writes is evaluated like the checkpoint it came from."""
+    from llm_foundry.cli import main as cli
+
+    save_checkpoint(_model(pos_encoding="rope", n_kv_heads=2), tmp_path / "ck")
+    data = tmp_path / "data"
+    data.mkdir()
+    _tokens(300).astype(np.uint16).tofile(data / "val.bin")
+    meta = dict(dtype="uint16", vocab_size=23, train_tokens=0, val_tokens=300)
+    (data / "meta.json").write_text(json.dumps(meta))
+    assert cli(["convert", "--to-hf", str(tmp_path / "ck"), "--out", str(tmp_path / "hf")]) == 0
+    assert "model_type" in json.loads((tmp_path / "hf" / "config.json").read_text())
+    capsys.readouterr()
+    reports = []
+    for source in ("ck", "hf"):
+        args = ["--checkpoint", str(tmp_path / source), "--data", str(data / "val.bin")]
+        assert main([*args, "--context", "8,16", "--json"]) == 0
+        reports.append(json.loads(capsys.readouterr().out))
+    ours, hf = ([r["loss"] for r in rep["results"]] for rep in reports)
+    assert reports[1]["checkpoint"] == str(tmp_path / "hf")
+    assert hf == pytest.approx(ours, abs=1e-5) and len(ours) == 2

@@ -8,8 +8,9 @@ import torch
 from PIL import Image
 
 from llm_foundry.checkpoint import save_checkpoint
+from llm_foundry.cli.inspect import main
 from llm_foundry.config import ConfigError, ModelConfig
-from llm_foundry.inspection import main, png_size
+from llm_foundry.inspection import png_size
 from llm_foundry.models import Transformer
 from llm_foundry.tokenizer import CharTokenizer
 from llm_foundry.train.config import TrainConfig
@@ -164,3 +165,22 @@ def test_out_gets_png_added_and_other_formats_are_refused(tmp_path, capsys, ckpt
     CharTokenizer.train(TEXT + "".join(chr(c) for c in range(0x4E00, 0x4E40))).save(bpe)
     with pytest.raises(ValueError, match="past the model's vocab_size"):
         main(["attention", "--checkpoint", str(ckpt), "--tokenizer", str(bpe), "--prompt", "丿"])
+
+
+def test_attention_of_an_hf_directory_equals_its_source_checkpoint(ckpt, tmp_path, capsys):
+    """`inspect attention` reads the directory `convert --to-hf` writes (a character tokenizer
+    stays behind, so it is passed with --tokenizer) and draws the same probabilities."""
+    from llm_foundry.cli import main as cli
+
+    hf = tmp_path / "hf"
+    assert cli(["convert", "--to-hf", str(ckpt), "--out", str(hf)]) == 0
+    capsys.readouterr()
+    weights = []
+    for source in (ckpt, hf):
+        argv = ["attention", "--checkpoint", str(source), "--prompt", "not to be"]
+        argv += ["--tokenizer", str(ckpt / "tokenizer.json"), "--out", str(tmp_path / "a.png")]
+        rep = run_json(capsys, argv + ["--layer", "1", "--head", "1"])
+        assert rep["source"] == str(source) and rep["tokens"] == list("not to be")
+        weights.append(np.array(rep["weights"]))
+    assert weights[0].shape == (9, 9)
+    np.testing.assert_allclose(weights[1], weights[0], atol=1e-5)

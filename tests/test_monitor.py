@@ -16,11 +16,13 @@ from conftest import make_trainer
 from PIL import Image
 
 from llm_foundry.cli import main as cli_main
+from llm_foundry.cli.inspect import main as inspect_main
 from llm_foundry.config import ConfigError, ModelConfig
-from llm_foundry.inspection import main as inspect_main
 from llm_foundry.inspection import png_size
 from llm_foundry.models import Transformer
-from llm_foundry.monitor import (
+from llm_foundry.plots import plot_losses, read_metrics
+from llm_foundry.train.config import TrainConfig
+from llm_foundry.train.monitor import (
     attention_entropy,
     effective_rank,
     layer_grad_norms,
@@ -29,8 +31,6 @@ from llm_foundry.monitor import (
     rest_grad_norm,
     uniform_entropy,
 )
-from llm_foundry.plots import plot_losses, read_metrics
-from llm_foundry.train.config import TrainConfig
 from llm_foundry.train.trainer import Trainer
 
 MONITORED = [1, 4, 8, 12]  # 12 steps, monitor_interval 4: step 1 (initialisation), then every 4

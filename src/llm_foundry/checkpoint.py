@@ -259,26 +259,3 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> Tra
     model = Transformer(cfg).to(device)
     _load_into(model, file)
     return model.eval()
-
-
-def resolve_checkpoint(path: Path) -> Path:
-    """The checkpoint directory ``path`` names: itself, or for a training run directory (or its
-    ``checkpoints/`` folder) the step directory that ``latest.json`` points at."""
-    if not path.is_dir():
-        raise FileNotFoundError(f"--checkpoint {path}: no such directory")
-    if (path / "config.json").exists():
-        return path
-    from llm_foundry.train.state import LATEST, latest_checkpoint
-
-    for root in (path / "checkpoints", path):
-        if (root / LATEST).exists():
-            step = latest_checkpoint(root)
-            if step is None or not (step / "config.json").exists():
-                raise FileNotFoundError(
-                    f"{root / LATEST} points at a step directory with no config.json"
-                )
-            return step
-    raise FileNotFoundError(
-        f"--checkpoint {path}: no config.json (an llm-foundry checkpoint or an HF transformers "
-        "directory) and no checkpoints/latest.json (a training run directory)"
-    )

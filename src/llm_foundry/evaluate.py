@@ -13,10 +13,7 @@ history: closer to what the model does at its full context, at context/S times t
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -122,101 +119,3 @@ def with_rope_scaling(model: Transformer, scaling: str, factor: float) -> Transf
     scaled = Transformer(cfg).to(next(model.parameters()).device)
     scaled.load_state_dict(model.state_dict())
     return scaled.eval()
-
-
-# ----------------------------------------------------------------------------------------------
-# llm-foundry eval
-
-
-def _load_tokens(ns, ckpt: Path) -> tuple[np.ndarray, str]:
-    if ns.text:
-        from llm_foundry.tokenizer import load_tokenizer
-
-        tok_file = ckpt / "tokenizer.json"
-        if not tok_file.exists():
-            raise FileNotFoundError(f"--text needs a tokenizer; {tok_file} does not exist")
-        if not Path(ns.text).is_file():
-            raise FileNotFoundError(f"--text {ns.text}: no such file")
-        text = Path(ns.text).read_text(encoding="utf-8")
-        return np.array(load_tokenizer(tok_file).encode(text), dtype=np.int64), ns.text
-    from llm_foundry.data import load_meta, open_tokens
-
-    path = Path(ns.data)
-    if path.is_dir():
-        raise ValueError(
-            f"--data {path} is a directory; give a token file, e.g. {path / 'val.bin'}"
-        )
-    meta = load_meta(path.parent)
-    return np.asarray(open_tokens(path, meta["dtype"])), str(path)
-
-
-def format_table(rows: list[dict]) -> str:
-    lines = [f"{'context':>8} {'stride':>7} {'loss':>8} {'ppl':>9} {'tokens':>10}", "-" * 46]
-    for r in rows:
-        stride = r["stride"] or "-"
-        if r.get("status") == "cannot run":
-            lines.append(f"{r['context']:>8} {stride:>7}   cannot run: {r['reason']}")
-        else:
-            lines.append(
-                f"{r['context']:>8} {stride:>7} {r['loss']:>8.4f} {r['ppl']:>9.3f} "
-                f"{r['scored_tokens']:>10,}"
-            )
-    return "\n".join(lines)
-
-
-def main(argv: list[str]) -> int:
-    from llm_foundry.checkpoint import load_checkpoint, resolve_checkpoint
-
-    p = argparse.ArgumentParser(
-        prog="llm-foundry eval",
-        description="Loss and perplexity per context length (non-overlapping or sliding windows).",
-    )
-    p.add_argument("--checkpoint", required=True, help="checkpoint or run directory")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--data", help="a token file written by prepare (e.g. data/x/val.bin)")
-    src.add_argument("--text", help="a UTF-8 text file, encoded with the checkpoint's tokenizer")
-    p.add_argument("--context", default="256", help="comma-separated context lengths")
-    p.add_argument("--stride", type=int, default=None, help="sliding windows with this stride")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--max-windows", type=int, default=None, help="evaluate at most N windows")
-    p.add_argument("--rope-scaling", choices=["linear", "ntk"], default=None)
-    p.add_argument("--rope-factor", type=float, default=None)
-    p.add_argument("--json", action="store_true")
-    ns = p.parse_args(argv)
-    try:
-        contexts = [int(c) for c in ns.context.split(",")]
-    except ValueError:
-        raise ValueError(f"--context takes integers like 256,512; got {ns.context!r}") from None
-    if ns.rope_factor is not None and not ns.rope_scaling:
-        raise ValueError("--rope-factor needs --rope-scaling linear|ntk (it scales nothing alone)")
-    ckpt = resolve_checkpoint(Path(ns.checkpoint))
-    model = load_checkpoint(ckpt)
-    if ns.rope_scaling:
-        if ns.rope_factor is None:
-            raise ValueError("--rope-scaling needs --rope-factor F (e.g. 2 for twice the context)")
-        model = with_rope_scaling(model, ns.rope_scaling, ns.rope_factor)
-    tokens, source = _load_tokens(ns, ckpt)
-    top = int(tokens.max()) if len(tokens) else 0
-    if top >= model.cfg.vocab_size:
-        raise ValueError(
-            f"{source} holds token id {top}, past the model's vocab_size {model.cfg.vocab_size}: "
-            "it was tokenized with another tokenizer than the one the model was trained with"
-        )
-    rows = [
-        evaluate_tokens(model, tokens, c, ns.stride, ns.batch_size, ns.max_windows)
-        for c in contexts
-    ]
-    report = dict(
-        checkpoint=str(ckpt),
-        source=source,
-        rope_scaling=ns.rope_scaling,
-        rope_factor=ns.rope_factor,
-        trained_context=model.cfg.max_seq_len,
-        results=rows,
-    )
-    if ns.json:
-        print(json.dumps(report, indent=2))
-    else:
-        print(f"{ckpt} on {source} (max_seq_len {model.cfg.max_seq_len})")
-        print(format_table(rows))
-    return 0

@@ -161,3 +161,19 @@ def generate_batch(
             row = row[: row.index(eos) + 1]
         out.append(list(p) + row)
     return out
+
+
+def sample_text(
+    model, tokenizer, n_tokens: int, seed: int, context: int, prompt: str = "\n"
+) -> str:
+    """A short sample from ``model`` (temperature 0.8, top-k 50), prompt included, seeing at
+    most ``context`` tokens (the training block) at a time."""
+    try:
+        ids = tokenizer.encode(prompt)
+    except ValueError:
+        ids = [tokenizer.bos_id or 0]
+    device = next(model.parameters()).device
+    idx = torch.tensor([ids], dtype=torch.long, device=device)
+    context = min(context, model.cfg.max_seq_len)
+    out = generate(model, idx, n_tokens, temperature=0.8, top_k=50, seed=seed, context=context)
+    return tokenizer.decode(out[0].tolist())

@@ -14,13 +14,15 @@ for the same one.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import socket
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 try:
     import fcntl
@@ -86,10 +88,9 @@ def acquire(directory: str | Path, what: str = "output directory") -> None:
     f.seek(0)
     previous = f.read().strip()
     if previous:  # the last holder died without releasing: its lock is ours now
-        print(
+        log.warning(
             f"note: took over the lock on {directory} left by {_describe(previous)}, which is no "
-            "longer running (it stopped without finishing)",
-            file=sys.stderr,
+            "longer running (it stopped without finishing)"
         )
     f.seek(0)
     f.truncate()

@@ -338,3 +338,44 @@ def _load_bpe(path: Path, text: str, model: dict) -> BPETokenizer:
 
 
 _PROBE = "Hi there,\n  café 東京 🙂 <eos>"  # spaces, a newline, 2- to 4-byte UTF-8, a special
+
+
+class HFTokenizerFile:
+    """A Hugging Face ``tokenizer.json`` that is not one of ours (e.g. a Llama or GPT-2 one):
+    encode with the file's own special tokens (its BOS, if it adds one), decode without them."""
+
+    kind = "hf"
+    bos_id = None
+    pad_id = None
+
+    def __init__(self, hf, eos_id: int | None = None):
+        self.hf = hf
+        self.eos_id = eos_id
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self.hf.encode(text).ids
+
+    def decode(self, ids) -> str:
+        return self.hf.decode([int(i) for i in ids], skip_special_tokens=True)
+
+
+def load_any_tokenizer(path: str | Path, eos_id: int | None = None):
+    """Our tokenizer file, else any Hugging Face ``tokenizer.json`` (e.g. a Llama or GPT-2 one,
+    with ``eos_id`` from its model's config); a file that is neither is a one-line error."""
+    try:
+        return load_tokenizer(path)
+    except ValueError as ours:
+        from tokenizers import Tokenizer as HFTokenizer
+
+        try:
+            hf = HFTokenizer.from_file(str(path))
+        except Exception as e:
+            raise ValueError(
+                f"cannot read {path}: not an llm-foundry tokenizer ({ours}) and not a "
+                f"Hugging Face tokenizers file ({e})"
+            ) from None
+        return HFTokenizerFile(hf, eos_id)

@@ -19,9 +19,9 @@ read with safetensors only (never pickle). Training-time dropout is not carried 
 from __future__ import annotations
 
 import json
+import logging
 import re
 import shutil
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +37,6 @@ from llm_foundry.checkpoint import (
     load_checkpoint,
     meta_transformer,
     read_safetensors_header,
-    resolve_checkpoint,
     save_checkpoint,
     unwrap,
 )
@@ -53,6 +52,8 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 # transformers 5 keeps rope_theta and the scaling in one ``rope_parameters`` dict
 _HF_V5 = int(transformers.__version__.split(".")[0]) >= 5
+log = logging.getLogger(__name__)
+
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 TOKENIZER_FILE = "tokenizer.json"
@@ -255,12 +256,13 @@ def _llama_family_fields(c: Any, problems: list[str]) -> dict[str, Any]:
     heads = c.num_attention_heads
     hd = getattr(c, "head_dim", None)
     default_hd = c.hidden_size // heads if c.hidden_size % heads == 0 else None
+    kv = getattr(c, "num_key_value_heads", None) or heads
     return dict(
         vocab_size=c.vocab_size,
         dim=c.hidden_size,
         n_layers=c.num_hidden_layers,
         n_heads=heads,
-        n_kv_heads=getattr(c, "num_key_value_heads", None) or heads,
+        n_kv_heads=kv if kv != heads else None,  # None: MHA, as in the presets
         head_dim=hd if hd is not None and hd != default_hd else None,
         hidden_dim=c.intermediate_size,
         max_seq_len=c.max_position_embeddings,
@@ -363,7 +365,7 @@ def _llama_family_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         intermediate_size=cfg.ffn_dim,
         num_hidden_layers=cfg.n_layers,
         num_attention_heads=cfg.n_heads,
-        num_key_value_heads=cfg.n_kv_heads,
+        num_key_value_heads=cfg.kv_heads,
         head_dim=cfg.head_size,
         hidden_act=LLAMA_ACTS_OUT[cfg.mlp][cfg.gelu_approx],
         max_position_embeddings=cfg.max_seq_len,
@@ -455,7 +457,7 @@ GPT2_NEEDS: list[Need] = [
     ("mlp", lambda c: c.mlp in GPT2_ACTS_OUT, "'gelu' or 'relu'"),
     ("attn_bias", lambda c: c.attn_bias, "True (Conv1D always has a bias)"),
     ("mlp_bias", lambda c: c.mlp_bias, "True (Conv1D always has a bias)"),
-    ("n_kv_heads", lambda c: c.n_kv_heads == c.n_heads, "n_heads (GPT-2 has no GQA)"),
+    ("n_kv_heads", lambda c: c.kv_heads == c.n_heads, "n_heads (GPT-2 has no GQA)"),
     (
         "head_dim",
         lambda c: c.dim % c.n_heads == 0 and c.head_size == c.dim // c.n_heads,
@@ -827,9 +829,7 @@ def _copy_tokenizer(src: Path, dst: Path) -> None:
     if not file.exists():
         return
     if "model" not in json.loads(file.read_text(encoding="utf-8")):
-        print(
-            f"note: {file} (a character tokenizer) not copied: HF cannot read it", file=sys.stderr
-        )
+        log.warning(f"note: {file} (a character tokenizer) not copied: HF cannot read it")
         return
     shutil.copyfile(file, dst / TOKENIZER_FILE)
 
@@ -846,8 +846,9 @@ def convert_from_hf(src_dir: str | Path, out_ckpt: str | Path) -> Path:
 
 
 def convert_to_hf(ckpt_dir: str | Path, out_dir: str | Path, family: str | None = None) -> Path:
-    """``llm-foundry convert --to-hf CKPT --out DIR``: our checkpoint to an HF directory."""
-    ckpt_dir = resolve_checkpoint(Path(ckpt_dir))  # a run directory means its latest checkpoint
+    """``llm-foundry convert --to-hf CKPT --out DIR``: our checkpoint directory to an HF one
+    (``llm_foundry.rundir.checkpoint_dir`` finds a run directory's latest checkpoint)."""
+    ckpt_dir = Path(ckpt_dir)
     out = to_hf(load_checkpoint(ckpt_dir), out_dir, family)
     _copy_tokenizer(ckpt_dir, out)
     return out

@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from llm_foundry.config import ConfigError, _one_of, _suggest
+from llm_foundry.config import ConfigError, one_of, suggest
 
 SCHEDULES = ("cosine", "linear", "constant", "wsd")
 DTYPES = ("fp32", "bf16", "fp16")
@@ -59,7 +59,7 @@ class TrainConfig:
     sample_tokens: int = 300  # characters/tokens of sample text printed at the end (0: none)
     tensorboard: bool = False  # also log metrics to TensorBoard (needs the tensorboard extra)
     progress: bool = True  # show a progress bar
-    # training dynamics (llm_foundry.monitor; plot them with `llm-foundry inspect dynamics`)
+    # training dynamics (llm_foundry.train.monitor; plot them with `llm-foundry inspect dynamics`)
     monitor_interval: int = 0  # record entropy/ranks/grad norms every N steps and at step 1; 0 off
     # Warn when a head's mean attention entropy (nats) falls below this; 0 never warns. 0.1 nats
     # is a head putting ~98% of every row on one key, i.e. entropy collapse (Zhai et al. 2023):
@@ -91,11 +91,11 @@ class TrainConfig:
         for name in ("compile", "activation_checkpointing", "tensorboard", "progress"):
             if not isinstance(getattr(self, name), bool):
                 p.append(f"{name}={getattr(self, name)!r} must be true or false")
-        _one_of(p, "schedule", self.schedule, SCHEDULES)
-        _one_of(p, "dtype", self.dtype, DTYPES)
-        _one_of(p, "device", self.device, DEVICES)
-        _one_of(p, "on_nonfinite", self.on_nonfinite, ON_NONFINITE)
-        _one_of(p, "parallel", self.parallel, PARALLEL)
+        one_of(p, "schedule", self.schedule, SCHEDULES)
+        one_of(p, "dtype", self.dtype, DTYPES)
+        one_of(p, "device", self.device, DEVICES)
+        one_of(p, "on_nonfinite", self.on_nonfinite, ON_NONFINITE)
+        one_of(p, "parallel", self.parallel, PARALLEL)
         # (field, allowed range as a test, the range in words)
         ranges = (
             ("lr", lambda v: v > 0, "> 0"),
@@ -132,6 +132,6 @@ class TrainConfig:
         unknown = sorted(set(d) - known)
         if unknown:
             raise ConfigError(
-                [f"unknown field {k!r}{_suggest(k, known)}" for k in unknown], name="TrainConfig"
+                [f"unknown field {k!r}{suggest(k, known)}" for k in unknown], name="TrainConfig"
             )
         return cls(**d)

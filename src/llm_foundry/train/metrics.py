@@ -8,9 +8,11 @@ a torn final record with a note. A damaged line anywhere else is an error naming
 from __future__ import annotations
 
 import json
+import logging
 import os
-import sys
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 
 def read_records(path: str | Path) -> list[dict]:
@@ -28,7 +30,7 @@ def read_records(path: str | Path) -> list[dict]:
                 raise ValueError(f"a {type(rec).__name__}, not an object")
         except ValueError as e:
             if i == len(lines) - 1:  # torn by a crash mid-write
-                print(f"note: {path}: dropped a torn last record (line {i + 1})", file=sys.stderr)
+                log.warning(f"note: {path}: dropped a torn last record (line {i + 1})")
                 break
             raise ValueError(
                 f"{path}, line {i + 1}: not a JSON record ({e}); the file is damaged"

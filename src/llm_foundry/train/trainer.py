@@ -3,13 +3,14 @@
 One step = ``grad_accum`` micro-batches, one clip, one optimizer update. Everything a resumed run
 needs to continue bit for bit (weights, optimizer moments, RNG and data-sampler states) goes into
 each checkpoint; ``metrics.jsonl`` is cut back to the checkpoint's step on resume. With
-``monitor_interval`` set, ``llm_foundry.monitor`` adds a training-dynamics record every N steps.
+``monitor_interval`` set, ``llm_foundry.train.monitor`` adds a training-dynamics record every N steps.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import platform
 import signal
@@ -26,10 +27,10 @@ from llm_foundry import lock
 from llm_foundry.config import ConfigError, ModelConfig
 from llm_foundry.data import BatchSampler, data_fingerprint, load_meta, load_split
 from llm_foundry.models import Transformer
-from llm_foundry.monitor import Monitor, layer_grad_norms, rest_grad_norm
 from llm_foundry.train import distributed as D
 from llm_foundry.train.config import TrainConfig
 from llm_foundry.train.metrics import MetricsLog
+from llm_foundry.train.monitor import Monitor, layer_grad_norms, rest_grad_norm
 from llm_foundry.train.schedule import lr_at
 from llm_foundry.train.state import (
     latest_checkpoint,
@@ -40,6 +41,8 @@ from llm_foundry.train.state import (
     save_train_checkpoint,
     write_json_atomic,
 )
+
+log = logging.getLogger(__name__)
 
 
 class TrainingDiverged(RuntimeError):
@@ -94,7 +97,7 @@ class Trainer:
         self.ckpt_root = self.out / "checkpoints"
         self.meta = load_meta(self.data_dir)
         if model_cfg.vocab_size != self.meta["vocab_size"]:
-            print(
+            log.info(
                 f"note: model.vocab_size set to {self.meta['vocab_size']} "
                 f"(the tokenizer in {self.data_dir}; the config said {model_cfg.vocab_size})"
             )
@@ -183,13 +186,16 @@ class Trainer:
         self.skipped = state.get("skipped", 0)
         self.resumed_from = path
         if self.world.main:
-            print(f"resumed from {path} at step {self.step}")
+            log.info(f"resumed from {path} at step {self.step}")
 
     def _check_resumable(self, state: dict, path: Path) -> None:
         """Refuse a resume that would change the architecture (the weights would not fit); say
         which training settings differ from the saved run (allowed: e.g. a larger max_steps)."""
-        saved = state["model_config"]
+        saved = dict(state["model_config"])
         now = json.loads(json.dumps(self.mc.to_dict()))  # tuples as JSON lists, like the saved one
+        # runs saved before n_kv_heads could stay unset hold the effective count: compare that
+        saved["n_kv_heads"] = saved.get("n_kv_heads") or saved.get("n_heads")
+        now["n_kv_heads"] = self.mc.kv_heads
         changed = [
             f"{k}: saved {saved.get(k)!r}, now {v!r}" for k, v in now.items() if saved.get(k) != v
         ]
@@ -214,7 +220,7 @@ class Trainer:
         now = json.loads(json.dumps(self.tc.to_dict()))
         diff = [f"{k} {saved.get(k)!r} -> {v!r}" for k, v in now.items() if saved.get(k) != v]
         if diff and self.world.main:
-            print("resuming with changed training settings: " + ", ".join(diff))
+            log.info("resuming with changed training settings: " + ", ".join(diff))
 
     def _write_run_info(self) -> None:
         info = dict(

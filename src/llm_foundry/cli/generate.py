@@ -9,77 +9,6 @@ import sys
 from pathlib import Path
 
 
-class _HFTokenizerFile:
-    """A Hugging Face ``tokenizer.json`` that is not one of ours (e.g. a Llama or GPT-2 one):
-    encode with the file's own special tokens (its BOS, if it adds one), decode without them."""
-
-    kind = "hf"
-    bos_id = None
-    pad_id = None
-
-    def __init__(self, hf, eos_id: int | None = None):
-        self.hf = hf
-        self.eos_id = eos_id
-
-    @property
-    def vocab_size(self) -> int:
-        return self.hf.get_vocab_size()
-
-    def encode(self, text: str) -> list[int]:
-        return self.hf.encode(text).ids
-
-    def decode(self, ids) -> str:
-        return self.hf.decode([int(i) for i in ids], skip_special_tokens=True)
-
-
-def _load_for_generation(path: Path, device: str):
-    """(model, tokenizer or None, eos ids, checkpoint dir) from an llm-foundry checkpoint, a
-    training run directory or an HF transformers directory. The eos ids are the tokenizer's
-    and, for an HF directory, config.json's ``eos_token_id`` (an id or a list)."""
-    from llm_foundry.checkpoint import load_checkpoint, resolve_checkpoint
-    from llm_foundry.tokenizer import load_tokenizer
-
-    ckpt = resolve_checkpoint(path)
-    try:
-        meta = json.loads((ckpt / "config.json").read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{ckpt / 'config.json'} is not valid JSON: {e}") from None
-    hf_eos: list[int] = []
-    if isinstance(meta, dict) and meta.get("format") == "llm-foundry":
-        model = load_checkpoint(ckpt, device)
-    elif isinstance(meta, dict) and "model_type" in meta:
-        from llm_foundry.interop.hf import from_hf
-
-        model = from_hf(ckpt).to(device)
-        eos = meta.get("eos_token_id")
-        hf_eos = [eos] if isinstance(eos, int) else [e for e in eos or [] if isinstance(e, int)]
-    else:
-        raise ValueError(
-            f"{ckpt / 'config.json'} is neither an llm-foundry checkpoint config "
-            '({"format": "llm-foundry", ...}) nor an HF transformers config (no "model_type")'
-        )
-    tok = None
-    tok_file = ckpt / "tokenizer.json"
-    if tok_file.exists():
-        try:
-            tok = load_tokenizer(tok_file)
-        except ValueError as ours:
-            from tokenizers import Tokenizer as HFTokenizer
-
-            try:
-                hf = HFTokenizer.from_file(str(tok_file))
-            except Exception as e:
-                raise ValueError(
-                    f"cannot read {tok_file}: not an llm-foundry tokenizer ({ours}) and not a "
-                    f"Hugging Face tokenizers file ({e})"
-                ) from None
-            tok = _HFTokenizerFile(hf, hf_eos[0] if hf_eos else None)
-    eos_ids = set(hf_eos)
-    if tok is not None and tok.eos_id is not None:
-        eos_ids.add(tok.eos_id)
-    return model.eval(), tok, eos_ids, ckpt
-
-
 def _parse_ids(text: str, vocab_size: int) -> list[int]:
     try:
         ids = [int(t) for t in text.replace(",", " ").split()]
@@ -276,7 +205,10 @@ def _main(argv: list[str]) -> int:
     elif device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: CUDA is not available (use --device cpu)")
 
-    model, tok, eos_ids, _ = _load_for_generation(Path(ns.checkpoint), device)
+    from llm_foundry.rundir import load
+
+    model, tok, info = load(ns.checkpoint, device)
+    eos_ids = set(info.eos_ids)
     if ns.ignore_eos:
         eos_ids = set()
     if tok is None and ns.prompt is not None:

@@ -1,0 +1,92 @@
+"""The ``llm-foundry`` command line: one module per command in this package, each with a
+``main(argv) -> int``, imported only when its command runs (so ``--help`` stays fast).
+
+Commands parse, print and plot; the library modules they call compute and return. Errors the
+user can fix are one line (``llm-foundry CMD: error: ...``) and exit 2; a run stopped for a reason
+it names (a diverged run, a busy directory) exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+# name -> (module in this package, one line of help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "prepare": ("prepare", "tokenize a corpus into train/val token files"),
+    "train": ("train", "train a model (no arguments: the Shakespeare demo)"),
+    "generate": ("generate", "generate text from a checkpoint, training run or HF directory"),
+    "eval": ("eval", "loss and perplexity per context length"),
+    "convert": ("convert", "convert checkpoints to and from HF transformers"),
+    "inspect": (
+        "inspect",
+        "PNG plots: lr schedule, attention, RoPE, sinusoidal, ALiBi, training dynamics",
+    ),
+    "params": ("params", "parameter, FLOP and KV-cache accounting for a config"),
+    "ablate": ("ablate", "train variants under one budget and compare them in one table"),
+    "bench": ("bench", "benchmarks: `bench attention` (manual vs SDPA time and memory)"),
+}
+
+
+class _Console(logging.Handler):
+    """The library's log records as plain lines: info to stdout, warnings to stderr (looked up
+    at each record, so a redirected or captured stream is honoured)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        stream = sys.stderr if record.levelno >= logging.WARNING else sys.stdout
+        print(record.getMessage(), file=stream, flush=True)
+
+
+def show_library_messages() -> None:
+    """Route ``llm_foundry``'s loggers to the console (once)."""
+    log = logging.getLogger("llm_foundry")
+    if not any(isinstance(h, _Console) for h in log.handlers):
+        log.addHandler(_Console())
+        log.setLevel(logging.INFO)
+        log.propagate = False
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    usage = "usage: llm-foundry COMMAND [options]\n\ncommands:\n" + "\n".join(
+        f"  {name:<10} {help_}" for name, (_, help_) in COMMANDS.items()
+    )
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage)
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"llm-foundry: unknown command {name!r}\n\n{usage}", file=sys.stderr)
+        return 2
+    show_library_messages()
+    from llm_foundry.config import ConfigError
+
+    try:
+        command = importlib.import_module(f"llm_foundry.cli.{COMMANDS[name][0]}")
+        return command.main(rest) or 0
+    except argparse.ArgumentError as e:  # a settings flag unknown or mistyped
+        from llm_foundry.cli.options import flag_hint
+
+        print(f"llm-foundry {name}: error: {e}{flag_hint(str(e))}", file=sys.stderr)
+        return 2
+    except (ConfigError, KeyError, ValueError, OSError) as e:  # OSError: a file in the way, ...
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
+        print(f"llm-foundry {name}: error: {msg}", file=sys.stderr)
+        return 2
+    except _run_stops() as e:
+        print(f"llm-foundry {name}: {e}", file=sys.stderr)
+        return 1
+
+
+def _run_stops() -> tuple[type[Exception], ...]:
+    """Errors that end a run with a message saying what to do (imported once one is raised)."""
+    from llm_foundry.lock import DirectoryBusy
+    from llm_foundry.train.trainer import TrainingDiverged
+
+    return (TrainingDiverged, DirectoryBusy)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

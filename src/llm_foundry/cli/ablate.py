@@ -1,0 +1,93 @@
+"""``llm-foundry ablate``: train variants under one budget and compare them in one table."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from llm_foundry.ablation import (
+    Study,
+    configs,
+    expand,
+    load_study,
+    markdown,
+    recipe_names,
+    run_study,
+    write_report,
+)
+from llm_foundry.settings import parse_assignment
+
+
+def main(argv: list[str]) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(
+        prog="llm-foundry ablate",
+        description="Train variants of one model with the same seeds, data and budget; write a "
+        "table (markdown + JSON) and the validation curves. Rerunning skips finished variants.",
+    )
+    p.add_argument("--recipe", help=f"built-in study: {', '.join(recipe_names())}, or a YAML file")
+    p.add_argument(
+        "--preset", help="base architecture (default: the recipe's, else llama-shakespeare-char)"
+    )
+    p.add_argument(
+        "--vary",
+        action="append",
+        default=[],
+        metavar="FIELD=V1,V2",
+        help="grid axis; model field by default, train.FIELD for training (repeatable)",
+    )
+    p.add_argument(
+        "--set", action="append", default=[], metavar="FIELD=V", help="override for every variant"
+    )
+    p.add_argument("--seeds", type=int, help="seeds per variant (mean ± std)")
+    p.add_argument("--data", default="data/shakespeare_char", help="directory written by prepare")
+    p.add_argument("--out", help="output directory (default runs/ablate-NAME)")
+    p.add_argument("--list", action="store_true", help="list the built-in recipes and exit")
+    p.add_argument(
+        "--report", metavar="DIR", help="rebuild DIR's table and plots from its results.json"
+    )
+    ns = p.parse_args(argv)
+    if ns.report:
+        report = json.loads((Path(ns.report) / "results.json").read_text())
+        write_report(report, Path(ns.report))
+        print(
+            f"wrote {Path(ns.report) / 'results.md'}, {Path(ns.report) / 'results.json'} and plots"
+        )
+        return 0
+    if ns.list:
+        for name in recipe_names():
+            s = load_study(name)
+            print(f"{name:<20} {s.description.strip().splitlines()[0] if s.description else ''}")
+        return 0
+    study = load_study(ns.recipe) if ns.recipe else Study()
+    if ns.preset:
+        study.preset = ns.preset
+    if ns.seeds is not None:
+        study.seeds = ns.seeds
+    for item in ns.set:
+        section, name, values = parse_assignment(item)
+        getattr(study, section)[name] = values[0]
+    for item in ns.vary:
+        section, name, values = parse_assignment(item)
+        study.vary[name if section == "model" else f"train.{name}"] = values
+    if not study.variants and not study.vary:
+        raise ValueError("nothing to compare: give --recipe NAME or at least one --vary FIELD=A,B")
+    study = Study.from_dict(study.to_dict())  # validate
+    data = Path(ns.data)
+    if not (data / "meta.json").exists():
+        if ns.data != "data/shakespeare_char":
+            raise FileNotFoundError(
+                f"{data / 'meta.json'} not found: run llm-foundry prepare first"
+            )
+        from llm_foundry.data import prepare
+
+        print(f"preparing the default corpus (tiny Shakespeare, characters) in {data}")
+        prepare(data, dataset="shakespeare", tokenizer="char")
+    for v in expand(study):  # fail on a bad variant before training anything
+        configs(study, v, 0)
+    out = Path(ns.out or f"runs/ablate-{study.name}")
+    report = run_study(study, data, out)
+    print(f"wrote {out / 'results.md'}, {out / 'results.json'} and plots")
+    print(markdown(report))
+    return 0

@@ -1,0 +1,44 @@
+"""``llm-foundry convert``: HF transformers checkpoint directories to and from ours."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="llm-foundry convert",
+        description="Convert between HF transformers checkpoint directories (Llama, Mistral, "
+        "Qwen3, GPT-2 families) and llm-foundry checkpoints.",
+    )
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--from-hf", metavar="DIR", help="HF directory (config.json + safetensors)")
+    src.add_argument(
+        "--to-hf", metavar="DIR", help="llm-foundry checkpoint or run directory (its latest)"
+    )
+    p.add_argument("--out", required=True, help="directory to write")
+    p.add_argument(
+        "--family",
+        choices=["llama", "mistral", "qwen3", "gpt2"],
+        default=None,
+        help="HF architecture for --to-hf (default: inferred from the config)",
+    )
+    p.add_argument("--json", action="store_true", help="print what was written as JSON")
+    ns = p.parse_args(argv)
+    from llm_foundry.interop.hf import convert_from_hf, convert_to_hf
+    from llm_foundry.rundir import checkpoint_dir, checkpoint_kind
+
+    if ns.from_hf:
+        out = convert_from_hf(ns.from_hf, ns.out)
+        what = {"from": ns.from_hf, "to": str(out), "format": "llm-foundry"}
+    else:
+        ckpt = checkpoint_dir(ns.to_hf)  # a run directory means its latest checkpoint
+        if checkpoint_kind(ckpt)[0] == "hf":
+            raise ValueError(f"--to-hf {ckpt} is an HF transformers directory already")
+        out = convert_to_hf(ckpt, ns.out, ns.family)
+        what = {"from": ns.to_hf, "to": str(out), "format": "hf"}
+    what["files"] = sorted(f.name for f in Path(out).iterdir())
+    print(json.dumps(what, indent=2) if ns.json else f"wrote {what['format']} checkpoint to {out}")
+    return 0

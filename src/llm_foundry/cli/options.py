@@ -1,0 +1,145 @@
+"""The flags every settings-taking command shares: ``--preset``, ``--config FILE`` (repeatable)
+and one ``--model.FIELD`` / ``--train.FIELD`` per config field, handed to ``settings.resolve``.
+
+A field flag has no default (argparse.SUPPRESS), so the namespace holds exactly the fields the
+command line gave: that is what a preset or a resumed run is changed by, nothing else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import inspect
+import re
+from functools import cache
+
+from llm_foundry.settings import SECTIONS, Settings, field_names, resolve, scalar
+
+
+class SettingsParser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors raise ``argparse.ArgumentError`` (the command line
+    prints them on one line, with a suggestion for a mistyped field flag)."""
+
+    def error(self, message: str):
+        raise argparse.ArgumentError(None, message)
+
+
+@cache
+def field_comments(cls: type) -> dict[str, str]:
+    """The ``# comment`` after each field of a config dataclass: its help text."""
+    comments = {}
+    for line in inspect.getsource(cls).splitlines():
+        m = re.match(r"\s+(\w+): [^=]+=.*?#\s*(.+)$", line)
+        if m:
+            comments[m.group(1)] = m.group(2).strip()
+    return comments
+
+
+def add_settings_arguments(
+    p: argparse.ArgumentParser, sections: tuple[str, ...], preset_help: str | None = None
+) -> None:
+    """--preset (when ``preset_help``), --config and a flag per field of each of ``sections``."""
+    if preset_help is not None:
+        p.add_argument("--preset", default=None, help=preset_help)
+    p.add_argument(
+        "--config",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="YAML/JSON file with model: and train: sections (repeatable; later files win)",
+    )
+    for section in sections:
+        cls = SECTIONS[section]
+        group = p.add_argument_group(f"{section} settings (override the preset and --config)")
+        comments = field_comments(cls)
+        for f in dataclasses.fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else None
+            shown = (
+                "null"
+                if default is None
+                else str(default).lower()
+                if default in (True, False)
+                else default
+            )
+            group.add_argument(
+                f"--{section}.{f.name}",
+                type=scalar,
+                default=argparse.SUPPRESS,
+                metavar="V",
+                help=f"{comments.get(f.name, f.type)} (default {shown})".replace("%", "%%"),
+            )
+
+
+def given_overrides(ns: argparse.Namespace, sections: tuple[str, ...]) -> dict[str, dict]:
+    """{section: {field: value}} for the field flags present on the command line."""
+    out: dict[str, dict] = {s: {} for s in sections}
+    for key, value in vars(ns).items():
+        section, _, name = key.partition(".")
+        if section in out and name:
+            out[section][name] = value
+    return out
+
+
+def settings_from(
+    ns: argparse.Namespace,
+    sections: tuple[str, ...],
+    base_model=None,
+    base_train=None,
+    default_preset: str | None = None,
+    extra_keys: tuple[str, ...] = (),
+) -> Settings:
+    """Resolve ``ns`` (parsed with ``add_settings_arguments``). Top-level keys of a --config file
+    that name one of ``extra_keys`` (e.g. out, data) fill those options when the command line
+    left them unset; any other top-level key is an error naming the file."""
+    settings = resolve(
+        preset=getattr(ns, "preset", None),
+        files=ns.config,
+        overrides=given_overrides(ns, sections),
+        base_model=base_model,
+        base_train=base_train,
+        default_preset=default_preset,
+    )
+    unknown = sorted(set(settings.extra) - set(extra_keys))
+    if unknown:
+        valid = ", ".join(["model", "train", "preset", *extra_keys])
+        raise ValueError(
+            f"--config {', '.join(ns.config)}: unknown top-level key(s) {', '.join(unknown)}; "
+            f"valid: {valid}"
+        )
+    for key in extra_keys:
+        if getattr(ns, key, None) in (None, False) and key in settings.extra:
+            setattr(ns, key, settings.extra[key])
+    return settings
+
+
+def join_negative_values(argv: list[str]) -> list[str]:
+    """``--train.lr -1e-3`` as ``--train.lr=-1e-3``: argparse takes a token starting with '-' for
+    a flag unless it looks like a plain integer or decimal, so '-1e-3' would lose its flag."""
+    out: list[str] = []
+    for arg in argv:
+        prev = out[-1] if out else ""
+        if prev.startswith("--") and "=" not in prev and _is_negative_number(arg):
+            out[-1] = f"{prev}={arg}"
+        else:
+            out.append(arg)
+    return out
+
+
+def _is_negative_number(text: str) -> bool:
+    if not text.startswith("-") or text.startswith("--"):
+        return False
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def flag_hint(message: str) -> str:
+    """' (did you mean --model.n_layers?)' for a mistyped --model.FIELD / --train.FIELD."""
+    m = re.search(r"--(model|train)\.(\w+)", message)
+    if not m:
+        return ""
+    close = difflib.get_close_matches(m.group(2), field_names(m.group(1)), n=1)
+    return f" (did you mean --{m.group(1)}.{close[0]}?)" if close and close[0] != m.group(2) else ""

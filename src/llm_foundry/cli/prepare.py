@@ -1,0 +1,43 @@
+"""``llm-foundry prepare``: a corpus into train.bin/val.bin, tokenizer.json and meta.json."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def main(argv: list[str]) -> int:
+    from llm_foundry.data import DATASETS, prepare
+    from llm_foundry.tokenizer import TOKENIZER_KINDS
+
+    p = argparse.ArgumentParser(
+        prog="llm-foundry prepare",
+        description="Tokenize a corpus into train.bin/val.bin (uint16 or uint32 memmaps), "
+        "tokenizer.json and meta.json.",
+    )
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--dataset", choices=DATASETS, help="a known corpus (fetched and cached)")
+    src.add_argument("--text", nargs="+", metavar="FILE", help="your own UTF-8 text files")
+    p.add_argument("--tokenizer", choices=TOKENIZER_KINDS, default="char")
+    p.add_argument("--vocab-size", type=int, default=None, help="BPE vocabulary size")
+    p.add_argument("--val-fraction", type=float, default=0.1, help="last fraction kept for val")
+    p.add_argument("--out", required=True, help="directory to write")
+    p.add_argument("--json", action="store_true", help="print meta.json")
+    ns = p.parse_args(argv)
+    meta = prepare(
+        ns.out,
+        dataset=ns.dataset,
+        text_files=ns.text,
+        tokenizer=ns.tokenizer,
+        vocab_size=ns.vocab_size,
+        val_fraction=ns.val_fraction,
+    )
+    if ns.json:
+        print(json.dumps(meta, indent=2))
+    else:
+        print(
+            f"wrote {ns.out}: {meta['train_tokens']:,} train + {meta['val_tokens']:,} val tokens "
+            f"({meta['dtype']}), {meta['tokenizer']} tokenizer with {meta['vocab_size']:,} "
+            f"entries; source {meta['source']}"
+        )
+    return 0

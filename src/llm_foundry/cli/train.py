@@ -1,0 +1,181 @@
+"""``llm-foundry train``: one training run, then its loss plot, a sample and a summary.
+
+With no arguments it is the demo: prepare tiny Shakespeare at character level if needed and
+train the ``llama-shakespeare-char`` preset. ``--resume --out RUN_DIR`` continues a run from its
+latest checkpoint with the model, settings and data it was started with.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from pathlib import Path
+
+from llm_foundry.cli.options import (
+    SettingsParser,
+    add_settings_arguments,
+    join_negative_values,
+    settings_from,
+)
+from llm_foundry.presets import preset_names
+from llm_foundry.settings import read_config_file
+
+DEFAULT_DATA = "data/shakespeare_char"
+DEFAULT_PRESET = "llama-shakespeare-char"
+SECTIONS = ("model", "train")
+
+
+def parser() -> SettingsParser:
+    p = SettingsParser(
+        prog="llm-foundry train",
+        description="Train a model. With no arguments: prepare tiny Shakespeare (character "
+        f"level) if needed, train the {DEFAULT_PRESET} preset and print a sample.",
+    )
+    add_settings_arguments(
+        p,
+        SECTIONS,
+        f"architecture preset: {', '.join(preset_names())} (default {DEFAULT_PRESET}; a "
+        "resumed run keeps its own)",
+    )
+    p.add_argument("--data", default=None, help=f"directory written by `prepare` ({DEFAULT_DATA})")
+    p.add_argument("--out", default=None, help="run directory (default runs/NAME-TIME)")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue RUN_DIR from its latest checkpoint, with the model, training settings "
+        "and data it was started with (flags given now override training settings)",
+    )
+    return p
+
+
+def _config_value(ns, key: str):
+    """``key`` from the command line, else from the last --config file that sets it (read now:
+    out and resume decide what the settings start from)."""
+    value = getattr(ns, key)
+    for file in ns.config:
+        conf = read_config_file(file)
+        if value in (None, False) and key in conf:
+            value = conf[key]
+    return value
+
+
+def main(argv: list[str]) -> int:
+    from llm_foundry import lock
+    from llm_foundry.rundir import RunDir
+
+    ns = parser().parse_args(join_negative_values(argv))
+    given_out, resume = _config_value(ns, "out"), bool(_config_value(ns, "resume"))
+    if given_out is not None and Path(given_out).exists() and not Path(given_out).is_dir():
+        raise ValueError(
+            f"--out {given_out} exists and is not a directory (a file or a device); give a run "
+            "directory"
+        )
+    # a resumed run starts from its own saved settings; flags given now override them
+    saved = RunDir(given_out).resume_point() if resume and given_out else None
+    _, model_base, train_base, data_base = saved or (None, None, None, None)
+    settings = settings_from(
+        ns,
+        SECTIONS,
+        base_model=model_base,
+        base_train=train_base,
+        default_preset=None if saved else DEFAULT_PRESET,
+        extra_keys=("out", "resume", "data"),
+    )
+    cfg, train_cfg = settings.model, settings.train
+    data_dir = ns.data or data_base or DEFAULT_DATA
+    if ns.resume and ns.out is None:
+        raise ValueError("--resume needs --out RUN_DIR (the run to continue)")
+    if ns.out is not None and not str(ns.out).strip():
+        raise ValueError("--out is empty: give a run directory")
+    name = settings.preset or "custom"
+    out = Path(ns.out or f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    if ns.resume and saved is None:
+        raise FileNotFoundError(f"--resume: no checkpoint in {out / 'checkpoints'} to continue")
+    # rank 0 owns the run directory (the ranks of one torchrun write it together)
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    with lock.hold(out, "run directory") if rank0 else contextlib.nullcontext():
+        if not ns.resume and RunDir(out).latest() is not None:
+            raise ValueError(
+                f"--out {out} already holds a run with checkpoints: continue it with --resume, "
+                "or pass another --out"
+            )
+        data = Path(data_dir)
+        if data_dir == DEFAULT_DATA and not (data / "meta.json").exists():
+            _prepare_default(data)
+        import torch.distributed as dist
+
+        try:
+            train_and_report(cfg, train_cfg, data, out, resume=ns.resume)
+            if dist.is_initialized():  # ranks tear down together, not while rank 0 still writes
+                dist.barrier()
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+    return 0
+
+
+def _prepare_default(data: Path, wait_s: float = 600.0) -> None:
+    """Prepare the default corpus; under torchrun rank 0 prepares and the others wait for it."""
+    if int(os.environ.get("RANK", "0")) > 0:
+        deadline = time.monotonic() + wait_s
+        while not (data / "meta.json").exists():
+            if time.monotonic() > deadline:
+                raise FileNotFoundError(f"rank 0 did not finish preparing {data} in {wait_s:.0f} s")
+            time.sleep(1.0)
+        return
+    from llm_foundry.data import prepare
+
+    print(f"preparing the default corpus (tiny Shakespeare, characters) in {data}")
+    prepare(data, dataset="shakespeare", tokenizer="char")
+
+
+def train_and_report(model_cfg, train_cfg, data: Path, out: Path, resume: bool = False):
+    """Train, then (rank 0) plot the losses, print a sample and write summary.json."""
+    from llm_foundry.generate import sample_text
+    from llm_foundry.plots import plot_losses
+    from llm_foundry.tokenizer import load_tokenizer
+    from llm_foundry.train.trainer import Trainer
+
+    trainer = Trainer(model_cfg, train_cfg, data, out, resume=resume)
+    # the sample at the end needs the tokenizer: a missing one fails now, not after training
+    try:
+        tok = load_tokenizer(data / "tokenizer.json") if train_cfg.sample_tokens else None
+    except BaseException:
+        trainer.release()
+        raise
+    w = trainer.world
+    n = trainer.model.num_params()
+    if w.main:
+        per_step = train_cfg.batch_size * train_cfg.grad_accum * w.world_size
+        print(
+            f"model: {n:,} parameters ({trainer.model.num_params(non_embedding=True):,} "
+            f"non-embedding) | device {trainer.device} | run dir {out}\n"
+            f"global batch: {train_cfg.batch_size} per rank x {train_cfg.grad_accum} accumulation "
+            f"x {w.world_size} rank(s) = {per_step} sequences = "
+            f"{per_step * train_cfg.block_size:,} tokens/step"
+            + (f" | parallel {train_cfg.parallel}" if w.distributed else "")
+        )
+    result = trainer.run()
+    if not w.main:  # rank 0 alone plots, samples and summarises
+        return result
+    plot_losses(out / "metrics.jsonl", out / "loss.png", title=f"{out.name}: {n / 1e6:.2f}M params")
+    summary = dict(
+        step=result.step,
+        last_train_loss=result.last_train_loss,
+        best_val_loss=result.best_val_loss,
+        skipped_steps=result.skipped_steps,
+        interrupted=result.interrupted,
+        checkpoint=str(result.checkpoint) if result.checkpoint else None,
+    )
+    if train_cfg.sample_tokens and not result.interrupted and not trainer.sharded:
+        text = sample_text(
+            trainer.model, tok, train_cfg.sample_tokens, train_cfg.seed, train_cfg.block_size
+        )
+        (out / "sample.txt").write_text(text)
+        print("\n--- sample (temperature 0.8, top-k 50) ---" + text + "\n---")
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    best = f"{result.best_val_loss:.4f}" if result.best_val_loss is not None else "n/a"
+    print(f"done: step {result.step}, best val loss {best}; curves in {out / 'loss.png'}")
+    return result

@@ -1,0 +1,115 @@
+"""One settings resolver: preset < config files < overrides, for every command and ablations."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from llm_foundry import ablation
+from llm_foundry.cli import main
+from llm_foundry.config import ConfigError
+from llm_foundry.presets import get_preset
+from llm_foundry.settings import resolve
+from llm_foundry.train.config import TrainConfig
+
+
+def _write(path, text: str):
+    path.write_text(text)
+    return str(path)
+
+
+def test_each_field_comes_from_the_latest_source_that_sets_it(tmp_path):
+    first = _write(tmp_path / "a.yaml", "model:\n  dim: 96\n  n_layers: 3\ntrain:\n  lr: 3e-3\n")
+    second = _write(tmp_path / "b.yaml", "model:\n  n_layers: 5\n")
+    s = resolve(
+        preset="gpt2-shakespeare-char",
+        files=[first, second],
+        overrides=[("model", "n_layers", 7), ("train", "max_steps", 9)],
+    )
+    preset = get_preset("gpt2-shakespeare-char")
+    assert s.preset == "gpt2-shakespeare-char"
+    assert (s.model.dim, s.model.n_layers) == (96, 7)  # file a, then the override over file b
+    assert s.model.norm == preset.norm and s.model.vocab_size == preset.vocab_size  # the preset
+    assert (s.train.lr, s.train.max_steps, s.train.batch_size) == (
+        3e-3,
+        9,
+        TrainConfig().batch_size,
+    )
+    assert s.given == {"model": {"dim": 96, "n_layers": 7}, "train": {"lr": 3e-3, "max_steps": 9}}
+
+
+def test_a_base_run_changes_only_where_asked_and_a_preset_replaces_it():
+    base = get_preset("gpt2-shakespeare-char").replace(dim=48)
+    kept = resolve(
+        base_model=base,
+        default_preset="llama-shakespeare-char",
+        overrides={"model": {"dropout": 0.1}},
+    )
+    assert kept.model == base.replace(dropout=0.1) and kept.preset is None
+    fresh = resolve(preset="llama-shakespeare-char", base_model=base)
+    assert fresh.model == get_preset("llama-shakespeare-char")
+    assert resolve(default_preset="gpt2").model == get_preset("gpt2")
+
+
+def test_problems_name_the_section_the_field_and_the_file(tmp_path):
+    with pytest.raises(ConfigError, match=r"model\.n_layers='four' must be a positive integer"):
+        resolve(overrides=[("model", "n_layers", "four")])
+    with pytest.raises(ConfigError, match=r"train\.lr=-1 must be a number > 0"):
+        resolve(overrides={"train": {"lr": -1}})
+    bad = _write(tmp_path / "c.yaml", "model:\n  n_layer: 2\n")
+    with pytest.raises(
+        ConfigError, match=r"c\.yaml: model\.n_layer is not a field \(did you mean 'n_layers'\?\)"
+    ):
+        resolve(files=[bad])
+    listed = _write(tmp_path / "d.yaml", "model: [1, 2]\n")
+    with pytest.raises(ConfigError, match=r"d\.yaml: the model section must be a mapping"):
+        resolve(files=[listed])
+    with pytest.raises(
+        ValueError, match=r"'train.lrr': train has no field 'lrr' \(did you mean 'lr'\?\)"
+    ):
+        resolve(overrides=[("train", "lrr", 1.0)])
+
+
+def test_the_command_line_and_an_ablation_variant_resolve_alike(tmp_path, capsys):
+    """`params --preset P --model.F V` and a study variant {F: V} on preset P are one config."""
+    conf = _write(tmp_path / "m.yaml", "model:\n  n_layers: 2\n")
+    assert (
+        main(
+            [
+                "params",
+                "--preset",
+                "gpt2-shakespeare-char",
+                "--config",
+                conf,
+                "--model.mlp",
+                "swiglu",
+                "--json",
+            ]
+        )
+        == 0
+    )
+    cli_cfg = json.loads(capsys.readouterr().out)["config"]
+    study = ablation.Study(preset="gpt2-shakespeare-char", model={"n_layers": 2})
+    variant = ablation.Variant(name="swiglu", model={"mlp": "swiglu"})
+    model, _ = ablation.configs(study, variant, 0)
+    assert cli_cfg == json.loads(json.dumps(model.to_dict()))
+
+
+def test_unknown_top_level_keys_of_a_config_file_are_refused(tmp_path, capsys):
+    conf = _write(tmp_path / "x.yaml", "model:\n  dim: 64\nepochs: 3\n")
+    assert main(["params", "--config", conf]) == 2
+    err = capsys.readouterr().err
+    assert "x.yaml: unknown top-level key(s) epochs; valid: model, train, preset" in err
+
+
+def test_help_shows_each_fields_meaning_and_default(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "-h"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--model.n_heads V query heads (default 8)" in out
+    assert "--train.lr V peak learning rate (default 0.001)" in out
+    assert (
+        "--model.tie_embeddings V output head shares the token-embedding matrix (default false)"
+        in out
+    )
