@@ -13,6 +13,7 @@ import pytest
 from llm_foundry import ablation
 from llm_foundry.ablation import Study, Variant, expand, load_study, parse_assignment, recipe_names
 from llm_foundry.cli import main as cli
+from llm_foundry.data import load_meta
 from llm_foundry.train.trainer import Trainer
 
 TINY_MODEL = dict(dim=32, n_layers=2, n_heads=2, n_kv_heads=2, hidden_dim=64, max_seq_len=16)
@@ -121,6 +122,7 @@ def test_a_study_file_reads_exponent_floats_as_numbers(tmp_path):
     assert (model.norm_eps, model.pos_encoding, train.lr) == (1e-6, "rope", 3e-4)
 
 
+@pytest.mark.heavy
 def test_study_trains_every_variant_and_seed_then_resumes_without_retraining(
     data_dir, tmp_path, monkeypatch
 ):
@@ -232,15 +234,16 @@ def test_cli_lists_recipes(capsys):
 
 def test_init_grad_norm_probe_measures_with_and_without_residuals(data_dir):
     study = tiny_study(model={**TINY_MODEL, "n_layers": 4}, variants=[Variant("pre")])
-    study.model["vocab_size"] = ablation._vocab(data_dir)
+    study.model["vocab_size"] = load_meta(data_dir)["vocab_size"]
     norms = ablation.probe_init_grad_norms(study, expand(study), data_dir)
     assert set(norms) == {"pre, residual=True", "pre, residual=False"}
     assert all(len(v) == 4 and all(g > 0 for g in v) for v in norms.values())
     assert norms["pre, residual=True"] != norms["pre, residual=False"]
 
 
+@pytest.mark.heavy
 def test_norm_speed_probe_times_both_norms_eager_and_compiled(monkeypatch, tmp_path):
-    monkeypatch.setattr(ablation, "NORM_SPEED_SHAPES", [(8, 16)])
+    monkeypatch.setattr("llm_foundry.ablation.runner.NORM_SPEED_SHAPES", [(8, 16)])
     rows = ablation.probe_norm_speed(tiny_study(), [], tmp_path)["rows"]
     keys = {(r["norm"], r["compiled"], r["op"]) for r in rows}
     assert len(keys) == 8 and all(r["ms"] > 0 and r["shape"] == [8, 16] for r in rows)

@@ -9,7 +9,9 @@ import sys
 import matplotlib.image
 import pytest
 
-from llm_foundry.attention_bench import main
+from llm_foundry.cli.bench import attention_main as main
+
+pytestmark = pytest.mark.heavy  # subprocesses: left out of `make test-fast`
 
 TINY = ["--seq-lens", "16,32", "--heads", "2", "--head-dim", "8", "--device", "cpu"]
 TINY += ["--kv-heads", "2,1", "--repeats", "2"]

