@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-slow lint format clean
+.PHONY: setup demo test test-fast test-slow lint format clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# the quick loop while developing (under a minute): everything but the `heavy` tests
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow and not heavy"
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow

@@ -1,5 +1,9 @@
-"""Shared fixtures: small character-level corpora prepared once per test session; a check that
-greedy tokens compared across two float32 code paths cannot hinge on rounding."""
+"""Shared fixtures: the tiny model most unit tests build, the shared data beside the repository,
+small character-level corpora prepared once per test session; a check that greedy tokens
+compared across two float32 code paths cannot hinge on rounding.
+
+Tests marked ``heavy`` (torchrun launches, documented commands run end to end, long training
+runs) are part of ``make test``; ``make test-fast`` leaves them out."""
 
 from __future__ import annotations
 
@@ -13,8 +17,26 @@ from llm_foundry.data import prepare
 from llm_foundry.train.config import TrainConfig
 from llm_foundry.train.trainer import Trainer
 
-SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+SHAKESPEARE = SHARED_DATA / "tinyshakespeare.txt"
 TINY = dict(vocab_size=65, dim=32, n_layers=2, n_heads=2, max_seq_len=32, dropout=0.1)
+TINY_MODEL = dict(vocab_size=37, dim=32, n_layers=2, n_heads=4, max_seq_len=64)
+
+
+@pytest.fixture
+def tiny_config():
+    """``tiny_config(**fields)`` -> the small ModelConfig unit tests build (37 token ids, 2
+    layers of width 32, 4 heads, 64 positions) with ``fields`` changed."""
+    return lambda **fields: ModelConfig(**{**TINY_MODEL, **fields})
+
+
+@pytest.fixture
+def shared_data() -> Path:
+    """``../shared/data`` beside the repository (tiny Shakespeare); the test is skipped, with
+    the reason, where a checkout has no such directory."""
+    if not SHAKESPEARE.is_file():
+        pytest.skip(f"{SHAKESPEARE} not found: the shared test data lives beside the repository")
+    return SHARED_DATA
 
 
 def make_trainer(data_dir: Path, out: Path, resume: bool = False, **train) -> Trainer:

@@ -16,6 +16,8 @@ from llm_foundry.presets import get_preset
 from llm_foundry.train.config import TrainConfig
 from llm_foundry.train.trainer import Trainer
 
+pytestmark = pytest.mark.heavy  # subprocesses: left out of `make test-fast`
+
 MODEL = dict(dim=32, n_layers=2, n_heads=2, n_kv_heads=1, hidden_dim=64, max_seq_len=16)
 # a constant schedule, so a run resumed with a larger max_steps follows the uninterrupted one
 TRAIN = dict(

@@ -76,6 +76,7 @@ def _lines(text: str) -> list[str]:
     return [line.rstrip() for line in text.strip("\n").splitlines()]
 
 
+@pytest.mark.heavy
 def test_deterministic_outputs_in_the_docs_are_what_the_commands_print():
     """`params`, `ablate --list` and `--help` print the same on any machine: the output the docs
     show under such a command must be exactly what it prints now."""
@@ -114,6 +115,7 @@ def test_the_docs_have_runnable_commands():
     assert {"LEARNING_PATH.md"} <= docs or not (ROOT / "LEARNING_PATH.md").exists()
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("doc, cmd", all_commands(), ids=lambda v: v[:60])
 def test_runnable_command(doc, cmd, scratch):
     env = dict(os.environ, MPLBACKEND="Agg")

@@ -91,6 +91,7 @@ def test_a_file_in_the_way_is_named(tmp_path):
 STEPS = 100  # long enough that the second process reaches the lock while the first trains
 
 
+@pytest.mark.heavy
 def test_two_train_processes_started_together_one_runs_the_other_is_refused(char_data, tmp_path):
     data = char_data(20_000)
     out = tmp_path / "run"

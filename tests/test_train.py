@@ -84,6 +84,7 @@ def _env() -> dict[str, str]:
 # Exact resume with a real kill
 
 
+@pytest.mark.heavy
 def test_resume_after_sigkill_gives_the_same_losses(data_dir, tmp_path):
     steps, kill_after = 200, 20
     common = [f"--train.max_steps={steps}", f"--train.checkpoint_interval={kill_after}"]
@@ -113,6 +114,7 @@ def test_resume_after_sigkill_gives_the_same_losses(data_dir, tmp_path):
     assert [a[s] for s in a] == [b[s] for s in a]  # bit for bit, every step
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_saves_a_checkpoint_and_exits_cleanly(data_dir, tmp_path, sig):
     run = tmp_path / "run"
