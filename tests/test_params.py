@@ -13,7 +13,11 @@ PUBLISHED = {
     "gpt2": 124_439_808,
     "llama2-7b": 6_738_415_616,
     "qwen3-8b": 8_190_735_360,
+    "mixtral-8x7b": 46_702_792_704,
 }
+# parameters each token uses: Mixtral's model card says 12.9B ("uses only 12.9B parameters per
+# token"); Qwen3-30B-A3B's says 3.3B activated: the exact counts their configs imply
+ACTIVE = {"mixtral-8x7b": 12_879_925_248, "qwen3-30b-a3b": 3_353_032_704}
 
 
 def hf_config(name):
@@ -59,6 +63,30 @@ def hf_config(name):
             head_dim=128,
             tie_word_embeddings=False,
         ),
+        "mixtral-8x7b": lambda: t.MixtralConfig(
+            vocab_size=32000,
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+        ),
+        "qwen3-30b-a3b": lambda: t.Qwen3MoeConfig(
+            vocab_size=151936,
+            hidden_size=2048,
+            intermediate_size=6144,
+            moe_intermediate_size=768,
+            num_hidden_layers=48,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            head_dim=128,
+            num_experts=128,
+            num_experts_per_tok=8,
+            norm_topk_prob=True,
+            tie_word_embeddings=False,
+        ),
         "bloom-560m": lambda: t.BloomConfig(
             vocab_size=250880, hidden_size=1024, n_layer=24, n_head=16
         ),
@@ -91,6 +119,8 @@ def test_published_totals(name):
         "qwen3-8b",
         "bloom-560m",
         "falcon-7b",
+        "mixtral-8x7b",
+        "qwen3-30b-a3b",
     ],
 )
 def test_total_equals_transformers(name):
@@ -99,6 +129,26 @@ def test_total_equals_transformers(name):
         hf = transformers.AutoModelForCausalLM.from_config(hf_config(name))
     hf_total = sum(p.numel() for p in hf.parameters())  # shared tensors counted once
     assert param_report(get_preset(name))["total"] == hf_total
+
+
+@pytest.mark.parametrize("name", list(ACTIVE))
+def test_active_parameters_of_mixtures_of_experts(name, capsys):
+    rep = param_report(get_preset(name))
+    assert rep["active"] == ACTIVE[name] and rep["total"] > rep["active"]
+    assert main(["params", "--preset", name]) == 0
+    out = capsys.readouterr().out
+    assert f"{ACTIVE[name]:,}" in out and f"{rep['total']:,}" in out  # both totals printed
+    dense = param_report(get_preset("llama2-7b"))
+    assert dense["active"] == dense["total"]
+
+
+def test_expert_flops_count_the_active_experts_only():
+    """k experts of width H multiply as many weights per token as one MLP of width k * H; the
+    router adds dim x n_experts per layer."""
+    moe = get_preset("moe-shakespeare-char")
+    dense = moe.replace(n_experts=0, hidden_dim=moe.experts_per_token * moe.expert_hidden_dim)
+    extra = param_report(moe)["flops_per_token"] - param_report(dense)["flops_per_token"]
+    assert extra == 6 * moe.n_layers * moe.dim * moe.n_experts
 
 
 def test_rows_add_up_and_breakdown():

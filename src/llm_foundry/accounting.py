@@ -31,6 +31,13 @@ FORMULAS = {
     "mlp.w1.bias": "hidden_dim",
     "mlp.w3.bias": "hidden_dim",
     "mlp.w2.bias": "dim",
+    "mlp.router.weight": "dim x n_experts",
+    "mlp.w1": "n_experts x dim x expert_hidden_dim",
+    "mlp.w3": "n_experts x dim x expert_hidden_dim",
+    "mlp.w2": "n_experts x expert_hidden_dim x dim",
+    "mlp.shared.w1.weight": "dim x (n_shared_experts x expert_hidden_dim)",
+    "mlp.shared.w3.weight": "dim x (n_shared_experts x expert_hidden_dim)",
+    "mlp.shared.w2.weight": "(n_shared_experts x expert_hidden_dim) x dim",
     "lm_head.weight": "dim x vocab_size",
 }
 

@@ -22,6 +22,7 @@ import yaml
 from llm_foundry.models.attention import ATTENTION_IMPL_NAMES
 from llm_foundry.models.block import NORM_POSITION_NAMES
 from llm_foundry.models.mlp import GATED_MLPS, MLP_NAMES
+from llm_foundry.models.moe import MOE_DISPATCH_NAMES
 from llm_foundry.models.norm import NORM_NAMES
 from llm_foundry.models.position import POSITION_NAMES, ROPE_SCALINGS
 
@@ -102,6 +103,17 @@ class ModelConfig:
     sliding_window: int | None = None  # attend only to the last N positions (Mistral)
     attn_impl: str = "sdpa"  # sdpa (fused kernels) | manual (can return attention weights)
 
+    # --- mixture of experts (n_experts > 0: every block's MLP becomes routed experts)
+    n_experts: int = 0  # routed experts per block; 0 = a dense MLP (Mixtral 8, Qwen3-30B-A3B 128)
+    experts_per_token: int = 2  # k experts each token runs (Mixtral 2, Qwen3-MoE 8)
+    expert_hidden_dim: int | None = None  # one expert's MLP width; default the dense ffn_dim
+    n_shared_experts: int = 0  # experts every token runs besides the routed ones (DeepSeek-MoE)
+    moe_renormalize: bool = True  # rescale the k chosen probabilities to sum 1 (Mixtral: yes)
+    router_jitter: float = 0.0  # multiplicative noise on the router input while training
+    moe_aux_loss_coef: float = 0.01  # weight of the load-balancing loss (Switch Transformer)
+    router_z_loss_coef: float = 0.0  # weight of the router z-loss (ST-MoE: 0.001)
+    moe_dispatch: str = "grouped"  # grouped (tokens sorted by expert) | loop (the reference)
+
     # --- training-time
     dropout: float = 0.0
     init_std: float = 0.02
@@ -133,6 +145,11 @@ class ModelConfig:
         return self.multiple_of * math.ceil(hidden / self.multiple_of)
 
     @property
+    def expert_ffn_dim(self) -> int:
+        """One expert's MLP width: ``expert_hidden_dim``, else the dense ``ffn_dim``."""
+        return self.expert_hidden_dim if self.expert_hidden_dim is not None else self.ffn_dim
+
+    @property
     def gated(self) -> bool:
         return self.mlp in GATED_MLPS
 
@@ -143,7 +160,7 @@ class ModelConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 p.append(f"{name}={v!r} must be a positive integer")
-        for name in ("n_kv_heads", "head_dim", "hidden_dim", "sliding_window"):
+        for name in ("n_kv_heads", "head_dim", "hidden_dim", "sliding_window", "expert_hidden_dim"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 p.append(f"{name}={v!r} must be a positive integer or null")
@@ -157,6 +174,7 @@ class ModelConfig:
         one_of(p, "mlp", self.mlp, MLP_NAMES)
         one_of(p, "gelu_approx", self.gelu_approx, GELU_APPROX)
         one_of(p, "attn_impl", self.attn_impl, ATTENTION_IMPL_NAMES)
+        p += self._moe_problems()
         ints_ok = all(
             isinstance(getattr(self, n), int) and getattr(self, n) >= 1
             for n in ("dim", "n_heads", "kv_heads")
@@ -202,6 +220,26 @@ class ModelConfig:
             p.append(
                 f"qk_norm=True is implemented with RMSNorm; set norm='rmsnorm' (got {self.norm!r})"
             )
+        return p
+
+    def _moe_problems(self) -> list[str]:
+        p: list[str] = []
+        for name in ("n_experts", "n_shared_experts"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                p.append(f"{name}={v!r} must be an integer >= 0 (0: none)")
+        for name in ("moe_aux_loss_coef", "router_z_loss_coef"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not v >= 0:
+                p.append(f"{name}={v!r} must be a number >= 0")
+        if not (isinstance(self.router_jitter, (int, float)) and 0 <= self.router_jitter < 1):
+            p.append(f"router_jitter={self.router_jitter!r} must be in [0, 1)")
+        one_of(p, "moe_dispatch", self.moe_dispatch, MOE_DISPATCH_NAMES)
+        k, n = self.experts_per_token, self.n_experts
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            p.append(f"experts_per_token={k!r} must be a positive integer")
+        elif isinstance(n, int) and n > 0 and k > n:
+            p.append(f"experts_per_token={k} is more than n_experts={n}; valid: 1..{n}")
         return p
 
     # --- serialisation

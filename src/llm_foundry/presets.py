@@ -124,6 +124,43 @@ PRESETS: dict[str, dict[str, Any]] = {
         tie_embeddings=True,
         norm_eps=1e-5,
     ),
+    # https://huggingface.co/mistralai/Mixtral-8x7B-v0.1/blob/main/config.json
+    "mixtral-8x7b": dict(
+        LLAMA_FAMILY,
+        vocab_size=32000,
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        max_seq_len=32768,
+        rope_theta=1e6,
+        norm_eps=1e-5,
+        n_experts=8,
+        experts_per_token=2,
+        expert_hidden_dim=14336,
+        moe_renormalize=True,
+        moe_aux_loss_coef=0.02,
+    ),
+    # https://huggingface.co/Qwen/Qwen3-30B-A3B/blob/main/config.json (every layer sparse:
+    # decoder_sparse_step 1, mlp_only_layers [])
+    "qwen3-30b-a3b": dict(
+        LLAMA_FAMILY,
+        vocab_size=151936,
+        dim=2048,
+        n_layers=48,
+        n_heads=32,
+        n_kv_heads=4,
+        head_dim=128,
+        max_seq_len=40960,
+        rope_theta=1e6,
+        norm_eps=1e-6,
+        qk_norm=True,
+        n_experts=128,
+        experts_per_token=8,
+        expert_hidden_dim=768,
+        moe_renormalize=True,
+        moe_aux_loss_coef=0.001,
+    ),
     # nanoGPT's "baby GPT" for shakespeare_char (6 layers, 6 heads, 384 dim, context 256), GPT-2 style
     "gpt2-shakespeare": dict(
         GPT2_FAMILY, vocab_size=65, dim=384, n_layers=6, n_heads=6, max_seq_len=256
@@ -163,6 +200,20 @@ PRESETS: dict[str, dict[str, Any]] = {
         n_kv_heads=2,
         hidden_dim=384,
         max_seq_len=64,
+    ),
+    # llama-shakespeare-char with 4 routed experts (2 per token) of half its MLP width in every
+    # block: the same active MLP parameters per token, twice the total
+    "moe-shakespeare-char": dict(
+        LLAMA_FAMILY,
+        vocab_size=65,
+        dim=128,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=2,
+        max_seq_len=64,
+        n_experts=4,
+        experts_per_token=2,
+        expert_hidden_dim=192,
     ),
 }
 

@@ -22,6 +22,7 @@ import torch.nn as nn
 
 from llm_foundry.models.attention import Attention
 from llm_foundry.models.mlp import build_mlp
+from llm_foundry.models.moe import MoE
 from llm_foundry.models.norm import build_norm, init_norm
 
 if TYPE_CHECKING:
@@ -47,7 +48,7 @@ class Block(nn.Module):
         self.attn_norm = build_norm(cfg)
         self.attn = Attention(cfg)
         self.mlp_norm = build_norm(cfg)
-        self.mlp = build_mlp(cfg)
+        self.mlp = build_feed_forward(cfg)
         self.drop = nn.Dropout(cfg.dropout)
         self.skip = SKIPS[cfg.residual]
 
@@ -93,7 +94,7 @@ class ParallelBlock(Block):
         nn.Module.__init__(self)
         self.attn_norm = build_norm(cfg)
         self.attn = Attention(cfg)
-        self.mlp = build_mlp(cfg)
+        self.mlp = build_feed_forward(cfg)
         self.drop = nn.Dropout(cfg.dropout)
         self.skip = SKIPS[cfg.residual]
 
@@ -104,6 +105,11 @@ class ParallelBlock(Block):
         h = self.attn_norm(x)
         a, weights = self.attn(h, pos, start, mask, need_weights, kv)
         return self.skip(x, self.drop(a)) + self.drop(self.mlp(h)), weights
+
+
+def build_feed_forward(cfg: ModelConfig) -> nn.Module:
+    """Routed experts when ``cfg.n_experts`` > 0, else the MLP ``cfg.mlp`` names."""
+    return MoE(cfg) if cfg.n_experts else build_mlp(cfg)
 
 
 BLOCKS = {"pre": Block, "post": PostNormBlock}

@@ -64,16 +64,27 @@ class GatedMLP(MLP):
         self.w2.init_weights(residual_std)
 
 
+def _gelu(cfg: ModelConfig):
+    return partial(F.gelu, approximate=cfg.gelu_approx)
+
+
+# name -> (module class, its activation for a config)
 MLPS = {
-    "gelu": lambda cfg: MLP(cfg, partial(F.gelu, approximate=cfg.gelu_approx)),
-    "relu": lambda cfg: MLP(cfg, F.relu),
-    "swiglu": lambda cfg: GatedMLP(cfg, F.silu),
-    "geglu": lambda cfg: GatedMLP(cfg, partial(F.gelu, approximate=cfg.gelu_approx)),
+    "gelu": (MLP, _gelu),
+    "relu": (MLP, lambda cfg: F.relu),
+    "swiglu": (GatedMLP, lambda cfg: F.silu),
+    "geglu": (GatedMLP, _gelu),
 }
 MLP_NAMES = MLPS.keys()  # the values ``ModelConfig.mlp`` accepts (a live view)
 GATED_MLPS = ("swiglu", "geglu")  # three matrices: ModelConfig.ffn_dim keeps parameters equal
 
 
+def activation(cfg: ModelConfig):
+    """The nonlinearity ``cfg.mlp`` names (experts of a mixture use it too)."""
+    return MLPS[cfg.mlp][1](cfg)
+
+
 def build_mlp(cfg: ModelConfig) -> nn.Module:
     """The feed-forward layer named by ``cfg.mlp``."""
-    return MLPS[cfg.mlp](cfg)
+    cls, act = MLPS[cfg.mlp]
+    return cls(cfg, act(cfg))

@@ -24,6 +24,7 @@ from llm_foundry.models.attention import attention_mask, padding_mask
 from llm_foundry.models.block import build_block
 from llm_foundry.models.fast_decode import Linear
 from llm_foundry.models.kv_cache import KVCache
+from llm_foundry.models.moe import MoE, load_balancing_loss, router_z_loss
 from llm_foundry.models.norm import build_norm, init_norm
 from llm_foundry.models.position import build_position
 
@@ -139,6 +140,35 @@ class Transformer(nn.Module):
         if cache is not None:
             cache.advance(start, T)
         return self.norm(x), weights
+
+    # ------------------------------------------------------------------------------------------
+    # Mixture of experts
+    def moe_layers(self) -> list[MoE]:
+        """The blocks' expert layers (empty for a dense model)."""
+        return [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoE)]
+
+    def routing_losses(self) -> dict[str, torch.Tensor]:
+        """The last forward's balancing loss and router z-loss over all expert layers, unweighted
+        (empty for a dense model); ``aux_loss`` weighs them."""
+        moes = self.moe_layers()
+        if not moes or any(m.router_logits is None for m in moes):
+            return {}
+        logits = [m.router_logits for m in moes]
+        return {
+            "balance_loss": load_balancing_loss(logits, self.cfg.experts_per_token),
+            "z_loss": router_z_loss(logits),
+        }
+
+    def aux_loss(self) -> torch.Tensor | None:
+        """What training adds to the cross-entropy for the last forward: moe_aux_loss_coef x the
+        balancing loss + router_z_loss_coef x the z-loss (None for a dense model)."""
+        losses = self.routing_losses()
+        if not losses:
+            return None
+        c = self.cfg
+        return (
+            c.moe_aux_loss_coef * losses["balance_loss"] + c.router_z_loss_coef * losses["z_loss"]
+        )
 
     # ------------------------------------------------------------------------------------------
     # Costs

@@ -229,3 +229,88 @@ class Monitor:
         for _, _, message in warnings_for(step, stats, self.entropy_min, self.rank_frac):
             self.write(f"warning: {message}")
         return dict(step=step, monitor=dict(stats, grad_norm=grads, grad_norm_rest=grad_rest))
+
+
+# ----------------------------------------------------------------------------------------------
+# Expert load (mixture-of-experts models)
+
+
+class ExpertLoad:
+    """How many tokens each expert of each MoE layer receives. Every training step adds
+    ``aux_loss`` and the per-layer coefficient of variation of that step's load (``expert_cv``)
+    to the step's record; every ``interval`` steps a record holds each expert's share of the
+    interval's assignments and names the experts that received none (dead experts), with a
+    warning. The counts are global over ranks and travel in checkpoints, so a resumed run writes
+    the records an uninterrupted one would. Inert for a dense model."""
+
+    def __init__(self, model, interval: int, world, device: torch.device):
+        self.layers = len(model.moe_layers())
+        n = model.cfg.n_experts if self.layers else 0
+        self.world, self.interval = world, max(1, interval)
+        self.counts = torch.zeros(self.layers, n, device=device)  # since the last record
+        self.step_counts = torch.zeros_like(self.counts)  # this step's
+
+    def count(self, model) -> None:
+        """Add the last forward's routing (every micro-batch of a step calls this)."""
+        for i, moe in enumerate(model.moe_layers()):
+            ids = moe.expert_ids.flatten()
+            self.step_counts[i] += torch.bincount(ids, minlength=self.counts.shape[1])
+
+    def step_record(self, aux: torch.Tensor | None) -> dict:
+        """``aux_loss`` and ``expert_cv`` of the step just taken ({} for a dense model)."""
+        if not self.layers:
+            return {}
+        step = self._global(self.step_counts)
+        self.counts += self.step_counts
+        self.step_counts.zero_()
+        cv = [coefficient_of_variation(row) for row in step]
+        return {"aux_loss": float(aux), "expert_cv": cv}
+
+    def due(self, step: int) -> bool:
+        return self.layers > 0 and step % self.interval == 0
+
+    def interval_record(self, step: int, warn: Callable[[str], None]) -> dict:
+        """Each expert's share of the interval's assignments per layer, their coefficient of
+        variation, and the dead experts (warned about); starts the next interval."""
+        counts = self._global(self.counts)
+        self.counts.zero_()
+        share = counts / counts.sum(dim=1, keepdim=True).clamp(min=1)
+        dead = [[i, e] for i, e in (counts == 0).nonzero().tolist()]
+        if dead:
+            where = ", ".join(f"layer {i} expert {e}" for i, e in dead)
+            warn(
+                f"warning: step {step}: {len(dead)} expert(s) received no tokens in the last "
+                f"{self.interval} steps ({where}); raise model.moe_aux_loss_coef to rebalance"
+            )
+        return {
+            "step": step,
+            "experts": {
+                "load": [[round(v, 6) for v in row] for row in share.tolist()],
+                "cv": [coefficient_of_variation(row) for row in counts],
+                "dead": dead,
+            },
+        }
+
+    def _global(self, counts: torch.Tensor) -> torch.Tensor:
+        """A copy of ``counts`` summed over ranks."""
+        counts = counts.clone()
+        if self.world.distributed:
+            torch.distributed.all_reduce(counts)
+        return counts
+
+    def state_dict(self) -> list[list[float]]:
+        """The counts since the last record, summed over ranks (collective: call on every rank;
+        afterwards rank 0 holds the sum and the others zero, so the total is unchanged)."""
+        total = self._global(self.counts)
+        self.counts.copy_(total if self.world.main else torch.zeros_like(total))
+        return total.tolist()
+
+    def load_state_dict(self, counts: list[list[float]] | None) -> None:
+        if counts is not None and self.world.main:
+            self.counts.copy_(torch.tensor(counts, device=self.counts.device))
+
+
+def coefficient_of_variation(counts: torch.Tensor) -> float:
+    """std / mean of per-expert counts: 0 when every expert gets the same, larger when skewed."""
+    mean = counts.float().mean().item()
+    return counts.float().std(unbiased=False).item() / mean if mean > 0 else 0.0

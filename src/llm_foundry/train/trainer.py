@@ -30,7 +30,7 @@ from llm_foundry.models import Transformer
 from llm_foundry.train import distributed as D
 from llm_foundry.train.config import TrainConfig
 from llm_foundry.train.metrics import MetricsLog
-from llm_foundry.train.monitor import Monitor, layer_grad_norms, rest_grad_norm
+from llm_foundry.train.monitor import ExpertLoad, Monitor, layer_grad_norms, rest_grad_norm
 from llm_foundry.train.schedule import lr_at
 from llm_foundry.train.state import (
     latest_checkpoint,
@@ -140,6 +140,9 @@ class Trainer:
             if train_cfg.monitor_interval
             else None
         )
+        interval = train_cfg.monitor_interval or train_cfg.eval_interval or train_cfg.max_steps
+        self.experts = ExpertLoad(self.model, interval, self.world, self.device)
+        self.last_aux: torch.Tensor | None = None
         self.step = 0
         self.best_val = math.inf
         self.best_name: str | None = None
@@ -177,6 +180,7 @@ class Trainer:
         else:
             state = load_train_checkpoint(path, self.model, self.optimizer)
         self.sampler.load_state_dict(state["sampler"])
+        self.experts.load_state_dict(state.get("expert_counts"))
         if state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
         self.step = state["step"]
@@ -191,10 +195,11 @@ class Trainer:
     def _check_resumable(self, state: dict, path: Path) -> None:
         """Refuse a resume that would change the architecture (the weights would not fit); say
         which training settings differ from the saved run (allowed: e.g. a larger max_steps)."""
-        saved = dict(state["model_config"])
+        # fields added since a run was saved take their defaults; runs saved before n_kv_heads
+        # could stay unset hold the effective count: compare that
+        saved = ModelConfig.from_dict(state["model_config"]).to_dict()
         now = json.loads(json.dumps(self.mc.to_dict()))  # tuples as JSON lists, like the saved one
-        # runs saved before n_kv_heads could stay unset hold the effective count: compare that
-        saved["n_kv_heads"] = saved.get("n_kv_heads") or saved.get("n_heads")
+        saved["n_kv_heads"] = saved["n_kv_heads"] or saved["n_heads"]
         now["n_kv_heads"] = self.mc.kv_heads
         changed = [
             f"{k}: saved {saved.get(k)!r}, now {v!r}" for k, v in now.items() if saved.get(k) != v
@@ -281,6 +286,7 @@ class Trainer:
             model_config=self.mc.to_dict(),
             train_config=self.tc.to_dict(),
             data=self.data_id,
+            expert_counts=self.experts.state_dict() if self.experts.layers else None,
         )
         tok = self.data_dir / "tokenizer.json"
         parallel, w = self.tc.parallel, self.world
@@ -307,14 +313,21 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         loss_sum = torch.zeros((), device=self.device)
+        aux_sum = torch.zeros((), device=self.device)
         for micro in range(tc.grad_accum):
             x, y = (t.to(self.device, non_blocking=True) for t in self.sampler.next())
             last = micro == tc.grad_accum - 1
             with D.sync_gradients(self.wrapped, tc.parallel, last), self._autocast():
                 loss = self.forward(x, y)[1] / tc.grad_accum
-                self.scaler.scale(loss).backward()
+                aux = self.model.aux_loss()  # experts' balancing losses (None: dense)
+                total = loss if aux is None else loss + aux / tc.grad_accum
+                self.scaler.scale(total).backward()
             loss_sum += loss.detach()
+            if aux is not None:
+                aux_sum += aux.detach() / tc.grad_accum
+                self.experts.count(self.model)
         loss_sum = D.mean(loss_sum, self.world)  # the global batch's loss on every rank
+        self.last_aux = D.mean(aux_sum, self.world) if self.experts.layers else None
         self.scaler.unscale_(self.optimizer)
         norms = None
         if layer_norms:
@@ -388,6 +401,7 @@ class Trainer:
                 rec = dict(
                     step=self.step,
                     loss=loss,
+                    **self.experts.step_record(self.last_aux),
                     lr=lr_at(self.step - 1, tc),
                     grad_norm=grad_norm,
                     tokens_per_s=tps,
@@ -397,6 +411,8 @@ class Trainer:
                 metrics.write(rec)
                 if watch:
                     metrics.write(self.monitor.record(self.step, probe, *norms))
+                if self.experts.due(self.step):
+                    metrics.write(self.experts.interval_record(self.step, say))
                 if tb:
                     _tb_write(tb, "train", rec)
                 bar.update(1)
