@@ -1,6 +1,7 @@
 """Parity with Hugging Face ``transformers``: from_hf / to_hf give the same logits and the same
 greedy continuations as the HF model, for LLaMA (MHA, GQA, MQA, tied, untied, biases), Mistral
-(sliding window shorter than the sequence), Qwen3 (QK-norm, explicit head_dim) and GPT-2.
+(sliding window shorter than the sequence), Qwen3 (QK-norm, explicit head_dim), GPT-2, Mixtral
+and Qwen3-MoE (top-k renormalised or not, both expert layouts on disk).
 
 Every model is tiny, fp32, CPU and built in-process from a config (no hub access). HF initialises
 norms to one and biases to zero, which would hide swapped or dropped norm/bias tensors, so every
@@ -50,6 +51,17 @@ def _qwen3(**kw):
     return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**cfg))
 
 
+def _mixtral(**kw):
+    cfg = dict(LLAMA_SIZES, num_local_experts=4, num_experts_per_tok=2, **kw)
+    return transformers.MixtralForCausalLM(transformers.MixtralConfig(**cfg))
+
+
+def _qwen3_moe(**kw):
+    sizes = dict(LLAMA_SIZES, moe_intermediate_size=48, num_experts=6, num_experts_per_tok=2)
+    cfg = dict(sizes, rms_norm_eps=1e-6, rope_theta=1e6, **kw)
+    return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**cfg))
+
+
 def _gpt2(**kw):
     sizes = dict(vocab_size=VOCAB, n_embd=64, n_layer=3, n_head=4, n_positions=64)
     tokens = dict(bos_token_id=None, eos_token_id=None)
@@ -85,6 +97,17 @@ CASES = {
         sliding_window=6,
         max_window_layers=0,
     ),
+    "mixtral": lambda: _mixtral(num_attention_heads=4, num_key_value_heads=2),
+    "qwen3_moe_renormalised": lambda: _qwen3_moe(
+        num_attention_heads=4, num_key_value_heads=1, head_dim=24, norm_topk_prob=True
+    ),
+    "qwen3_moe_tied": lambda: _qwen3_moe(
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=16,
+        norm_topk_prob=False,
+        tie_word_embeddings=True,
+    ),
     "gpt2": lambda: _gpt2(),
     "gpt2_untied_gelu": lambda: _gpt2(
         activation_function="gelu", n_inner=80, tie_word_embeddings=False
@@ -101,6 +124,8 @@ def _hf_model(name: str):
         for p in model.parameters():
             if p.ndim == 1:  # norm weights (ones) and biases (zeros) at init
                 p.add_(0.2 * torch.randn_like(p))
+            elif p.ndim == 3:  # stacked experts: as large as a dense MLP's, so experts differ
+                p.normal_(0.0, 0.1)
     return model.eval()
 
 
@@ -447,3 +472,56 @@ def test_weights_that_do_not_match_config_json_are_named(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="config.json is not valid JSON"):
         load_checkpoint(tmp_path)
+
+
+# ----------------------------------------------------------------------------------------------
+# Experts
+
+
+def test_fused_expert_layout_on_disk_reads_like_the_per_expert_one(tmp_path):
+    """Checkpoints written from transformers 5's in-memory layout hold each layer's experts as
+    two fused tensors (gate_up_proj, down_proj); save_pretrained writes one tensor per expert."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    hf = _hf_model("mixtral")
+    hf.save_pretrained(str(tmp_path / "per_expert"))
+    with safe_open(str(tmp_path / "per_expert" / "model.safetensors"), "pt") as f:
+        assert "model.layers.0.block_sparse_moe.experts.3.w2.weight" in f.keys()
+    hf.config.save_pretrained(str(tmp_path / "fused"))
+    fused = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    assert "model.layers.0.mlp.experts.gate_up_proj" in fused
+    save_file(fused, str(tmp_path / "fused" / "model.safetensors"), metadata={"format": "pt"})
+    x = _tokens()
+    ref = _ours_logits(from_hf(tmp_path / "per_expert"), x)
+    assert _max_diff(_ours_logits(from_hf(tmp_path / "fused"), x), ref) == 0.0
+    assert _max_diff(ref, _hf_logits(hf, x)) <= TOL
+
+
+def test_a_checkpoint_missing_an_expert_is_refused_naming_it(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    _hf_model("mixtral").save_pretrained(str(tmp_path))
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    del tensors["model.layers.1.block_sparse_moe.experts.2.w3.weight"]
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(
+        ConversionError, match=r"layers\.1\.mlp\.w3: no HF tensor for expert\(s\) \[2\]"
+    ):
+        from_hf(tmp_path)
+
+
+def test_expert_configs_without_an_exact_counterpart_are_refused():
+    dense_layers = transformers.Qwen3MoeConfig(
+        **LLAMA_SIZES, num_attention_heads=4, moe_intermediate_size=48, num_experts=4,
+        mlp_only_layers=[1],
+    )  # fmt: skip
+    with pytest.raises(ConversionError, match=r"mlp_only_layers=\[1\]"):
+        config_from_hf(dense_layers)
+    shared = get_preset("moe-shakespeare-char", n_shared_experts=1)
+    with pytest.raises(ConversionError, match=r"n_shared_experts=1 blocks export"):
+        config_to_hf(shared)
+    # a model with experts never exports as a dense family (the experts would be dropped)
+    with pytest.raises(ConversionError, match=r"n_experts=4 blocks export"):
+        config_to_hf(get_preset("moe-shakespeare-char"), family="llama")
+    assert type(config_to_hf(get_preset("moe-shakespeare-char"))).__name__ == "MixtralConfig"

@@ -8,10 +8,12 @@ from pathlib import Path
 
 
 def main(argv: list[str]) -> int:
+    from llm_foundry.interop.hf import FAMILIES, convert_from_hf, convert_to_hf
+
     p = argparse.ArgumentParser(
         prog="llm-foundry convert",
         description="Convert between HF transformers checkpoint directories (Llama, Mistral, "
-        "Qwen3, GPT-2 families) and llm-foundry checkpoints.",
+        "Qwen3, GPT-2, Mixtral, Qwen3-MoE families) and llm-foundry checkpoints.",
     )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--from-hf", metavar="DIR", help="HF directory (config.json + safetensors)")
@@ -21,13 +23,12 @@ def main(argv: list[str]) -> int:
     p.add_argument("--out", required=True, help="directory to write")
     p.add_argument(
         "--family",
-        choices=["llama", "mistral", "qwen3", "gpt2"],
+        choices=list(FAMILIES),
         default=None,
         help="HF architecture for --to-hf (default: inferred from the config)",
     )
     p.add_argument("--json", action="store_true", help="print what was written as JSON")
     ns = p.parse_args(argv)
-    from llm_foundry.interop.hf import convert_from_hf, convert_to_hf
     from llm_foundry.rundir import checkpoint_dir, checkpoint_kind
 
     if ns.from_hf:

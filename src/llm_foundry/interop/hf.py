@@ -1,8 +1,11 @@
 """Convert models between llm-foundry and Hugging Face ``transformers``, exactly or not at all.
 
 Families: LLaMA (``LlamaConfig``), Mistral (``MistralConfig``: sliding window), Qwen3
-(``Qwen3Config``: QK-norm, explicit head_dim) and GPT-2 (``GPT2Config``: learned positions,
-LayerNorm with biases, fused Conv1D q/k/v). Every HF setting is either mapped to the
+(``Qwen3Config``: QK-norm, explicit head_dim), GPT-2 (``GPT2Config``: learned positions,
+LayerNorm with biases, fused Conv1D q/k/v), and the mixtures of experts Mixtral
+(``MixtralConfig``) and Qwen3-MoE (``Qwen3MoeConfig``), read with their experts stored one
+tensor per expert (as on the Hub and as ``save_pretrained`` writes them, the layout written
+here) or fused per layer (transformers 5 in memory). Every HF setting is either mapped to the
 ``ModelConfig`` field that computes the same function, or refused with a ``ConversionError``
 naming the setting, its value and what is supported; nothing is approximated silently.
 
@@ -10,7 +13,7 @@ naming the setting, its value and what is supported; nothing is approximated sil
     from_hf(model_or_dir) -> Transformer             to_hf(model, out_dir) -> out_dir
     convert_from_hf(src_dir, out_ckpt)               convert_to_hf(ckpt_dir, out_dir)
 
-Weights are renamed with tables (HF name -> ours, ``{i}`` the layer index). LLaMA-family RoPE
+Weights are renamed with tables (HF name -> ours, ``{i}`` the layer index, ``{e}`` the expert). LLaMA-family RoPE
 uses the rotate-half layout on both sides, so q/k load without permutation; GPT-2's Conv1D stores
 (in, out) and its ``c_attn`` fuses q, k, v along the output dimension. Checkpoint directories are
 read with safetensors only (never pickle). Training-time dropout is not carried over from HF.
@@ -23,7 +26,7 @@ import logging
 import re
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -110,12 +113,15 @@ ROPE_TYPES_REFUSED = {
 
 @dataclass(frozen=True)
 class Rule:
-    """How one HF tensor maps to ours: our tensors concatenated along the output dimension
-    (several for a fused q/k/v projection), transposed first where HF stores a GPT-2 Conv1D
-    weight as (in, out) instead of nn.Linear's (out, in)."""
+    """How one HF tensor maps to ours: our tensors concatenated along ``dim`` (several for a
+    fused q/k/v or gate/up projection), transposed first where HF stores a GPT-2 Conv1D weight
+    as (in, out) instead of nn.Linear's (out, in). A name with ``{e}`` is one expert's slice
+    ``expert`` of our stacked expert tensor."""
 
     ours: tuple[str, ...]
     conv1d: bool = False
+    dim: int = 0
+    expert: int | None = None
 
 
 def _wb(hf: str, ours: str) -> dict[str, str]:
@@ -160,6 +166,31 @@ GPT2_WEIGHTS: dict[str, str | Rule] = {
     "transformer.h.{i}.mlp.c_fc.bias": "layers.{i}.mlp.w1.bias",
     "transformer.h.{i}.mlp.c_proj.weight": Rule(("layers.{i}.mlp.w2.weight",), conv1d=True),
     "transformer.h.{i}.mlp.c_proj.bias": "layers.{i}.mlp.w2.bias",
+}
+
+# Mixtral as saved on disk (per-expert tensors, as the Hub checkpoints and save_pretrained have
+# them); in memory transformers 5 fuses each layer's experts into gate_up_proj and down_proj
+MIXTRAL_WEIGHTS: dict[str, str | Rule] = {
+    **{k: v for k, v in LLAMA_WEIGHTS.items() if ".mlp." not in k},
+    "model.layers.{i}.block_sparse_moe.gate.weight": "layers.{i}.mlp.router.weight",
+    "model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight": "layers.{i}.mlp.w1",
+    "model.layers.{i}.block_sparse_moe.experts.{e}.w3.weight": "layers.{i}.mlp.w3",
+    "model.layers.{i}.block_sparse_moe.experts.{e}.w2.weight": "layers.{i}.mlp.w2",
+}
+QWEN3_MOE_WEIGHTS: dict[str, str | Rule] = {
+    **{k: v for k, v in LLAMA_WEIGHTS.items() if ".mlp." not in k},
+    "model.layers.{i}.mlp.gate.weight": "layers.{i}.mlp.router.weight",
+    "model.layers.{i}.mlp.experts.{e}.gate_proj.weight": "layers.{i}.mlp.w1",
+    "model.layers.{i}.mlp.experts.{e}.up_proj.weight": "layers.{i}.mlp.w3",
+    "model.layers.{i}.mlp.experts.{e}.down_proj.weight": "layers.{i}.mlp.w2",
+}
+# the fused layout (transformers 5 in memory, and checkpoints written from it): read, not written
+FUSED_EXPERTS: dict[str, str | Rule] = {
+    "model.layers.{i}.mlp.gate.weight": "layers.{i}.mlp.router.weight",
+    "model.layers.{i}.mlp.experts.gate_up_proj": Rule(
+        ("layers.{i}.mlp.w1", "layers.{i}.mlp.w3"), dim=1
+    ),
+    "model.layers.{i}.mlp.experts.down_proj": "layers.{i}.mlp.w2",
 }
 
 # HF tensors that hold no weights and are skipped knowingly (buffers of older checkpoints)
@@ -314,6 +345,36 @@ def _qwen3_from_hf(c: Any, problems: list[str]) -> dict[str, Any]:
     return {**_llama_family_fields(c, problems), "qk_norm": True, "sliding_window": window}
 
 
+def _experts_from_hf(c: Any, n_experts: int, hidden: int, renormalize: bool) -> dict[str, Any]:
+    return dict(
+        n_experts=n_experts,
+        experts_per_token=c.num_experts_per_tok,
+        expert_hidden_dim=hidden,
+        moe_renormalize=renormalize,
+        router_jitter=float(getattr(c, "router_jitter_noise", 0.0) or 0.0),
+        moe_aux_loss_coef=float(getattr(c, "router_aux_loss_coef", 0.0) or 0.0),
+    )
+
+
+def _mixtral_from_hf(c: Any, problems: list[str]) -> dict[str, Any]:
+    """Mixtral: Mistral with every MLP replaced by top-k experts, renormalised over the k."""
+    fields = _mistral_from_hf(c, problems)
+    return {**fields, **_experts_from_hf(c, c.num_local_experts, c.intermediate_size, True)}
+
+
+def _qwen3_moe_from_hf(c: Any, problems: list[str]) -> dict[str, Any]:
+    """Qwen3-MoE: Qwen3 with experts in every layer (renormalised when norm_topk_prob)."""
+    step, dense = getattr(c, "decoder_sparse_step", 1), list(getattr(c, "mlp_only_layers", []))
+    if step != 1 or dense:
+        problems.append(
+            f"decoder_sparse_step={step!r}, mlp_only_layers={dense!r}: some layers have a dense "
+            "MLP; llm-foundry puts experts in every layer or none (supported: 1 and [])"
+        )
+    fields = _qwen3_from_hf(c, problems)
+    renorm = bool(getattr(c, "norm_topk_prob", False))
+    return {**fields, **_experts_from_hf(c, c.num_experts, c.moe_intermediate_size, renorm)}
+
+
 def _gpt2_from_hf(c: Any, problems: list[str]) -> dict[str, Any]:
     """GPT-2: learned positions, LayerNorm with biases, biased Conv1D projections."""
     _check_settings(c, GPT2_SETTINGS, problems)
@@ -399,6 +460,36 @@ def _qwen3_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     }
 
 
+def _experts_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    return dict(
+        num_experts_per_tok=cfg.experts_per_token,
+        router_aux_loss_coef=cfg.moe_aux_loss_coef,
+        output_router_logits=False,
+    )
+
+
+def _mixtral_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    return {
+        **_mistral_to_hf(cfg),
+        **_experts_to_hf(cfg),
+        "intermediate_size": cfg.expert_ffn_dim,
+        "num_local_experts": cfg.n_experts,
+        "router_jitter_noise": cfg.router_jitter,
+    }
+
+
+def _qwen3_moe_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    return {
+        **_qwen3_to_hf(cfg),
+        **_experts_to_hf(cfg),
+        "moe_intermediate_size": cfg.expert_ffn_dim,
+        "num_experts": cfg.n_experts,
+        "norm_topk_prob": cfg.moe_renormalize,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    }
+
+
 def _gpt2_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     return dict(
         vocab_size=cfg.vocab_size,
@@ -431,26 +522,47 @@ COMMON_NEEDS: list[Need] = [  # what no supported family (LLaMA, Mistral, Qwen3,
         "'rope' (LLaMA, Mistral, Qwen3) or 'learned' (GPT-2)",
     ),
 ]
+DENSE: Need = (
+    "n_experts",
+    lambda c: c.n_experts == 0,
+    "0 (a dense MLP; Mixtral, Qwen3-MoE: experts)",
+)
+EXPERTS: list[Need] = [
+    ("n_experts", lambda c: c.n_experts > 0, "> 0 (this family routes to experts)"),
+    ("n_shared_experts", lambda c: c.n_shared_experts == 0, "0 (no shared experts)"),
+    ("mlp_bias", lambda c: not c.mlp_bias, "False"),
+    ("mlp", lambda c: c.mlp == "swiglu", "'swiglu'"),
+]
 ROPE_NEEDS: list[Need] = [
     ("pos_encoding", lambda c: c.pos_encoding == "rope", "'rope'"),
     ("norm", lambda c: c.norm == "rmsnorm", "'rmsnorm'"),
     ("mlp", lambda c: c.mlp in LLAMA_ACTS_OUT, "a gated MLP: 'swiglu' or 'geglu'"),
 ]
 LLAMA_NEEDS: list[Need] = ROPE_NEEDS + [
+    DENSE,
     ("qk_norm", lambda c: not c.qk_norm, "False (Qwen3 has QK-norm)"),
     ("sliding_window", lambda c: c.sliding_window is None, "None (Mistral/Qwen3 have windows)"),
     ("dim", lambda c: c.dim % c.n_heads == 0, "a multiple of n_heads (LlamaConfig checks it)"),
 ]
-MISTRAL_NEEDS: list[Need] = ROPE_NEEDS + [
+MISTRAL_BASE: list[Need] = ROPE_NEEDS + [
     ("qk_norm", lambda c: not c.qk_norm, "False (Qwen3 has QK-norm)"),
     ("attn_bias", lambda c: not c.attn_bias, "False"),
     ("mlp_bias", lambda c: not c.mlp_bias, "False"),
 ]
-QWEN3_NEEDS: list[Need] = ROPE_NEEDS + [
+QWEN3_BASE: list[Need] = ROPE_NEEDS + [
     ("qk_norm", lambda c: c.qk_norm, "True (Qwen3 always normalises q and k)"),
     ("mlp_bias", lambda c: not c.mlp_bias, "False"),
 ]
+MISTRAL_NEEDS = [*MISTRAL_BASE, DENSE]
+QWEN3_NEEDS = [*QWEN3_BASE, DENSE]
+MIXTRAL_NEEDS = [
+    *MISTRAL_BASE,
+    *EXPERTS,
+    ("moe_renormalize", lambda c: c.moe_renormalize, "True (Mixtral renormalises the top k)"),
+]
+QWEN3_MOE_NEEDS = [*QWEN3_BASE, *EXPERTS]
 GPT2_NEEDS: list[Need] = [
+    DENSE,
     ("pos_encoding", lambda c: c.pos_encoding == "learned", "'learned'"),
     ("norm", lambda c: c.norm == "layernorm", "'layernorm'"),
     ("norm_bias", lambda c: c.norm_bias, "True"),
@@ -487,12 +599,13 @@ class Family:
     model_type: str
     config_class: str
     model_class: str
-    weights: dict[str, str | Rule]
+    weights: dict[str, str | Rule]  # the layout written on export (and read)
     ignored: tuple[str, ...]  # regexes of HF tensors skipped knowingly
     prefix: str  # base-model prefix, absent from some older checkpoints' tensor names
     from_hf: Callable[[Any, list[str]], dict[str, Any]]
     to_hf: Callable[[ModelConfig], dict[str, Any]]
     needs: list[Need]
+    also_reads: dict[str, str | Rule] = field(default_factory=dict)  # other layouts in the wild
 
 
 FAMILIES: dict[str, Family] = {
@@ -529,6 +642,30 @@ FAMILIES: dict[str, Family] = {
         to_hf=_qwen3_to_hf,
         needs=QWEN3_NEEDS,
     ),
+    "mixtral": Family(
+        model_type="mixtral",
+        config_class="MixtralConfig",
+        model_class="MixtralForCausalLM",
+        weights=MIXTRAL_WEIGHTS,
+        ignored=LLAMA_IGNORED,
+        prefix="model.",
+        from_hf=_mixtral_from_hf,
+        to_hf=_mixtral_to_hf,
+        needs=MIXTRAL_NEEDS,
+        also_reads=FUSED_EXPERTS,
+    ),
+    "qwen3_moe": Family(
+        model_type="qwen3_moe",
+        config_class="Qwen3MoeConfig",
+        model_class="Qwen3MoeForCausalLM",
+        weights=QWEN3_MOE_WEIGHTS,
+        ignored=LLAMA_IGNORED,
+        prefix="model.",
+        from_hf=_qwen3_moe_from_hf,
+        to_hf=_qwen3_moe_to_hf,
+        needs=QWEN3_MOE_NEEDS,
+        also_reads=FUSED_EXPERTS,
+    ),
     "gpt2": Family(
         model_type="gpt2",
         config_class="GPT2Config",
@@ -543,7 +680,10 @@ FAMILIES: dict[str, Family] = {
 }
 # export tries the families of the config's position encoding in this order and takes the first
 # that represents the config exactly
-EXPORT_ORDER = {"learned": ("gpt2",), "rope": ("llama", "mistral", "qwen3")}
+EXPORT_ORDER = {
+    "learned": ("gpt2",),
+    "rope": ("llama", "mistral", "qwen3", "mixtral", "qwen3_moe"),
+}
 
 
 def _family_of(hf_config: Any) -> Family:
@@ -600,13 +740,16 @@ def config_to_hf(
 # Weights
 
 
-def _expand(weights: dict[str, str | Rule], n_layers: int) -> dict[str, Rule]:
-    """The name table with ``{i}`` expanded for every layer: full HF name -> Rule."""
+def _expand(weights: dict[str, str | Rule], cfg: ModelConfig) -> dict[str, Rule]:
+    """The name table with ``{i}`` expanded for every layer and ``{e}`` for every expert: full
+    HF name -> Rule."""
     out: dict[str, Rule] = {}
     for hf, ours in weights.items():
         rule = ours if isinstance(ours, Rule) else Rule((ours,))
-        for i in range(n_layers) if "{i}" in hf else (0,):
-            out[hf.format(i=i)] = Rule(tuple(o.format(i=i) for o in rule.ours), rule.conv1d)
+        for i in range(cfg.n_layers) if "{i}" in hf else (0,):
+            for e in range(cfg.n_experts) if "{e}" in hf else (None,):
+                names = tuple(o.format(i=i) for o in rule.ours)
+                out[hf.format(i=i, e=e)] = Rule(names, rule.conv1d, rule.dim, e)
     return out
 
 
@@ -615,8 +758,9 @@ def hf_to_ours(
 ) -> dict[str, torch.Tensor]:
     """Rename and re-lay HF tensors into our state dict (``shapes``: our name -> shape).
     Strict: every one of our tensors filled, every HF tensor used or knowingly ignored."""
-    rules = _expand(family.weights, cfg.n_layers)
+    rules = _expand({**family.also_reads, **family.weights}, cfg)
     ours: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[int, torch.Tensor]] = {}  # stacked tensor -> its experts' slices
     unexpected: list[str] = []
     problems: list[str] = []
     for name, tensor in hf_tensors.items():
@@ -629,13 +773,23 @@ def hf_to_ours(
             continue  # the model ties the head to the embedding, as HF does with this config
         rule = rules[key]
         t = tensor.t() if rule.conv1d else tensor
-        want = [shapes[n] for n in rule.ours]
-        fused = (sum(s[0] for s in want), *want[0][1:])
+        want = [shapes[n] if rule.expert is None else shapes[n][1:] for n in rule.ours]
+        d = rule.dim
+        fused = (*want[0][:d], sum(s[d] for s in want), *want[0][d + 1 :])
         if tuple(t.shape) != fused:
             problems.append(f"{name}: shape {tuple(tensor.shape)} does not fit {rule.ours} {want}")
             continue
-        for n, part in zip(rule.ours, t.split([s[0] for s in want]), strict=True):
-            ours[n] = part.contiguous()
+        for n, part in zip(rule.ours, t.split([s[d] for s in want], dim=d), strict=True):
+            if rule.expert is None:
+                ours[n] = part.contiguous()
+            else:
+                experts.setdefault(n, {})[rule.expert] = part
+    for n, parts in experts.items():
+        absent = sorted(set(range(cfg.n_experts)) - set(parts))
+        if absent:
+            problems.append(f"{n}: no HF tensor for expert(s) {absent} of {cfg.n_experts}")
+        else:
+            ours[n] = torch.stack([parts[e] for e in range(cfg.n_experts)]).contiguous()
     if cfg.tie_embeddings and "tok_emb.weight" in ours:
         ours["lm_head.weight"] = ours["tok_emb.weight"]
     missing = sorted(set(shapes) - set(ours))
@@ -651,7 +805,7 @@ def ours_to_hf(
     state: dict[str, torch.Tensor], cfg: ModelConfig, family: Family
 ) -> dict[str, torch.Tensor]:
     """Our state dict as HF tensors (CPU, contiguous); a tied head is stored once, as HF does."""
-    rules = _expand(family.weights, cfg.n_layers)
+    rules = _expand(family.weights, cfg)
     out: dict[str, torch.Tensor] = {}
     used: set[str] = set()
     if cfg.tie_embeddings:
@@ -660,7 +814,10 @@ def ours_to_hf(
     for key, rule in rules.items():
         if not all(n in state for n in rule.ours):
             continue
-        t = torch.cat([state[n].detach() for n in rule.ours])
+        parts = [state[n].detach() for n in rule.ours]
+        if rule.expert is not None:
+            parts = [p[rule.expert] for p in parts]
+        t = torch.cat(parts, dim=rule.dim)
         out[key] = (t.t() if rule.conv1d else t).to("cpu").contiguous()
         used.update(rule.ours)
     left = sorted(set(state) - used)
@@ -668,11 +825,19 @@ def ours_to_hf(
     return out
 
 
-def _check_against_hf(tensors: dict[str, torch.Tensor], hf_config: Any, family: Family) -> None:
+def _check_against_hf(
+    tensors: dict[str, torch.Tensor], hf_config: Any, family: Family, cfg: ModelConfig
+) -> None:
     """Compare names and shapes with those of the HF model built on the meta device (no memory):
     what ``from_pretrained`` will expect."""
     with torch.device("meta"):
         reference = getattr(transformers, family.model_class)(hf_config)
+    if family.also_reads:  # its experts live fused in memory, per expert on disk: both must
+        # map onto every one of our tensors and leave nothing over
+        ours = {k: tuple(v.shape) for k, v in meta_transformer(cfg).state_dict().items()}
+        for what in (reference.state_dict(), tensors):
+            hf_to_ours({k: v.to("meta") for k, v in what.items()}, cfg, family, ours)
+        return
     expected = {k: tuple(v.shape) for k, v in reference.state_dict().items()}
     if getattr(hf_config, "tie_word_embeddings", False):
         expected.pop("lm_head.weight", None)
@@ -814,7 +979,7 @@ def to_hf(
     hf_config = config_to_hf(cfg, family, **overrides)
     fam = _family_of(hf_config)
     tensors = ours_to_hf(model.state_dict(), cfg, fam)
-    _check_against_hf(tensors, hf_config, fam)
+    _check_against_hf(tensors, hf_config, fam, cfg)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     hf_config.save_pretrained(str(out))
