@@ -180,3 +180,30 @@ def test_more_than_one_process_needs_a_parallel_mode(data_dir, tmp_path):
     r = torchrun(args + _flags(**TRAIN, batch_size=4, max_steps=2))
     assert r.returncode != 0
     assert "train.parallel='none' with 2 processes: choose 'ddp' or 'fsdp'" in r.stdout + r.stderr
+
+
+EXPERTS = dict(n_experts=4, experts_per_token=2, expert_hidden_dim=32, moe_aux_loss_coef=0.0)
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_experts_train_across_ranks_as_in_one_process(parallel, data_dir, tmp_path):
+    """A mixture of experts (its balancing loss off: a per-rank balance is not the global one)
+    gives one process's losses; the expert-load records count every rank's tokens."""
+    one = tmp_path / "one"
+    cfg = get_preset("llama-shakespeare-char", **MODEL, **EXPERTS)
+    tc = TrainConfig(**{**TRAIN, "batch_size": GLOBAL_BATCH, "max_steps": 10})
+    Trainer(cfg, tc, data_dir, one).run()
+    run = tmp_path / parallel
+    args = ["train", "--data", str(data_dir), "--out", str(run)]
+    args += [f"--model.{k}={v}" for k, v in EXPERTS.items()]
+    args += _flags(**TRAIN, batch_size=GLOBAL_BATCH // 2, max_steps=10, parallel=parallel)
+    r = torchrun(args)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert_close(losses(run), losses(one))
+
+    def load(path):
+        recs = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+        return [x for r in recs if "experts" in r for row in r["experts"]["load"] for x in row]
+
+    assert len(load(run)) == len(load(one)) == 2 * 2 * 4  # 2 records x 2 layers x 4 experts
+    assert max(abs(a - b) for a, b in zip(load(run), load(one), strict=True)) < 0.02
