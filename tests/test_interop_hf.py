@@ -62,6 +62,17 @@ def _qwen3_moe(**kw):
     return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**cfg))
 
 
+def _bloom(**kw):
+    sizes = dict(vocab_size=VOCAB, hidden_size=48, n_layer=2, bos_token_id=None, eos_token_id=None)
+    return transformers.BloomForCausalLM(transformers.BloomConfig(**sizes, **kw))
+
+
+def _falcon(**kw):
+    sizes = dict(vocab_size=VOCAB, hidden_size=48, num_hidden_layers=2, max_position_embeddings=64)
+    tokens = dict(bos_token_id=None, eos_token_id=None)
+    return transformers.FalconForCausalLM(transformers.FalconConfig(**sizes, **tokens, **kw))
+
+
 def _gpt2(**kw):
     sizes = dict(vocab_size=VOCAB, n_embd=64, n_layer=3, n_head=4, n_positions=64)
     tokens = dict(bos_token_id=None, eos_token_id=None)
@@ -107,6 +118,22 @@ CASES = {
         head_dim=16,
         norm_topk_prob=False,
         tie_word_embeddings=True,
+    ),
+    "bloom_tied": lambda: _bloom(n_head=4),
+    "bloom_6_heads_untied": lambda: _bloom(n_head=6, tie_word_embeddings=False),  # ALiBi: 4 + 2
+    "falcon_7b_layout_mqa": lambda: _falcon(num_attention_heads=4, multi_query=True),
+    "falcon_sequential_mha_bias": lambda: _falcon(
+        num_attention_heads=4, multi_query=False, parallel_attn=False, bias=True
+    ),
+    "falcon_40b_layout_gqa_two_norms": lambda: _falcon(
+        num_attention_heads=6, num_kv_heads=2, new_decoder_architecture=True
+    ),
+    "falcon_new_layout_one_norm_untied": lambda: _falcon(
+        num_attention_heads=4,
+        num_kv_heads=2,
+        new_decoder_architecture=True,
+        num_ln_in_parallel_attn=1,
+        tie_word_embeddings=False,
     ),
     "gpt2": lambda: _gpt2(),
     "gpt2_untied_gelu": lambda: _gpt2(
@@ -400,9 +427,11 @@ def test_unsupported_hf_setting_is_refused(hf_config, needle):
     assert needle in str(err.value)
 
 
-def test_export_refuses_alibi_and_post_norm():
-    with pytest.raises(ConversionError, match="pos_encoding='alibi' blocks export"):
-        config_to_hf(get_preset("bloom-560m", n_layers=1, vocab_size=VOCAB, dim=64, n_heads=4))
+def test_export_refuses_what_no_family_has():
+    # ALiBi exports as BLOOM only with BLOOM's other traits (here: no LayerNorm after embedding)
+    alibi = get_preset("bloom-560m", n_layers=1, vocab_size=VOCAB, dim=64, n_heads=4)
+    with pytest.raises(ConversionError, match="bloom: embed_norm=False blocks export"):
+        config_to_hf(alibi.replace(embed_norm=False))
     post = ModelConfig(vocab_size=VOCAB, dim=64, n_layers=1, n_heads=4, norm_position="post")
     with pytest.raises(ConversionError, match="norm_position='post' blocks export"):
         to_hf(Transformer(post), "unused-dir")
@@ -525,3 +554,45 @@ def test_expert_configs_without_an_exact_counterpart_are_refused():
     with pytest.raises(ConversionError, match=r"n_experts=4 blocks export"):
         config_to_hf(get_preset("moe-shakespeare-char"), family="llama")
     assert type(config_to_hf(get_preset("moe-shakespeare-char"))).__name__ == "MixtralConfig"
+
+
+@pytest.mark.parametrize(
+    "preset, family",
+    [
+        ("bloom-560m", "BloomConfig"),
+        ("falcon-7b", "FalconConfig"),
+        ("mixtral-8x7b", "MixtralConfig"),
+        ("qwen3-30b-a3b", "Qwen3MoeConfig"),
+    ],
+)
+def test_every_family_preset_maps_to_its_hf_config_and_back(preset, family):
+    cfg = get_preset(preset)
+    hf_config = config_to_hf(cfg)
+    assert type(hf_config).__name__ == family
+    back = config_from_hf(hf_config)
+
+    def resolved(c):  # derived sizes in place of "not given"
+        return c.replace(
+            hidden_dim=c.ffn_dim,
+            expert_hidden_dim=c.expert_ffn_dim if c.n_experts else None,
+            n_kv_heads=c.kv_heads,
+            head_dim=c.head_size,
+            init_std=0.02,
+        )
+
+    assert resolved(back) == resolved(cfg)
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: _falcon(num_attention_heads=4, alibi=True), r"alibi=True is not supported"),
+        (
+            lambda: _bloom(n_head=4, apply_residual_connection_post_layernorm=True),
+            r"apply_residual_connection_post_layernorm=True is not supported",
+        ),
+    ],
+)
+def test_family_settings_without_an_exact_counterpart_are_refused(make, message):
+    with pytest.raises(ConversionError, match=message):
+        config_from_hf(make().config)

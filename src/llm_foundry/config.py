@@ -98,6 +98,7 @@ class ModelConfig:
     norm_bias: bool = True  # bias in LayerNorm (RMSNorm never has one)
     tie_embeddings: bool = False  # output head shares the token-embedding matrix
     parallel_block: bool = False  # attention and MLP read one normed input (GPT-J, Falcon)
+    parallel_norms: int = 1  # parallel blocks: 1 norm shared (Falcon-7B), 2 separate (Falcon-40B)
     residual: bool = True  # skip connections; False only to study gradient flow without them
     qk_norm: bool = False  # RMSNorm on each query/key head before RoPE (Qwen3)
     sliding_window: int | None = None  # attend only to the last N positions (Mistral)
@@ -211,6 +212,12 @@ class ModelConfig:
             p.append(f"init_std={self.init_std!r} must be > 0")
         if not (isinstance(self.mlp_ratio, (int, float)) and self.mlp_ratio > 0):
             p.append(f"mlp_ratio={self.mlp_ratio!r} must be > 0")
+        if self.parallel_norms not in (1, 2):
+            p.append(f"parallel_norms={self.parallel_norms!r} is not one of 1, 2")
+        elif self.parallel_norms == 2 and not self.parallel_block:
+            p.append(
+                "parallel_norms=2 needs parallel_block=True (a norm each for attention and MLP)"
+            )
         if self.parallel_block and self.norm_position == "post":
             p.append(
                 "parallel_block=True needs norm_position='pre' "

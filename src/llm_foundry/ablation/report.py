@@ -32,6 +32,8 @@ def summarise(variants, runs, speed, tokens_per_step, compare: str = "first") ->
             variant=v.name,
             seeds=len(rs),
             params=rs[0]["params"],
+            active_params=rs[0].get("active_params", rs[0]["params"]),
+            expert_cv=_mean_or_none([r.get("expert_cv") for r in rs]),
             train_loss=train,
             train_loss_std=train_sd,
             val_loss=val,
@@ -51,6 +53,11 @@ def summarise(variants, runs, speed, tokens_per_step, compare: str = "first") ->
         row["delta_val"] = row["val_loss"] - ref["val_loss"]
         row["verdict"] = verdict(row, ref)
     return rows
+
+
+def _mean_or_none(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.fmean(values) if values else None
 
 
 def verdict(row: dict, ref: dict) -> str:
@@ -117,6 +124,23 @@ def markdown(report: dict) -> str:
             f"{r['ms_per_iter']:.1f} | {r['tokens_per_s']:,.0f} | {r['peak_mem_mib']:.1f} | "
             f"{r['decode_tokens_per_s']:.0f} | {r['kv_bytes_per_token']:,} |"
         )
+    if any(r.get("active_params", r["params"]) != r["params"] for r in rows):
+        lines += [
+            "",
+            "| variant | total params | active params per token | expert load CV |",
+            "|---|---|---|---|",
+        ]
+        for r in rows:
+            cv = r.get("expert_cv")
+            lines.append(
+                f"| {r['variant']} | {r['params']:,} | {r['active_params']:,} | "
+                f"{'dense' if cv is None else f'{cv:.3f}'} |"
+            )
+        lines += [
+            "",
+            "Expert load CV: standard deviation over mean of the tokens each expert received in "
+            "the last logged interval, averaged over layers (0 = perfectly balanced).",
+        ]
     lines += [
         "",
         "Train loss: mean of the last 5% of steps; val loss: the final evaluation; ± is the "

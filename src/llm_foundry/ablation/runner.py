@@ -168,6 +168,8 @@ def run_one(study: Study, variant: Variant, seed_index: int, data: Path, run_dir
         seed=tc.seed,
         fingerprint=fingerprint,
         params=model.num_params(),
+        active_params=model.active_params(),
+        expert_cv=_final_expert_cv(run_dir),
         train_loss=statistics.fmean(tail),  # mean of the last 5% of steps
         val_loss=evals[-1]["val_loss"] if evals else None,
         val_curve=[(r["step"], r["val_loss"]) for r in evals],
@@ -187,6 +189,15 @@ def run_one(study: Study, variant: Variant, seed_index: int, data: Path, run_dir
         )
     result_file.write_text(json.dumps(out, indent=1))
     return out
+
+
+def _final_expert_cv(run_dir: Path) -> float | None:
+    """Mean over layers of the expert-load coefficient of variation in the run's last
+    expert-load record (None for a dense model): 0 is perfectly balanced."""
+    from llm_foundry.train.metrics import read_records
+
+    records = [r for r in read_records(run_dir / "metrics.jsonl") if "experts" in r]
+    return statistics.fmean(records[-1]["experts"]["cv"]) if records else None
 
 
 def run_study(study: Study, data: str | Path, out: str | Path) -> dict:

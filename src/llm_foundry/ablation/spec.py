@@ -7,6 +7,8 @@ import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import yaml
+
 from llm_foundry.config import ModelConfig, load_yaml
 from llm_foundry.settings import parse_assignment, resolve
 from llm_foundry.train.config import TrainConfig
@@ -81,7 +83,14 @@ def load_study(source: str | Path) -> Study:
         raise FileNotFoundError(
             f"no recipe or study file {str(source)!r}; built-in recipes: {', '.join(recipe_names())}"
         )
-    return Study.from_dict(load_yaml(path.read_text()) or {})
+    try:
+        data = load_yaml(path.read_text())
+    except (UnicodeDecodeError, yaml.YAMLError) as e:
+        where = getattr(e, "problem_mark", None)
+        at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
+        problem = getattr(e, "problem", None) or e
+        raise ValueError(f"{path} is not a valid YAML study{at}: {problem}") from None
+    return Study.from_dict(data or {})
 
 
 def expand(study: Study) -> list[Variant]:

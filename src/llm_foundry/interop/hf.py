@@ -122,6 +122,9 @@ class Rule:
     conv1d: bool = False
     dim: int = 0
     expert: int | None = None
+    # a fused q/k/v stored group by group (BLOOM: per head; Falcon: per key/value head): the
+    # rows are G groups of [q, k, v] slices; "heads" or "kv_heads" names G, set per model
+    groups: str | int | None = None
 
 
 def _wb(hf: str, ours: str) -> dict[str, str]:
@@ -167,6 +170,59 @@ GPT2_WEIGHTS: dict[str, str | Rule] = {
     "transformer.h.{i}.mlp.c_proj.weight": Rule(("layers.{i}.mlp.w2.weight",), conv1d=True),
     "transformer.h.{i}.mlp.c_proj.bias": "layers.{i}.mlp.w2.bias",
 }
+
+BLOOM_WEIGHTS: dict[str, str | Rule] = {
+    "transformer.word_embeddings.weight": "tok_emb.weight",
+    **_wb("transformer.word_embeddings_layernorm", "emb_norm"),
+    **_wb("transformer.ln_f", "norm"),
+    "lm_head.weight": "lm_head.weight",
+    **_wb("transformer.h.{i}.input_layernorm", "layers.{i}.attn_norm"),
+    **_wb("transformer.h.{i}.post_attention_layernorm", "layers.{i}.mlp_norm"),
+    "transformer.h.{i}.self_attention.query_key_value.weight": Rule(
+        ("layers.{i}.attn.wq.weight", "layers.{i}.attn.wk.weight", "layers.{i}.attn.wv.weight"),
+        groups="heads",
+    ),
+    "transformer.h.{i}.self_attention.query_key_value.bias": Rule(
+        ("layers.{i}.attn.wq.bias", "layers.{i}.attn.wk.bias", "layers.{i}.attn.wv.bias"),
+        groups="heads",
+    ),
+    **_wb("transformer.h.{i}.self_attention.dense", "layers.{i}.attn.wo"),
+    **_wb("transformer.h.{i}.mlp.dense_h_to_4h", "layers.{i}.mlp.w1"),
+    **_wb("transformer.h.{i}.mlp.dense_4h_to_h", "layers.{i}.mlp.w2"),
+}
+
+
+def _falcon_weights(cfg: ModelConfig) -> dict[str, str | Rule]:
+    """Falcon's names; its norms depend on the block: input_layernorm (+ post_attention_layernorm
+    in sequential blocks), or ln_attn + ln_mlp (two norms in parallel, Falcon-40B). q/k/v are
+    fused key/value head by key/value head ([q of the group's heads, k, v] per group), which is
+    also the old layouts' order: MQA (one group) and MHA (a group per head)."""
+    h = "transformer.h.{i}."
+    norms = {**_wb(h + "input_layernorm", "layers.{i}.attn_norm")}
+    if cfg.parallel_block and cfg.parallel_norms == 2:
+        norms = {
+            **_wb(h + "ln_attn", "layers.{i}.attn_norm"),
+            **_wb(h + "ln_mlp", "layers.{i}.mlp_norm"),
+        }
+    elif not cfg.parallel_block:
+        norms.update(_wb(h + "post_attention_layernorm", "layers.{i}.mlp_norm"))
+    qkv = ("layers.{i}.attn.wq", "layers.{i}.attn.wk", "layers.{i}.attn.wv")
+    return {
+        "transformer.word_embeddings.weight": "tok_emb.weight",
+        **_wb("transformer.ln_f", "norm"),
+        "lm_head.weight": "lm_head.weight",
+        **norms,
+        h + "self_attention.query_key_value.weight": Rule(
+            tuple(f"{n}.weight" for n in qkv), groups="kv_heads"
+        ),
+        h + "self_attention.query_key_value.bias": Rule(
+            tuple(f"{n}.bias" for n in qkv), groups="kv_heads"
+        ),
+        **_wb(h + "self_attention.dense", "layers.{i}.attn.wo"),
+        **_wb(h + "mlp.dense_h_to_4h", "layers.{i}.mlp.w1"),
+        **_wb(h + "mlp.dense_4h_to_h", "layers.{i}.mlp.w2"),
+    }
+
 
 # Mixtral as saved on disk (per-expert tensors, as the Hub checkpoints and save_pretrained have
 # them); in memory transformers 5 fuses each layer's experts into gate_up_proj and down_proj
@@ -240,6 +296,16 @@ GPT2_SETTINGS: list[Setting] = [
         "llm-foundry does not reproduce this attention ordering/upcasting",
     ),
     ("add_cross_attention", (False,), False, "llm-foundry models are decoder-only"),
+]
+
+
+BLOOM_SETTINGS: list[Setting] = [
+    (
+        "apply_residual_connection_post_layernorm",
+        (False,),
+        False,
+        "llm-foundry's residual stream carries the block input, not its normalised form",
+    ),
 ]
 
 
@@ -347,6 +413,7 @@ def _qwen3_from_hf(c: Any, problems: list[str]) -> dict[str, Any]:
 
 def _experts_from_hf(c: Any, n_experts: int, hidden: int, renormalize: bool) -> dict[str, Any]:
     return dict(
+        hidden_dim=None,  # no dense MLP: every layer's is experts
         n_experts=n_experts,
         experts_per_token=c.num_experts_per_tok,
         expert_hidden_dim=hidden,
@@ -373,6 +440,88 @@ def _qwen3_moe_from_hf(c: Any, problems: list[str]) -> dict[str, Any]:
     fields = _qwen3_from_hf(c, problems)
     renorm = bool(getattr(c, "norm_topk_prob", False))
     return {**fields, **_experts_from_hf(c, c.num_experts, c.moe_intermediate_size, renorm)}
+
+
+def _bloom_from_hf(c: Any, problems: list[str]) -> dict[str, Any]:
+    """BLOOM: ALiBi, a LayerNorm right after the embedding, LayerNorms and linear layers with
+    biases, a tanh-GELU MLP four times as wide, q/k/v fused head by head."""
+    _check_settings(c, BLOOM_SETTINGS, problems)
+    return dict(
+        vocab_size=c.vocab_size,
+        dim=c.hidden_size,
+        n_layers=c.n_layer,
+        n_heads=c.n_head,
+        hidden_dim=4 * c.hidden_size,
+        max_seq_len=int(getattr(c, "seq_length", None) or 2048),  # ALiBi has no table to size
+        pos_encoding="alibi",
+        norm="layernorm",
+        norm_position="pre",
+        norm_bias=True,
+        norm_eps=float(c.layer_norm_epsilon),
+        embed_norm=True,
+        mlp="gelu",
+        gelu_approx="tanh",
+        attn_bias=True,
+        mlp_bias=True,
+        tie_embeddings=bool(getattr(c, "tie_word_embeddings", True)),
+        init_std=float(getattr(c, "initializer_range", 0.02)),
+    )
+
+
+FALCON_ACTS = {
+    "gelu": ("gelu", "none"),
+    "gelu_pytorch_tanh": ("gelu", "tanh"),
+    "relu": ("relu", "none"),
+}
+FALCON_ACTS_OUT = {
+    ("gelu", "none"): "gelu",
+    ("gelu", "tanh"): "gelu_pytorch_tanh",
+    ("relu", "none"): "relu",
+}
+
+
+def _falcon_from_hf(c: Any, problems: list[str]) -> dict[str, Any]:
+    """Falcon, both layouts: the original (parallel or sequential blocks, MHA or MQA) and
+    new_decoder_architecture (GQA, parallel blocks with one or two norms). RoPE only."""
+    if getattr(c, "alibi", False):
+        problems.append(
+            "alibi=True is not supported: Falcon rounds its ALiBi biases to bfloat16 and scales "
+            "them by 1/sqrt(head_dim), which llm-foundry's ALiBi does not; supported: alibi=False"
+        )
+    new = bool(c.new_decoder_architecture)
+    parallel = bool(c.parallel_attn)
+    if new and not parallel:
+        problems.append(
+            "new_decoder_architecture=True with parallel_attn=False has no block in transformers "
+            "either; supported: parallel_attn=True"
+        )
+    n_ln = (getattr(c, "num_ln_in_parallel_attn", None) or 2) if new else 1
+    heads = c.num_attention_heads
+    kv = c.num_kv_heads if new else (1 if c.multi_query else heads)
+    mlp, approx = _lookup(c, "activation", FALCON_ACTS, problems)
+    return dict(
+        vocab_size=c.vocab_size,
+        dim=c.hidden_size,
+        n_layers=c.num_hidden_layers,
+        n_heads=heads,
+        n_kv_heads=kv if kv != heads else None,
+        hidden_dim=getattr(c, "ffn_hidden_size", None) or 4 * c.hidden_size,
+        max_seq_len=c.max_position_embeddings,
+        pos_encoding="rope",
+        **_rope_from_hf(c, problems),
+        norm="layernorm",
+        norm_position="pre",
+        norm_bias=True,
+        norm_eps=float(c.layer_norm_epsilon),
+        mlp=mlp,
+        gelu_approx=approx,
+        parallel_block=parallel,
+        parallel_norms=n_ln if parallel else 1,
+        attn_bias=bool(c.bias),
+        mlp_bias=bool(c.bias),
+        tie_embeddings=bool(getattr(c, "tie_word_embeddings", True)),
+        init_std=float(getattr(c, "initializer_range", 0.02)),
+    )
 
 
 def _gpt2_from_hf(c: Any, problems: list[str]) -> dict[str, Any]:
@@ -490,6 +639,47 @@ def _qwen3_moe_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     }
 
 
+def _bloom_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    return dict(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.dim,
+        n_layer=cfg.n_layers,
+        n_head=cfg.n_heads,
+        layer_norm_epsilon=cfg.norm_eps,
+        tie_word_embeddings=cfg.tie_embeddings,
+        initializer_range=cfg.init_std,
+        apply_residual_connection_post_layernorm=False,
+        seq_length=cfg.max_seq_len,
+    )
+
+
+def _falcon_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    """The original layout where it can hold the config (MHA or MQA with one shared norm or
+    sequential blocks), else new_decoder_architecture."""
+    kv = cfg.kv_heads
+    new = cfg.parallel_norms == 2 or kv not in (1, cfg.n_heads)
+    return dict(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.dim,
+        num_hidden_layers=cfg.n_layers,
+        num_attention_heads=cfg.n_heads,
+        num_kv_heads=kv,
+        new_decoder_architecture=new,
+        multi_query=kv == 1 and not new,
+        parallel_attn=cfg.parallel_block,
+        num_ln_in_parallel_attn=cfg.parallel_norms if new else None,
+        alibi=False,
+        bias=cfg.attn_bias,
+        activation=FALCON_ACTS_OUT[(cfg.mlp, cfg.gelu_approx)],
+        ffn_hidden_size=cfg.ffn_dim,
+        max_position_embeddings=cfg.max_seq_len,
+        layer_norm_epsilon=cfg.norm_eps,
+        tie_word_embeddings=cfg.tie_embeddings,
+        initializer_range=cfg.init_std,
+        **_rope_to_hf(cfg),
+    )
+
+
 def _gpt2_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     return dict(
         vocab_size=cfg.vocab_size,
@@ -511,16 +701,18 @@ def _gpt2_to_hf(cfg: ModelConfig) -> dict[str, Any]:
 
 # What a config must satisfy to be exported: (field, test, what is needed)
 Need = tuple[str, Callable[[ModelConfig], bool], str]
-COMMON_NEEDS: list[Need] = [  # what no supported family (LLaMA, Mistral, Qwen3, GPT-2) has
-    ("norm_position", lambda c: c.norm_position == "pre", "'pre': all four families are pre-norm"),
-    ("parallel_block", lambda c: not c.parallel_block, "False: no family has parallel blocks"),
+COMMON_NEEDS: list[Need] = [  # what no supported family has
+    ("norm_position", lambda c: c.norm_position == "pre", "'pre': every family is pre-norm"),
     ("residual", lambda c: c.residual, "True: every family has residual connections"),
-    ("embed_norm", lambda c: not c.embed_norm, "False: no family normalises the embeddings"),
     (
         "pos_encoding",
-        lambda c: c.pos_encoding in ("rope", "learned"),
-        "'rope' (LLaMA, Mistral, Qwen3) or 'learned' (GPT-2)",
+        lambda c: c.pos_encoding in EXPORT_ORDER,
+        "'rope' (LLaMA, Mistral, Qwen3, Mixtral, Qwen3-MoE), 'learned' (GPT-2) or 'alibi' (BLOOM)",
     ),
+]
+SEQUENTIAL: list[Need] = [  # what every family but BLOOM (embed_norm) and Falcon (parallel) has
+    ("parallel_block", lambda c: not c.parallel_block, "False (only Falcon has parallel blocks)"),
+    ("embed_norm", lambda c: not c.embed_norm, "False (only BLOOM normalises the embeddings)"),
 ]
 DENSE: Need = (
     "n_experts",
@@ -534,6 +726,7 @@ EXPERTS: list[Need] = [
     ("mlp", lambda c: c.mlp == "swiglu", "'swiglu'"),
 ]
 ROPE_NEEDS: list[Need] = [
+    *SEQUENTIAL,
     ("pos_encoding", lambda c: c.pos_encoding == "rope", "'rope'"),
     ("norm", lambda c: c.norm == "rmsnorm", "'rmsnorm'"),
     ("mlp", lambda c: c.mlp in LLAMA_ACTS_OUT, "a gated MLP: 'swiglu' or 'geglu'"),
@@ -563,6 +756,7 @@ MIXTRAL_NEEDS = [
 QWEN3_MOE_NEEDS = [*QWEN3_BASE, *EXPERTS]
 GPT2_NEEDS: list[Need] = [
     DENSE,
+    *SEQUENTIAL,
     ("pos_encoding", lambda c: c.pos_encoding == "learned", "'learned'"),
     ("norm", lambda c: c.norm == "layernorm", "'layernorm'"),
     ("norm_bias", lambda c: c.norm_bias, "True"),
@@ -574,6 +768,45 @@ GPT2_NEEDS: list[Need] = [
         "head_dim",
         lambda c: c.dim % c.n_heads == 0 and c.head_size == c.dim // c.n_heads,
         "dim // n_heads",
+    ),
+    ("qk_norm", lambda c: not c.qk_norm, "False"),
+    ("sliding_window", lambda c: c.sliding_window is None, "None"),
+]
+
+
+BLOOM_NEEDS: list[Need] = [
+    DENSE,
+    ("pos_encoding", lambda c: c.pos_encoding == "alibi", "'alibi'"),
+    ("embed_norm", lambda c: c.embed_norm, "True (BLOOM normalises the embeddings)"),
+    ("parallel_block", lambda c: not c.parallel_block, "False"),
+    ("norm", lambda c: c.norm == "layernorm" and c.norm_bias, "'layernorm' with norm_bias=True"),
+    ("mlp", lambda c: c.mlp == "gelu" and c.gelu_approx == "tanh", "'gelu' with tanh"),
+    ("attn_bias", lambda c: c.attn_bias, "True"),
+    ("mlp_bias", lambda c: c.mlp_bias, "True"),
+    ("hidden_dim", lambda c: c.ffn_dim == 4 * c.dim, "4 x dim (BLOOM's MLP width is fixed)"),
+    ("n_kv_heads", lambda c: c.kv_heads == c.n_heads, "n_heads (BLOOM has no GQA)"),
+    ("head_dim", lambda c: c.head_size * c.n_heads == c.dim, "dim // n_heads"),
+    ("qk_norm", lambda c: not c.qk_norm, "False"),
+    ("sliding_window", lambda c: c.sliding_window is None, "None"),
+]
+
+
+FALCON_NEEDS: list[Need] = [
+    DENSE,
+    ("pos_encoding", lambda c: c.pos_encoding == "rope", "'rope' (Falcon's ALiBi is not exact)"),
+    ("embed_norm", lambda c: not c.embed_norm, "False"),
+    ("norm", lambda c: c.norm == "layernorm" and c.norm_bias, "'layernorm' with norm_bias=True"),
+    ("mlp", lambda c: (c.mlp, c.gelu_approx) in FALCON_ACTS_OUT, "'gelu' or 'relu' (two matrices)"),
+    (
+        "mlp_bias",
+        lambda c: c.mlp_bias == c.attn_bias,
+        "equal to attn_bias (Falcon's one bias flag)",
+    ),
+    ("head_dim", lambda c: c.head_size * c.n_heads == c.dim, "dim // n_heads"),
+    (
+        "parallel_block",
+        lambda c: c.parallel_block or c.kv_heads in (1, c.n_heads),
+        "True for GQA (sequential blocks exist only in the MHA/MQA layout)",
     ),
     ("qk_norm", lambda c: not c.qk_norm, "False"),
     ("sliding_window", lambda c: c.sliding_window is None, "None"),
@@ -599,7 +832,8 @@ class Family:
     model_type: str
     config_class: str
     model_class: str
-    weights: dict[str, str | Rule]  # the layout written on export (and read)
+    # the layout written on export (and read); a function of the config where it depends on it
+    weights: dict[str, str | Rule] | Callable[[ModelConfig], dict[str, str | Rule]]
     ignored: tuple[str, ...]  # regexes of HF tensors skipped knowingly
     prefix: str  # base-model prefix, absent from some older checkpoints' tensor names
     from_hf: Callable[[Any, list[str]], dict[str, Any]]
@@ -666,6 +900,28 @@ FAMILIES: dict[str, Family] = {
         needs=QWEN3_MOE_NEEDS,
         also_reads=FUSED_EXPERTS,
     ),
+    "bloom": Family(
+        model_type="bloom",
+        config_class="BloomConfig",
+        model_class="BloomForCausalLM",
+        weights=BLOOM_WEIGHTS,
+        ignored=(),
+        prefix="transformer.",
+        from_hf=_bloom_from_hf,
+        to_hf=_bloom_to_hf,
+        needs=BLOOM_NEEDS,
+    ),
+    "falcon": Family(
+        model_type="falcon",
+        config_class="FalconConfig",
+        model_class="FalconForCausalLM",
+        weights=_falcon_weights,
+        ignored=(),
+        prefix="transformer.",
+        from_hf=_falcon_from_hf,
+        to_hf=_falcon_to_hf,
+        needs=FALCON_NEEDS,
+    ),
     "gpt2": Family(
         model_type="gpt2",
         config_class="GPT2Config",
@@ -682,7 +938,8 @@ FAMILIES: dict[str, Family] = {
 # that represents the config exactly
 EXPORT_ORDER = {
     "learned": ("gpt2",),
-    "rope": ("llama", "mistral", "qwen3", "mixtral", "qwen3_moe"),
+    "alibi": ("bloom",),
+    "rope": ("llama", "mistral", "qwen3", "mixtral", "qwen3_moe", "falcon"),
 }
 
 
@@ -749,8 +1006,28 @@ def _expand(weights: dict[str, str | Rule], cfg: ModelConfig) -> dict[str, Rule]
         for i in range(cfg.n_layers) if "{i}" in hf else (0,):
             for e in range(cfg.n_experts) if "{e}" in hf else (None,):
                 names = tuple(o.format(i=i) for o in rule.ours)
-                out[hf.format(i=i, e=e)] = Rule(names, rule.conv1d, rule.dim, e)
+                groups = {"heads": cfg.n_heads, "kv_heads": cfg.kv_heads}.get(rule.groups)
+                out[hf.format(i=i, e=e)] = Rule(names, rule.conv1d, rule.dim, e, groups)
     return out
+
+
+def _table(family: Family, cfg: ModelConfig) -> dict[str, str | Rule]:
+    return family.weights(cfg) if callable(family.weights) else family.weights
+
+
+def _ungroup(t: torch.Tensor, sizes: list[int], groups: int) -> list[torch.Tensor]:
+    """Rows stored as ``groups`` groups of [part 0, part 1, ...] slices (each part's rows split
+    evenly over the groups) -> each part's rows in order. t: (sum(sizes), ...)."""
+    per = [s // groups for s in sizes]
+    g = t.reshape(groups, sum(per), *t.shape[1:])
+    return [p.reshape(s, *t.shape[1:]) for p, s in zip(g.split(per, dim=1), sizes, strict=True)]
+
+
+def _regroup(parts: list[torch.Tensor], groups: int) -> torch.Tensor:
+    """The inverse of ``_ungroup``: parts (s_i, ...) -> rows in ``groups`` interleaved groups."""
+    rest = parts[0].shape[1:]
+    g = torch.cat([p.reshape(groups, -1, *rest) for p in parts], dim=1)
+    return g.reshape(-1, *rest)
 
 
 def hf_to_ours(
@@ -758,7 +1035,7 @@ def hf_to_ours(
 ) -> dict[str, torch.Tensor]:
     """Rename and re-lay HF tensors into our state dict (``shapes``: our name -> shape).
     Strict: every one of our tensors filled, every HF tensor used or knowingly ignored."""
-    rules = _expand({**family.also_reads, **family.weights}, cfg)
+    rules = _expand({**family.also_reads, **_table(family, cfg)}, cfg)
     ours: dict[str, torch.Tensor] = {}
     experts: dict[str, dict[int, torch.Tensor]] = {}  # stacked tensor -> its experts' slices
     unexpected: list[str] = []
@@ -779,7 +1056,9 @@ def hf_to_ours(
         if tuple(t.shape) != fused:
             problems.append(f"{name}: shape {tuple(tensor.shape)} does not fit {rule.ours} {want}")
             continue
-        for n, part in zip(rule.ours, t.split([s[d] for s in want], dim=d), strict=True):
+        sizes = [s[d] for s in want]
+        parts = _ungroup(t, sizes, rule.groups) if rule.groups else t.split(sizes, dim=d)
+        for n, part in zip(rule.ours, parts, strict=True):
             if rule.expert is None:
                 ours[n] = part.contiguous()
             else:
@@ -805,7 +1084,7 @@ def ours_to_hf(
     state: dict[str, torch.Tensor], cfg: ModelConfig, family: Family
 ) -> dict[str, torch.Tensor]:
     """Our state dict as HF tensors (CPU, contiguous); a tied head is stored once, as HF does."""
-    rules = _expand(family.weights, cfg)
+    rules = _expand(_table(family, cfg), cfg)
     out: dict[str, torch.Tensor] = {}
     used: set[str] = set()
     if cfg.tie_embeddings:
@@ -817,7 +1096,7 @@ def ours_to_hf(
         parts = [state[n].detach() for n in rule.ours]
         if rule.expert is not None:
             parts = [p[rule.expert] for p in parts]
-        t = torch.cat(parts, dim=rule.dim)
+        t = _regroup(parts, rule.groups) if rule.groups else torch.cat(parts, dim=rule.dim)
         out[key] = (t.t() if rule.conv1d else t).to("cpu").contiguous()
         used.update(rule.ours)
     left = sorted(set(state) - used)

@@ -88,7 +88,7 @@ class PostNormBlock(Block):
 
 
 class ParallelBlock(Block):
-    """Parallel block: x + attn(norm(x)) + mlp(norm(x)) with one shared norm."""
+    """Parallel block: x + attn(norm(x)) + mlp(norm(x)) with one shared norm (GPT-J, Falcon-7B)."""
 
     def __init__(self, cfg: ModelConfig):
         nn.Module.__init__(self)
@@ -107,6 +107,21 @@ class ParallelBlock(Block):
         return self.skip(x, self.drop(a)) + self.drop(self.mlp(h)), weights
 
 
+class TwoNormParallelBlock(ParallelBlock):
+    """Parallel block with a norm each (Falcon-40B): x + attn(norm1(x)) + mlp(norm2(x))."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        self.mlp_norm = build_norm(cfg)
+
+    def norms(self) -> list[nn.Module]:
+        return [self.attn_norm, self.mlp_norm]
+
+    def forward(self, x, pos, start, mask, need_weights=False, kv=None):
+        a, weights = self.attn(self.attn_norm(x), pos, start, mask, need_weights, kv)
+        return self.skip(x, self.drop(a)) + self.drop(self.mlp(self.mlp_norm(x))), weights
+
+
 def build_feed_forward(cfg: ModelConfig) -> nn.Module:
     """Routed experts when ``cfg.n_experts`` > 0, else the MLP ``cfg.mlp`` names."""
     return MoE(cfg) if cfg.n_experts else build_mlp(cfg)
@@ -114,8 +129,12 @@ def build_feed_forward(cfg: ModelConfig) -> nn.Module:
 
 BLOCKS = {"pre": Block, "post": PostNormBlock}
 NORM_POSITION_NAMES = BLOCKS.keys()  # ``ModelConfig.norm_position``'s values (a live view)
+PARALLEL_BLOCKS = {1: ParallelBlock, 2: TwoNormParallelBlock}  # by ``ModelConfig.parallel_norms``
 
 
 def build_block(cfg: ModelConfig) -> nn.Module:
-    """The block named by ``cfg.norm_position``, or the parallel block (``cfg.parallel_block``)."""
-    return ParallelBlock(cfg) if cfg.parallel_block else BLOCKS[cfg.norm_position](cfg)
+    """The block named by ``cfg.norm_position``, or a parallel block (``cfg.parallel_block``)
+    with ``cfg.parallel_norms`` norms."""
+    if cfg.parallel_block:
+        return PARALLEL_BLOCKS[cfg.parallel_norms](cfg)
+    return BLOCKS[cfg.norm_position](cfg)
