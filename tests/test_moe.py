@@ -258,3 +258,22 @@ def test_the_balancing_loss_changes_the_router_gradient(tiny_config):
         loss.backward()
         grads.append(model.layers[0].mlp.router.weight.grad.clone())
     assert not torch.allclose(grads[0], grads[1])
+
+
+def test_inspect_experts_plots_the_load_records(char_data, tmp_path, capsys):
+    from llm_foundry.cli import main
+
+    run = tmp_path / "run"
+    _moe_trainer(char_data(60_000), run, max_steps=8).run()
+    capsys.readouterr()
+    out = tmp_path / "experts.png"
+    assert main(["inspect", "experts", "--run", str(run), "--out", str(out), "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    records = [r["experts"] for r in _records(run) if "experts" in r]
+    assert shown["steps"] == [4, 8] and shown["final_cv"] == records[-1]["cv"]
+    assert shown["width"] > 0 and out.stat().st_size > 0
+    dense = tmp_path / "dense"
+    (dense).mkdir()
+    (dense / "metrics.jsonl").write_text('{"step": 1, "loss": 3.0}\n')
+    assert main(["inspect", "experts", "--run", str(dense)]) == 2
+    assert "no expert-load records" in capsys.readouterr().err

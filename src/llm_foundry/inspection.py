@@ -13,7 +13,6 @@ import struct
 from pathlib import Path
 
 DPI = 100
-WHATS = ("lr", "attention", "rope", "sinusoidal", "alibi", "dynamics")
 
 
 def _plt():
@@ -284,6 +283,48 @@ def plot_dynamics(
         sm = ScalarMappable(Normalize(-0.5, n_layers - 0.5), ListedColormap(colors))
         fig.colorbar(sm, ax=axes, label="layer", shrink=0.8)
         axes[0, 0].legend(handles=styles, fontsize=8)
+    fig.suptitle(title)
+    return _save(fig, path)
+
+
+def plot_experts(records: list[dict], path: str | Path, title: str) -> Path:
+    """Expert load over training, one panel per layer: each expert's share of the interval's
+    (token, slot) assignments against the step (1/E dotted: perfect balance), and below, each
+    layer's coefficient of variation. ``records``: ``{"step", "experts": {"load", "cv"}}``."""
+    import numpy as np
+
+    plt = _plt()
+    steps = [r["step"] for r in records]
+    load = np.array([r["experts"]["load"] for r in records], dtype=float)  # (records, L, E)
+    n_layers, n_experts = load.shape[1:]
+    cols = min(n_layers, 4)
+    rows = -(-n_layers // cols)
+    fig, axes = plt.subplots(
+        rows + 1, cols, figsize=(4.2 * cols, 3.0 * (rows + 1)), layout="constrained", squeeze=False
+    )
+    colors = plt.get_cmap("tab20" if n_experts > 10 else "tab10")(np.arange(n_experts) % 20)
+    for i in range(n_layers):
+        ax = axes[i // cols, i % cols]
+        for e in range(n_experts):
+            ax.plot(steps, load[:, i, e], color=colors[e], lw=1.4, label=f"expert {e}")
+        ax.axhline(1 / n_experts, color="gray", ls=":", lw=1.2)
+        ax.set_title(f"layer {i}: share of assignments", fontsize=10)
+        ax.set_ylim(0, max(load[:, i].max() * 1.1, 2 / n_experts))
+        ax.grid(alpha=0.3)
+    for j in range(n_layers, rows * cols):
+        axes[j // cols, j % cols].axis("off")
+    cv_ax = axes[rows, 0]
+    for j in range(1, cols):
+        axes[rows, j].axis("off")
+    cv = np.array([r["experts"]["cv"] for r in records], dtype=float)
+    for i in range(n_layers):
+        cv_ax.plot(steps, cv[:, i], lw=1.4, label=f"layer {i}")
+    cv_ax.set_title("coefficient of variation of the load (0: balanced)", fontsize=10)
+    cv_ax.set_xlabel("step")
+    cv_ax.grid(alpha=0.3)
+    cv_ax.legend(fontsize=8)
+    if n_experts <= 16:
+        axes[0, 0].legend(fontsize=7, ncol=2)
     fig.suptitle(title)
     return _save(fig, path)
 

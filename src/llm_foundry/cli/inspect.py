@@ -11,11 +11,11 @@ from pathlib import Path
 
 from llm_foundry.cli.options import SettingsParser, add_settings_arguments, settings_from
 from llm_foundry.inspection import (
-    WHATS,
     lr_curves,
     plot_alibi,
     plot_attention,
     plot_dynamics,
+    plot_experts,
     plot_lr,
     plot_rope,
     plot_sinusoidal,
@@ -282,6 +282,38 @@ def cmd_dynamics(argv: list[str]) -> int:
     )
 
 
+def cmd_experts(argv: list[str]) -> int:
+    from llm_foundry.rundir import RunDir
+
+    p = argparse.ArgumentParser(
+        prog="llm-foundry inspect experts",
+        description="Plot how a mixture-of-experts run spread its tokens over the experts: each "
+        "expert's share per layer against the step, and the load's coefficient of variation.",
+    )
+    p.add_argument("--run", required=True, help="run directory (holds metrics.jsonl)")
+    _common(p)
+    ns = p.parse_args(argv)
+    run = RunDir(ns.run)
+    if not (run.path / "metrics.jsonl").exists():
+        raise FileNotFoundError(f"--run {run.path}: no metrics.jsonl (not a training run)")
+    records = [r for r in run.metrics() if "experts" in r]
+    if not records:
+        raise ValueError(
+            f"{run.path / 'metrics.jsonl'} has no expert-load records: the model has no experts "
+            "(train with --model.n_experts N, e.g. --preset moe-shakespeare-char)"
+        )
+    dead = sorted({tuple(d) for r in records for d in r["experts"]["dead"]})
+    path = plot_experts(records, ns.out, f"{run.path}: expert load ({len(records)} records)")
+    return _report(
+        ns,
+        path,
+        run=str(run.path),
+        steps=[r["step"] for r in records],
+        final_cv=records[-1]["experts"]["cv"],
+        ever_dead=[list(d) for d in dead],
+    )
+
+
 COMMANDS = {
     "lr": (cmd_lr, "learning rate against the step (--compare: every schedule)"),
     "attention": (cmd_attention, "attention heatmaps of a checkpoint (or random preset)"),
@@ -289,6 +321,7 @@ COMMANDS = {
     "sinusoidal": (cmd_sinusoidal, "the sinusoidal position table"),
     "alibi": (cmd_alibi, "ALiBi bias matrices, one per head"),
     "dynamics": (cmd_dynamics, "a run's attention entropy, ranks, grad norms against the step"),
+    "experts": (cmd_experts, "a mixture-of-experts run's expert load against the step"),
 }
 
 
@@ -305,7 +338,7 @@ def main(argv: list[str]) -> int:
         return 0
     if argv[0] not in COMMANDS:
         raise ValueError(
-            f"unknown inspect sub-command {argv[0]!r}; choose one of {', '.join(WHATS)}"
+            f"unknown inspect sub-command {argv[0]!r}; choose one of {', '.join(COMMANDS)}"
         )
     try:
         return COMMANDS[argv[0]][0](argv[1:])
