@@ -238,8 +238,8 @@ class Monitor:
 class ExpertLoad:
     """How many tokens each expert of each MoE layer receives. Every training step adds
     ``aux_loss`` and the per-layer coefficient of variation of that step's load (``expert_cv``)
-    to the step's record; every ``interval`` steps a record holds each expert's share of the
-    interval's assignments and names the experts that received none (dead experts), with a
+    to the step's record; every ``interval`` steps and at the last step a record holds each
+    expert's share of the assignments since the previous record and names the experts that received none (dead experts), with a
     warning. The counts are global over ranks and travel in checkpoints, so a resumed run writes
     the records an uninterrupted one would. Inert for a dense model."""
 
@@ -278,9 +278,10 @@ class ExpertLoad:
         dead = [[i, e] for i, e in (counts == 0).nonzero().tolist()]
         if dead:
             where = ", ".join(f"layer {i} expert {e}" for i, e in dead)
+            since = (step - 1) // self.interval * self.interval  # the previous record's step
             warn(
-                f"warning: step {step}: {len(dead)} expert(s) received no tokens in the last "
-                f"{self.interval} steps ({where}); raise model.moe_aux_loss_coef to rebalance"
+                f"warning: step {step}: {len(dead)} expert(s) received no tokens in steps "
+                f"{since + 1}-{step} ({where}); raise model.moe_aux_loss_coef to rebalance"
             )
         return {
             "step": step,

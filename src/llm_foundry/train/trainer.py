@@ -411,13 +411,13 @@ class Trainer:
                 metrics.write(rec)
                 if watch:
                     metrics.write(self.monitor.record(self.step, probe, *norms))
-                if self.experts.due(self.step):
-                    metrics.write(self.experts.interval_record(self.step, say))
                 if tb:
                     _tb_write(tb, "train", rec)
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss:.4f}", lr=f"{rec['lr']:.2e}", tok_s=f"{tps:,.0f}")
                 final = self.step == tc.max_steps
+                if self.experts.due(self.step) or (final and self.experts.layers):
+                    metrics.write(self.experts.interval_record(self.step, say))
                 save_now = (
                     tc.checkpoint_interval and self.step % tc.checkpoint_interval == 0
                 ) or final
