@@ -52,7 +52,7 @@ def _qwen3(**kw):
 
 
 def _mixtral(**kw):
-    cfg = dict(LLAMA_SIZES, num_local_experts=4, num_experts_per_tok=2, **kw)
+    cfg = {**LLAMA_SIZES, "num_local_experts": 4, "num_experts_per_tok": 2, **kw}
     return transformers.MixtralForCausalLM(transformers.MixtralConfig(**cfg))
 
 
@@ -109,6 +109,12 @@ CASES = {
         max_window_layers=0,
     ),
     "mixtral": lambda: _mixtral(num_attention_heads=4, num_key_value_heads=2),
+    "mixtral_mqa_tied_top1": lambda: _mixtral(
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        num_experts_per_tok=1,
+        tie_word_embeddings=True,
+    ),
     "qwen3_moe_renormalised": lambda: _qwen3_moe(
         num_attention_heads=4, num_key_value_heads=1, head_dim=24, norm_topk_prob=True
     ),
@@ -547,6 +553,10 @@ def test_expert_configs_without_an_exact_counterpart_are_refused():
     )  # fmt: skip
     with pytest.raises(ConversionError, match=r"mlp_only_layers=\[1\]"):
         config_from_hf(dense_layers)
+    no_experts = transformers.MixtralConfig(**LLAMA_SIZES, num_local_experts=2)
+    no_experts.num_experts_per_tok = 3
+    with pytest.raises(ConversionError, match=r"num_local_experts=2, num_experts_per_tok=3"):
+        config_from_hf(no_experts)
     shared = get_preset("moe-shakespeare-char", n_shared_experts=1)
     with pytest.raises(ConversionError, match=r"n_shared_experts=1 blocks export"):
         config_to_hf(shared)
@@ -596,3 +606,23 @@ def test_every_family_preset_maps_to_its_hf_config_and_back(preset, family):
 def test_family_settings_without_an_exact_counterpart_are_refused(make, message):
     with pytest.raises(ConversionError, match=message):
         config_from_hf(make().config)
+
+
+@pytest.mark.parametrize(
+    "name", ["bloom_6_heads_untied", "falcon_40b_layout_gqa_two_norms", "qwen3_moe_tied"]
+)
+def test_convert_command_round_trips_the_new_families(name, tmp_path, capsys):
+    from llm_foundry.cli import main
+
+    hf = _hf_model(name)
+    hf.save_pretrained(str(tmp_path / "hf"))
+    assert (
+        main(["convert", "--from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ours")]) == 0
+    )
+    assert (
+        main(["convert", "--to-hf", str(tmp_path / "ours"), "--out", str(tmp_path / "back")]) == 0
+    )
+    x = _tokens()
+    back = _load_hf_dir(tmp_path / "back")
+    assert type(back).__name__ == type(hf).__name__
+    assert _max_diff(_hf_logits(back, x), _hf_logits(hf, x)) <= TOL

@@ -411,7 +411,16 @@ def _qwen3_from_hf(c: Any, problems: list[str]) -> dict[str, Any]:
     return {**_llama_family_fields(c, problems), "qk_norm": True, "sliding_window": window}
 
 
-def _experts_from_hf(c: Any, n_experts: int, hidden: int, renormalize: bool) -> dict[str, Any]:
+def _experts_from_hf(
+    c: Any, n_experts: int, hidden: int, renormalize: bool, problems: list[str], name: str
+) -> dict[str, Any]:
+    k = c.num_experts_per_tok
+    if not (isinstance(n_experts, int) and n_experts >= 1 and 1 <= k <= n_experts):
+        problems.append(
+            f"{name}={n_experts!r}, num_experts_per_tok={k!r}: a mixture of experts needs at "
+            "least one expert and 1 <= num_experts_per_tok <= the expert count"
+        )
+        return {}
     return dict(
         hidden_dim=None,  # no dense MLP: every layer's is experts
         n_experts=n_experts,
@@ -426,7 +435,10 @@ def _experts_from_hf(c: Any, n_experts: int, hidden: int, renormalize: bool) -> 
 def _mixtral_from_hf(c: Any, problems: list[str]) -> dict[str, Any]:
     """Mixtral: Mistral with every MLP replaced by top-k experts, renormalised over the k."""
     fields = _mistral_from_hf(c, problems)
-    return {**fields, **_experts_from_hf(c, c.num_local_experts, c.intermediate_size, True)}
+    experts = _experts_from_hf(
+        c, c.num_local_experts, c.intermediate_size, True, problems, "num_local_experts"
+    )
+    return {**fields, **experts}
 
 
 def _qwen3_moe_from_hf(c: Any, problems: list[str]) -> dict[str, Any]:
@@ -439,7 +451,10 @@ def _qwen3_moe_from_hf(c: Any, problems: list[str]) -> dict[str, Any]:
         )
     fields = _qwen3_from_hf(c, problems)
     renorm = bool(getattr(c, "norm_topk_prob", False))
-    return {**fields, **_experts_from_hf(c, c.num_experts, c.moe_intermediate_size, renorm)}
+    experts = _experts_from_hf(
+        c, c.num_experts, c.moe_intermediate_size, renorm, problems, "num_experts"
+    )
+    return {**fields, **experts}
 
 
 def _bloom_from_hf(c: Any, problems: list[str]) -> dict[str, Any]:
