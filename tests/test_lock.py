@@ -124,3 +124,29 @@ def test_two_train_processes_started_together_one_runs_the_other_is_refused(char
     assert steps == list(range(1, STEPS + 1))
     assert latest_checkpoint(out / "checkpoints").name == f"step_{STEPS:06d}"
     assert not (out / ".lock").exists()
+
+
+def test_a_holder_that_has_not_yet_written_its_pid_is_still_named(tmp_path):
+    """The holder takes the lock, then writes its pid: a process refused in between waits for
+    the pid instead of reporting 'process ?' (seen once in CI)."""
+    import fcntl
+    import threading
+
+    from llm_foundry import lock
+
+    path = tmp_path / lock.LOCK_FILE
+    holder = open(path, "a+")  # noqa: SIM115 - held for the test
+    fcntl.flock(holder.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+    def write_late():
+        holder.write("pid=424242 host=elsewhere started=now\n")
+        holder.flush()
+
+    timer = threading.Timer(0.3, write_late)
+    timer.start()
+    try:
+        with pytest.raises(lock.DirectoryBusy, match=r"in use by process 424242 on elsewhere"):
+            lock.acquire(tmp_path, "run directory")
+    finally:
+        timer.join()
+        holder.close()

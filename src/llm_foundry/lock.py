@@ -47,6 +47,18 @@ def _describe(text: str) -> str:
     return f"process {pid}{where}{since}"
 
 
+def _holder_text(f, wait_s: float = 2.0) -> str:
+    """What the holder wrote in the lock file; a holder that has just taken the lock writes its
+    pid a moment later, so an empty file is read again for up to ``wait_s``."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        f.seek(0)
+        text = f.read()
+        if text.strip() or time.monotonic() > deadline:
+            return text
+        time.sleep(0.01)
+
+
 def acquire(directory: str | Path, what: str = "output directory") -> None:
     """Lock ``directory`` (created if needed) for this process, or raise ``DirectoryBusy``
     naming the process that holds it."""
@@ -72,8 +84,7 @@ def acquire(directory: str | Path, what: str = "output directory") -> None:
             if e.errno not in (errno.EWOULDBLOCK, errno.EACCES, errno.EAGAIN):
                 f.close()
                 raise
-            f.seek(0)
-            holder = _describe(f.read())
+            holder = _describe(_holder_text(f))
             f.close()
             raise DirectoryBusy(
                 f"{what} {directory} is in use by {holder} (lock file {path}); wait for it to "
