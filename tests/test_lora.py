@@ -1,0 +1,155 @@
+"""LoRA: the adapted model starts as its base, merge/unmerge, only adapters train; adapters in
+PEFT's format go both ways with the ``peft`` package (ours onto the HF export, peft's onto ours)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from llm_foundry.models import Transformer
+from llm_foundry.models.lora import add_lora, lora_layers, merge_lora, unmerge_lora
+
+TOL = 1e-4
+
+
+def _randomise(model, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for lora in lora_layers(model).values():
+            lora.lora_A.copy_(torch.randn(lora.lora_A.shape, generator=g) * 0.3)
+            lora.lora_B.copy_(torch.randn(lora.lora_B.shape, generator=g) * 0.3)
+
+
+def test_an_adapted_model_starts_as_its_base_and_merges_exactly(tiny_config):
+    torch.manual_seed(0)
+    model = Transformer(tiny_config(n_kv_heads=2)).eval()
+    idx = torch.randint(0, 37, (2, 9))
+    base = model(idx)[0]
+    names = add_lora(model, ("wq", "wv", "w2", "lm_head"), r=4, alpha=8)
+    assert len(names) == 2 * 3 + 1
+    torch.testing.assert_close(model(idx)[0], base, atol=0, rtol=0)  # B starts at zero
+    _randomise(model)
+    adapted = model(idx)[0]
+    assert (adapted - base).abs().max() > 1e-2
+    # by hand for one projection: W x + (alpha / r) B A x
+    lora = lora_layers(model)["layers.0.attn.wq"]
+    x = torch.randn(3, 32)
+    want = x @ lora.base.weight.T + (8 / 4) * (x @ lora.lora_A.T @ lora.lora_B.T)
+    torch.testing.assert_close(lora(x), want, atol=1e-5, rtol=1e-5)
+    merge_lora(model)
+    torch.testing.assert_close(model(idx)[0], adapted, atol=1e-5, rtol=1e-5)
+    unmerge_lora(model)
+    torch.testing.assert_close(model(idx)[0], adapted, atol=1e-5, rtol=1e-5)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == {f"{n}.lora_{ab}" for n in names for ab in "AB"}
+
+
+def test_training_moves_only_the_adapters(tiny_config):
+    torch.manual_seed(0)
+    model = Transformer(tiny_config())
+    add_lora(model, ("wq", "wk", "wv", "wo"), r=2, alpha=4)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    idx = torch.randint(0, 37, (4, 12))
+    for _ in range(3):
+        loss = model(idx, idx)[1]
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    assert changed and all(".lora_" in n for n in changed)
+    assert any(".lora_A" in n for n in changed) and any(".lora_B" in n for n in changed)
+
+
+def test_bad_lora_settings_are_named(tiny_config):
+    with pytest.raises(ValueError, match=r"LoRA targets \['q_proj'\] are not among"):
+        add_lora(Transformer(tiny_config()), ("q_proj",))
+    with pytest.raises(ValueError, match="lm_head is tied to the token embedding"):
+        add_lora(Transformer(tiny_config(tie_embeddings=True)), ("lm_head",))
+    with pytest.raises(ValueError, match="rank r=0"):
+        add_lora(Transformer(tiny_config()), ("wq",), r=0)
+
+
+# ----------------------------------------------------------------------------------------------
+# PEFT's format, checked with the peft package
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+from llm_foundry.interop.hf import ConversionError, from_hf  # noqa: E402
+from llm_foundry.interop.peft import load_adapter, save_adapter  # noqa: E402
+
+
+def _hf_llama(seed=0):
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(
+        vocab_size=61, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+@torch.no_grad()
+def _hf_logits(model, x):
+    return model(input_ids=x).logits
+
+
+@pytest.mark.parametrize("rslora", [False, True])
+def test_our_adapter_loads_in_peft_with_the_same_logits(rslora, tmp_path):
+    hf = _hf_llama()
+    ours = from_hf(hf)
+    add_lora(ours, ("wq", "wv", "w2", "lm_head"), r=4, alpha=12, rslora=rslora)
+    _randomise(ours, seed=1)
+    save_adapter(ours, tmp_path / "adapter", base="a random llama")
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["target_modules"] == ["down_proj", "lm_head", "q_proj", "v_proj"]
+    with_adapter = peft.PeftModel.from_pretrained(hf, str(tmp_path / "adapter")).eval()
+    x = torch.randint(0, 61, (2, 11))
+    diff = (_hf_logits(with_adapter, x) - ours(x)[0]).abs().max().item()
+    assert diff <= TOL, diff
+    assert (_hf_logits(with_adapter, x) - _hf_logits(_hf_llama(), x)).abs().max() > 1e-2
+
+
+def test_a_peft_adapter_loads_onto_our_model_with_the_same_logits(tmp_path):
+    hf = _hf_llama()
+    ours = from_hf(hf)
+    config = peft.LoraConfig(
+        r=3, lora_alpha=7, target_modules=["k_proj", "o_proj", "gate_proj", "up_proj"],
+        use_rslora=True, lora_dropout=0.1,
+    )  # fmt: skip
+    with_adapter = peft.get_peft_model(hf, config)
+    with torch.no_grad():
+        for name, p in with_adapter.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.3)
+    with_adapter.save_pretrained(str(tmp_path / "adapter"))
+    adapted = load_adapter(ours, tmp_path / "adapter")
+    assert len(adapted) == 2 * 4
+    ours.eval()
+    with_adapter.eval()
+    x = torch.randint(0, 61, (2, 11))
+    diff = (_hf_logits(with_adapter, x) - ours(x)[0]).abs().max().item()
+    assert diff <= TOL, diff
+    merge_lora(ours)  # merged weights compute the same
+    assert (_hf_logits(with_adapter, x) - ours(x)[0]).abs().max().item() <= TOL
+
+
+def test_adapters_peft_cannot_name_or_that_change_the_math_are_refused(tmp_path):
+    gpt2 = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(vocab_size=61, n_embd=32, n_layer=1, n_head=2, n_positions=32)
+    )
+    ours = from_hf(gpt2)
+    add_lora(ours, ("wq",), r=2)
+    with pytest.raises(
+        ConversionError, match=r"layers\.0\.attn\.wq: HF stores this projection fused"
+    ):
+        save_adapter(ours, tmp_path / "gpt2")
+    llama = from_hf(_hf_llama())
+    add_lora(llama, ("wq",), r=2)
+    save_adapter(llama, tmp_path / "dora")
+    file = tmp_path / "dora" / "adapter_config.json"
+    file.write_text(json.dumps({**json.loads(file.read_text()), "use_dora": True}))
+    with pytest.raises(ConversionError, match="use_dora=True is not supported"):
+        load_adapter(from_hf(_hf_llama()), tmp_path / "dora")
