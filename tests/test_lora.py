@@ -153,3 +153,61 @@ def test_adapters_peft_cannot_name_or_that_change_the_math_are_refused(tmp_path)
     file.write_text(json.dumps({**json.loads(file.read_text()), "use_dora": True}))
     with pytest.raises(ConversionError, match="use_dora=True is not supported"):
         load_adapter(from_hf(_hf_llama()), tmp_path / "dora")
+
+
+# ----------------------------------------------------------------------------------------------
+# Fine-tuning a checkpoint with adapters
+
+
+def _losses(run):
+    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in recs if "loss" in r]
+
+
+def test_lora_fine_tuning_starts_from_the_checkpoint_trains_adapters_and_resumes(
+    char_data, tmp_path
+):
+    from conftest import make_trainer
+
+    from llm_foundry.checkpoint import load_checkpoint
+    from llm_foundry.data import BatchSampler, load_split
+    from llm_foundry.train.state import latest_checkpoint, write_json_atomic
+
+    data = char_data(60_000)
+    base_run = tmp_path / "base"
+    make_trainer(data, base_run).run()
+    base = latest_checkpoint(base_run / "checkpoints")
+    lora = dict(init_from=str(base), lora_r=4, lora_alpha=8.0, lora_targets="wq,wv,w2")
+    tuner = make_trainer(data, tmp_path / "ft", max_steps=8, checkpoint_interval=4, **lora)
+    assert {n for n, p in tuner.model.named_parameters() if p.requires_grad} == {
+        f"layers.{i}.{m}.lora_{ab}" for i in range(2) for m in ("attn.wq", "attn.wv", "mlp.w2")
+        for ab in "AB"
+    }  # fmt: skip
+    # the adapters start at zero: the first step's loss is the base model's on that batch (the
+    # sampler's first batch; dropout draws the same masks after the same seed)
+    x, y = BatchSampler(load_split(data, "train"), 32, 4, seed=tuner.tc.seed).next()
+    reference = load_checkpoint(base).train()
+    torch.manual_seed(0)
+    tuner.run()
+    first = _losses(tmp_path / "ft")[0]
+    torch.manual_seed(0)
+    assert first == pytest.approx(reference(x, y)[1].item(), abs=1e-5)
+    # the base weights are untouched; the saved run loads with its adapters merged
+    tuned = load_checkpoint(latest_checkpoint(tmp_path / "ft" / "checkpoints"), merge=False)
+    for name, p in load_checkpoint(base).state_dict().items():
+        key = (
+            name.replace(".weight", ".base.weight")
+            if any(name.endswith(f"{m}.weight") for m in ("attn.wq", "attn.wv", "mlp.w2"))
+            else name
+        )
+        assert torch.equal(tuned.state_dict()[key], p), name
+    assert any(lora.lora_B.abs().max() > 0 for lora in lora_layers(tuned).values())
+    # a crash after step 4, resumed: the same losses as the uninterrupted fine-tuning
+    cut = tmp_path / "cut"
+    import shutil
+
+    shutil.copytree(tmp_path / "ft", cut)
+    shutil.rmtree(cut / "checkpoints" / "step_000008")
+    write_json_atomic(cut / "checkpoints" / "latest.json", {"step": 4, "path": "step_000004"})
+    make_trainer(data, cut, resume=True, max_steps=8, checkpoint_interval=4, **lora).run()
+    assert _losses(cut) == _losses(tmp_path / "ft")

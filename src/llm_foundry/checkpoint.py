@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load_model, save_model
 
 from llm_foundry.config import ConfigError, ModelConfig
+from llm_foundry.models.lora import apply_lora_settings, lora_settings, merge_lora
 from llm_foundry.models.transformer import Transformer
 
 FORMAT = "llm-foundry"
@@ -54,8 +55,22 @@ def save_checkpoint(model: torch.nn.Module, path: str | Path) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     save_model(model, str(path / WEIGHTS_FILE), metadata={"format": "pt"})
     meta = {"format": FORMAT, "version": VERSION, "model": cfg.to_dict()}
+    lora = lora_settings(model)
+    if lora:  # adapters over a frozen base: loading rebuilds them (and may merge them)
+        meta["lora"] = lora
     (path / CONFIG_FILE).write_text(json.dumps(meta, indent=2))
     return path
+
+
+def read_lora(path: str | Path) -> dict | None:
+    """The LoRA settings a checkpoint was saved with (None: a plain model)."""
+    meta = json.loads((Path(path) / CONFIG_FILE).read_text())
+    lora = meta.get("lora")
+    if lora is not None and not (isinstance(lora, dict) and {"r", "alpha", "targets"} <= set(lora)):
+        raise ValueError(
+            f"{Path(path) / CONFIG_FILE}: 'lora' is {lora!r}; expected r, alpha, targets"
+        )
+    return lora
 
 
 def read_config(path: str | Path) -> ModelConfig:
@@ -177,24 +192,26 @@ def check_layer_count(cfg: ModelConfig, names, file: Path, config_file: Path) ->
         )
 
 
-def meta_transformer(cfg: ModelConfig, config_file: Path | None = None, weights=None):
+def meta_transformer(cfg: ModelConfig, config_file: Path | None = None, weights=None, lora=None):
     """The model with every shape and no storage: free to build at any size that can exist."""
     try:
         with torch.device("meta"):
-            return Transformer(cfg)
+            return apply_lora_settings(Transformer(cfg), lora)
     except RuntimeError as e:  # e.g. a tensor of more than 2**63 bytes
         where = f"{config_file} describes" if config_file else "the config describes"
         of = f", not the weights in {weights}" if weights else ""
         raise ValueError(f"{where} a model too large to exist{of} ({e})") from None
 
 
-def check_weights_fit(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], path: Path) -> None:
+def check_weights_fit(
+    cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], path: Path, lora: dict | None = None
+) -> None:
     """Refuse (one line) weights whose names or shapes differ from what ``cfg`` builds, checked
     on the meta device, so that a config can never make the process allocate more than the
     weights it came with."""
     file, config_file = path / WEIGHTS_FILE, path / CONFIG_FILE
     check_layer_count(cfg, shapes, file, config_file)
-    model = meta_transformer(cfg, config_file, file)
+    model = meta_transformer(cfg, config_file, file, lora)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     tied = {"tok_emb.weight", "lm_head.weight"} if cfg.tie_embeddings else set()
     problems = [
@@ -246,16 +263,22 @@ def check_finite(tensors: dict[str, torch.Tensor], file: Path) -> None:
             )
 
 
-def load_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> Transformer:
+def load_checkpoint(
+    path: str | Path, device: str | torch.device = "cpu", merge: bool = True
+) -> Transformer:
     """Build the ``Transformer`` saved in directory ``path`` and load its weights; eval mode.
     The config is checked against the weight file's header on the meta device first, so the
-    model is materialised only at the size of the weights that are there."""
+    model is materialised only at the size of the weights that are there. LoRA adapters saved
+    with it are rebuilt and, with ``merge``, folded into their base weights."""
     path = Path(path)
     cfg = read_config(path)
+    lora = read_lora(path)
     file = path / WEIGHTS_FILE
     if not file.exists():
         raise FileNotFoundError(f"{file} not found: {path} is not an llm-foundry checkpoint")
-    check_weights_fit(cfg, read_safetensors_header(file), path)
-    model = Transformer(cfg).to(device)
+    check_weights_fit(cfg, read_safetensors_header(file), path, lora)
+    model = apply_lora_settings(Transformer(cfg), lora).to(device)
     _load_into(model, file)
+    if merge:
+        merge_lora(model)
     return model.eval()

@@ -37,6 +37,11 @@ class LoRALinear(nn.Module):
         self.drop = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.merged = False
 
+    def flops_per_token(self) -> int:
+        """Training FLOPs per token: the frozen weight's forward and input gradient (4 per
+        weight, no weight gradient) plus the adapters' 6 per weight."""
+        return 4 * self.base.weight.numel() + 6 * (self.lora_A.numel() + self.lora_B.numel())
+
     def delta(self) -> torch.Tensor:
         """The update s · B A this adapter adds to the base weight: (out, in)."""
         return self.scale * (self.lora_B @ self.lora_A)
@@ -115,3 +120,30 @@ def merge_lora(model: nn.Module) -> None:
 def unmerge_lora(model: nn.Module) -> None:
     for m in lora_layers(model).values():
         m.unmerge()
+
+
+def lora_settings(model: nn.Module) -> dict | None:
+    """What ``add_lora`` was given, read back from the model (None without adapters): saved with
+    a checkpoint so that loading rebuilds the same adapters."""
+    layers = lora_layers(model)
+    if not layers:
+        return None
+    first = next(iter(layers.values()))
+    targets = sorted({name.split(".")[-1] for name in layers})
+    return dict(
+        r=first.r, alpha=first.alpha, dropout=first.dropout, rslora=first.rslora, targets=targets
+    )
+
+
+def apply_lora_settings(model: nn.Module, settings: dict | None) -> nn.Module:
+    """``add_lora`` with settings from ``lora_settings`` (a no-op for None); returns ``model``."""
+    if settings:
+        add_lora(
+            model,
+            settings["targets"],
+            r=settings["r"],
+            alpha=settings["alpha"],
+            dropout=settings["dropout"],
+            rslora=settings["rslora"],
+        )
+    return model

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from llm_foundry.config import ConfigError, one_of, suggest
+from llm_foundry.models.lora import TARGETS as LORA_TARGETS
 
 SCHEDULES = ("cosine", "linear", "constant", "wsd")
 DTYPES = ("fp32", "bf16", "fp16")
@@ -69,6 +70,15 @@ class TrainConfig:
     # Warn when an effective rank (W_q, W_k, hidden states) falls below this fraction of its full
     # rank; 0 never warns. A random square init sits at ~0.8, so 0.1 means real collapse.
     monitor_rank_frac: float = 0.1
+    # fine-tuning: start from a checkpoint's weights, and train low-rank adapters only (LoRA)
+    init_from: str | None = (
+        None  # our run/checkpoint or an HF directory whose weights start training
+    )
+    lora_r: int = 0  # adapter rank; 0 trains every weight
+    lora_alpha: float = 16.0  # adapter scale alpha / r (alpha / sqrt(r) with lora_rslora)
+    lora_dropout: float = 0.0  # dropout on the adapters' input
+    lora_targets: str = "wq,wv"  # comma list of projections: wq, wk, wv, wo, w1, w2, w3, lm_head
+    lora_rslora: bool = False  # rank-stabilised scale (Kalajdzievski 2023)
 
     def __post_init__(self) -> None:
         p: list[str] = []
@@ -84,11 +94,18 @@ class TrainConfig:
             "monitor_interval",
             "sample_tokens",
             "seed",
+            "lora_r",
         ):
             v = getattr(self, name)
             if not _is_int(v) or v < 0:
                 p.append(f"{name}={v!r} must be a non-negative integer")
-        for name in ("compile", "activation_checkpointing", "tensorboard", "progress"):
+        for name in (
+            "compile",
+            "activation_checkpointing",
+            "tensorboard",
+            "progress",
+            "lora_rslora",
+        ):
             if not isinstance(getattr(self, name), bool):
                 p.append(f"{name}={getattr(self, name)!r} must be true or false")
         one_of(p, "schedule", self.schedule, SCHEDULES)
@@ -111,11 +128,21 @@ class TrainConfig:
             ("grad_clip", lambda v: v >= 0, ">= 0 (0 disables clipping)"),
             ("monitor_entropy_min", lambda v: 0 <= v < math.inf, "in [0, inf) nats"),
             ("monitor_rank_frac", lambda v: 0 <= v <= 1, "in [0, 1]"),
+            ("lora_alpha", lambda v: v > 0, "> 0"),
+            ("lora_dropout", lambda v: 0 <= v < 1, "in [0, 1)"),
         )
         for name, ok, valid in ranges:
             v = getattr(self, name)
             if not _is_number(v) or not ok(v):
                 p.append(f"{name}={v!r} must be a number {valid}")
+        targets = self.lora_targets.split(",") if isinstance(self.lora_targets, str) else None
+        if targets is None or not all(t in LORA_TARGETS for t in targets):
+            p.append(
+                f"lora_targets={self.lora_targets!r} must be a comma list of "
+                f"{', '.join(LORA_TARGETS)}"
+            )
+        if self.init_from is not None and not (isinstance(self.init_from, str) and self.init_from):
+            p.append(f"init_from={self.init_from!r} must be a directory path or null")
         if p:
             raise ConfigError(p, name="TrainConfig")
 

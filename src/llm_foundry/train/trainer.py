@@ -24,9 +24,11 @@ from tqdm import tqdm
 
 import llm_foundry
 from llm_foundry import lock
+from llm_foundry.checkpoint import load_checkpoint
 from llm_foundry.config import ConfigError, ModelConfig
 from llm_foundry.data import BatchSampler, data_fingerprint, load_meta, load_split
 from llm_foundry.models import Transformer
+from llm_foundry.models.lora import add_lora, apply_lora_settings, lora_settings
 from llm_foundry.train import distributed as D
 from llm_foundry.train.config import TrainConfig
 from llm_foundry.train.metrics import MetricsLog
@@ -106,6 +108,17 @@ class Trainer:
         self.world, self.device = D.init_world(resolve_device(train_cfg.device))
         torch.manual_seed(train_cfg.seed)  # every rank builds the same initial weights
         self.model = Transformer(model_cfg).to(self.device)
+        if train_cfg.init_from and not resume:  # a resumed run's weights come from its checkpoint
+            self._load_initial_weights(Path(train_cfg.init_from))
+        if train_cfg.lora_r:  # the base frozen: only the adapters train
+            add_lora(
+                self.model,
+                train_cfg.lora_targets.split(","),
+                r=train_cfg.lora_r,
+                alpha=train_cfg.lora_alpha,
+                dropout=train_cfg.lora_dropout,
+                rslora=train_cfg.lora_rslora,
+            )
         self.model.activation_checkpointing = train_cfg.activation_checkpointing
         self.wrapped = D.wrap(
             self.model, train_cfg.parallel, self.world, self.device, train_cfg.dtype
@@ -191,6 +204,29 @@ class Trainer:
         self.resumed_from = path
         if self.world.main:
             log.info(f"resumed from {path} at step {self.step}")
+
+    def _load_initial_weights(self, path: Path) -> None:
+        """Start from the weights in ``path``: one of our checkpoints (adapters merged) or an HF
+        transformers directory; the model must be the one they were saved from."""
+        meta = json.loads((path / "config.json").read_text())
+        if meta.get("format") == "llm-foundry":
+            source = load_checkpoint(path)
+        else:
+            from llm_foundry.interop.hf import from_hf
+
+            source = from_hf(path)
+        if source.cfg != self.mc:
+            diff = [
+                f"{k}: {v!r} there, {getattr(self.mc, k)!r} here"
+                for k, v in source.cfg.to_dict().items()
+                if getattr(self.mc, k) != v
+            ]
+            hint = ""
+            if source.cfg.vocab_size != self.mc.vocab_size:
+                hint = "; prepare the data with that model's tokenizer (prepare --tokenizer-from)"
+            raise ConfigError(diff, f"train.init_from {path} holds another model{hint}")
+        with torch.no_grad():
+            self.model.load_state_dict(source.state_dict())
 
     def _check_resumable(self, state: dict, path: Path) -> None:
         """Refuse a resume that would change the architecture (the weights would not fit); say
@@ -296,7 +332,7 @@ class Trainer:
         if w.main:
             model = self.model
             if self.sharded:  # a plain CPU copy holding the gathered tensors
-                model = Transformer(self.mc)
+                model = apply_lora_settings(Transformer(self.mc), lora_settings(self.model))
                 model.load_state_dict(D.with_tied(model, model_sd))
             path = save_train_checkpoint(self.ckpt_root, self.step, model, optim_sd, state, tok)
             prune_checkpoints(self.ckpt_root, self.tc.keep_last, {self.best_name or "", path.name})
