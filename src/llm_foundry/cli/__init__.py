@@ -17,6 +17,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "prepare": ("prepare", "tokenize a corpus into train/val token files"),
     "train": ("train", "train a model (no arguments: the Shakespeare demo)"),
+    "finetune": ("finetune", "fine-tune a checkpoint (fully or LoRA) on text or chat/SFT data"),
     "generate": ("generate", "generate text from a checkpoint, training run or HF directory"),
     "eval": ("eval", "loss and perplexity per context length"),
     "convert": ("convert", "convert checkpoints to and from HF transformers"),

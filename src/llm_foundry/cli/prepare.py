@@ -18,12 +18,25 @@ def main(argv: list[str]) -> int:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--dataset", choices=DATASETS, help="a known corpus (fetched and cached)")
     src.add_argument("--text", nargs="+", metavar="FILE", help="your own UTF-8 text files")
+    src.add_argument(
+        "--sft",
+        metavar="FILE.jsonl",
+        help='fine-tuning rows: {"prompt", "completion"} or {"messages": [{"role", "content"}]}',
+    )
+    p.add_argument(
+        "--tokenizer-from",
+        metavar="PATH",
+        help="use this tokenizer.json (or the one of a run / checkpoint directory) instead of "
+        "training one; needed with --sft (the model's own tokenizer)",
+    )
     p.add_argument("--tokenizer", choices=TOKENIZER_KINDS, default="char")
     p.add_argument("--vocab-size", type=int, default=None, help="BPE vocabulary size")
     p.add_argument("--val-fraction", type=float, default=0.1, help="last fraction kept for val")
     p.add_argument("--out", required=True, help="directory to write")
     p.add_argument("--json", action="store_true", help="print meta.json")
     ns = p.parse_args(argv)
+    if ns.sft:
+        return _prepare_sft(ns)
     meta = prepare(
         ns.out,
         dataset=ns.dataset,
@@ -39,5 +52,30 @@ def main(argv: list[str]) -> int:
             f"wrote {ns.out}: {meta['train_tokens']:,} train + {meta['val_tokens']:,} val tokens "
             f"({meta['dtype']}), {meta['tokenizer']} tokenizer with {meta['vocab_size']:,} "
             f"entries; source {meta['source']}"
+        )
+    return 0
+
+
+def _prepare_sft(ns) -> int:
+    from pathlib import Path
+
+    from llm_foundry.data.sft import prepare_sft
+    from llm_foundry.rundir import checkpoint_dir
+
+    if not ns.tokenizer_from:
+        raise ValueError("--sft needs --tokenizer-from: the tokenizer.json of the model to tune")
+    tok = Path(ns.tokenizer_from)
+    if tok.is_dir():
+        tok = checkpoint_dir(tok) / "tokenizer.json"
+    if not tok.is_file():
+        raise FileNotFoundError(f"--tokenizer-from {ns.tokenizer_from}: no tokenizer.json there")
+    meta = prepare_sft(ns.out, ns.sft, tok, ns.val_fraction)
+    if ns.json:
+        print(json.dumps(meta, indent=2))
+    else:
+        print(
+            f"wrote {ns.out}: {meta['train_examples']:,} train + {meta['val_examples']:,} val "
+            f"examples ({meta['train_targets']:,} of {meta['train_tokens']:,} train tokens are "
+            f"targets); tokenizer {tok}"
         )
     return 0

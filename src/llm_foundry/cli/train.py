@@ -27,12 +27,21 @@ DEFAULT_PRESET = "llama-shakespeare-char"
 SECTIONS = ("model", "train")
 
 
-def parser() -> SettingsParser:
-    p = SettingsParser(
-        prog="llm-foundry train",
-        description="Train a model. With no arguments: prepare tiny Shakespeare (character "
-        f"level) if needed, train the {DEFAULT_PRESET} preset and print a sample.",
-    )
+def parser(finetune: bool = False) -> SettingsParser:
+    if finetune:
+        p = SettingsParser(
+            prog="llm-foundry finetune",
+            description="Fine-tune a model: start from a checkpoint (ours, a training run or an "
+            "HF directory) on data from `prepare` (plain text, or --sft JSONL rows whose prompts "
+            "are masked out of the loss). --train.lora_r R trains low-rank adapters only.",
+        )
+        p.add_argument("--checkpoint", metavar="DIR", help="the model to start from")
+    else:
+        p = SettingsParser(
+            prog="llm-foundry train",
+            description="Train a model. With no arguments: prepare tiny Shakespeare (character "
+            f"level) if needed, train the {DEFAULT_PRESET} preset and print a sample.",
+        )
     add_settings_arguments(
         p,
         SECTIONS,
@@ -61,11 +70,27 @@ def _config_value(ns, key: str):
     return value
 
 
-def main(argv: list[str]) -> int:
+def _base_model(checkpoint: str):
+    """(checkpoint directory, its ModelConfig) of --checkpoint: ours, a run's latest, or HF."""
+    from llm_foundry.checkpoint import read_config
+    from llm_foundry.rundir import checkpoint_dir, checkpoint_kind
+
+    ckpt = checkpoint_dir(checkpoint)
+    if checkpoint_kind(ckpt)[0] == "llm-foundry":
+        return ckpt, read_config(ckpt)
+    from llm_foundry.interop.hf import config_from_hf, transformers
+
+    return ckpt, config_from_hf(transformers.AutoConfig.from_pretrained(str(ckpt)))
+
+
+def main(argv: list[str], finetune: bool = False) -> int:
     from llm_foundry import lock
     from llm_foundry.rundir import RunDir
 
-    ns = parser().parse_args(join_negative_values(argv))
+    ns = parser(finetune).parse_args(join_negative_values(argv))
+    if finetune and not ns.resume and not ns.checkpoint:
+        raise ValueError("finetune needs --checkpoint DIR (a run, our checkpoint or an HF directory)")
+    start = _base_model(ns.checkpoint) if finetune and not ns.resume else None
     given_out, resume = _config_value(ns, "out"), bool(_config_value(ns, "resume"))
     if given_out is not None and Path(given_out).exists() and not Path(given_out).is_dir():
         raise ValueError(
@@ -75,15 +100,22 @@ def main(argv: list[str]) -> int:
     # a resumed run starts from its own saved settings; flags given now override them
     saved = RunDir(given_out).resume_point() if resume and given_out else None
     _, model_base, train_base, data_base = saved or (None, None, None, None)
+    if start:  # fine-tuning: the checkpoint's architecture, its weights to start from
+        model_base = start[1]
     settings = settings_from(
         ns,
         SECTIONS,
         base_model=model_base,
         base_train=train_base,
-        default_preset=None if saved else DEFAULT_PRESET,
-        extra_keys=("out", "resume", "data"),
+        default_preset=None if saved or start else DEFAULT_PRESET,
+        extra_keys=("out", "resume", "data", "checkpoint"),
     )
     cfg, train_cfg = settings.model, settings.train
+    if start:
+        train_cfg = type(train_cfg).from_dict({**train_cfg.to_dict(), "init_from": str(start[0])})
+        if ns.data is None:
+            raise ValueError("finetune needs --data: a directory written by `prepare` with the "
+                             "checkpoint's tokenizer (--tokenizer-from)")  # fmt: skip
     data_dir = ns.data or data_base or DEFAULT_DATA
     if ns.resume and ns.out is None:
         raise ValueError("--resume needs --out RUN_DIR (the run to continue)")

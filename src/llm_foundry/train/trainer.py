@@ -27,6 +27,7 @@ from llm_foundry import lock
 from llm_foundry.checkpoint import load_checkpoint
 from llm_foundry.config import ConfigError, ModelConfig
 from llm_foundry.data import BatchSampler, data_fingerprint, load_meta, load_split
+from llm_foundry.data.sft import SFTSampler
 from llm_foundry.models import Transformer
 from llm_foundry.models.lora import add_lora, apply_lora_settings, lora_settings
 from llm_foundry.train import distributed as D
@@ -136,16 +137,16 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=train_cfg.dtype == "fp16")
         self.train_data = load_split(self.data_dir, "train")
         self.val_data = load_split(self.data_dir, "val")
-        self.sampler = BatchSampler(
-            self.train_data,
-            train_cfg.block_size,
-            train_cfg.batch_size,
-            seed=train_cfg.seed,
-            rank=self.world.rank,
-            world_size=self.world.world_size,
-        )
+        self.sft = self.meta.get("kind") == "sft"  # whole examples with masked prompts
+        self.sampler = self._sampler("train", train_cfg.seed)
+        if self.sft and (self.sampler.cut or self.sampler.dropped) and self.world.main:
+            log.info(
+                f"note: {self.sampler.cut} of {len(self.sampler.offsets) - 1} training examples are "
+                f"longer than block_size + 1 = {train_cfg.block_size + 1} tokens and are cut; "
+                f"{self.sampler.dropped} keep no target and are left out"
+            )
         # the validation split must hold a window too: fail now, not at the first evaluation
-        BatchSampler(self.val_data, train_cfg.block_size, train_cfg.batch_size)
+        self._sampler("val", train_cfg.seed + 1)
         if train_cfg.monitor_interval and self.sharded:
             raise ValueError("train.monitor_interval needs whole weights: use parallel=ddp or none")
         self.monitor = (
@@ -204,6 +205,16 @@ class Trainer:
         self.resumed_from = path
         if self.world.main:
             log.info(f"resumed from {path} at step {self.step}")
+
+    def _sampler(self, split: str, seed: int) -> BatchSampler:
+        """Random windows of the token stream, or whole fine-tuning examples (SFT data)."""
+        tc, w = self.tc, self.world
+        if self.sft:
+            return SFTSampler(self.data_dir, split, tc.block_size, tc.batch_size, seed,
+                              rank=w.rank, world_size=w.world_size)  # fmt: skip
+        data = self.train_data if split == "train" else self.val_data
+        return BatchSampler(data, tc.block_size, tc.batch_size, seed,
+                            rank=w.rank, world_size=w.world_size)  # fmt: skip
 
     def _load_initial_weights(self, path: Path) -> None:
         """Start from the weights in ``path``: one of our checkpoints (adapters merged) or an HF
@@ -296,14 +307,7 @@ class Trainer:
         with several ranks each scores its share of every batch and the means are averaged."""
         self.model.eval()
         w = self.world
-        sampler = BatchSampler(
-            self.val_data,
-            self.tc.block_size,
-            self.tc.batch_size,
-            seed=self.tc.seed + 1,
-            rank=w.rank,
-            world_size=w.world_size,
-        )
+        sampler = self._sampler("val", self.tc.seed + 1)
         total = torch.zeros((), device=self.device)
         for _ in range(self.tc.eval_batches):
             x, y = (t.to(self.device) for t in sampler.next())

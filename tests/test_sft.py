@@ -1,0 +1,115 @@
+"""Supervised fine-tuning data: rows checked by line, the loss mask covers exactly the completion
+/ assistant tokens, whole examples per batch row, and `finetune` on it end to end."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from llm_foundry.data import DataError
+from llm_foundry.data.sft import IGNORE, SFTSampler, encode_row, prepare_sft, read_rows
+from llm_foundry.tokenizer import CharTokenizer
+
+TEXT = "ROMEO: what light? JULIET: ay me!\nUSER: ASSISTANT: SYSTEM: who speaks next\n" * 3
+ROWS = [
+    {"prompt": "ROMEO: what light", "completion": "? JULIET: ay me!"},
+    {"messages": [
+        {"role": "system", "content": "who speaks next"},
+        {"role": "user", "content": "ROMEO: what light?"},
+        {"role": "assistant", "content": "JULIET"},
+    ]},
+] * 6  # fmt: skip
+
+
+@pytest.fixture
+def sft_dir(tmp_path):
+    tok = CharTokenizer.train(TEXT)
+    tok.save(tmp_path / "tokenizer.json")
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    prepare_sft(tmp_path / "sft", tmp_path / "rows.jsonl", tmp_path / "tokenizer.json", 0.25)
+    return tmp_path / "sft", tok
+
+
+def test_the_mask_covers_the_completion_and_the_assistant_turns_only():
+    tok = CharTokenizer.train(TEXT)
+    ids, mask = encode_row(tok, ROWS[0])
+    assert tok.decode(ids) == "ROMEO: what light? JULIET: ay me!"
+    assert tok.decode([i for i, m in zip(ids, mask, strict=True) if m]) == "? JULIET: ay me!"
+    ids, mask = encode_row(tok, ROWS[1])
+    assert (
+        tok.decode(ids) == "SYSTEM: who speaks next\nUSER: ROMEO: what light?\nASSISTANT: JULIET\n"
+    )
+    assert tok.decode([i for i, m in zip(ids, mask, strict=True) if m]) == "JULIET\n"
+
+
+def test_batches_target_exactly_the_masked_tokens(sft_dir):
+    data, tok = sft_dir
+    meta = json.loads((data / "meta.json").read_text())
+    assert meta["kind"] == "sft" and (meta["train_examples"], meta["val_examples"]) == (9, 3)
+    sampler = SFTSampler(data, "train", block_size=80, batch_size=4, seed=0)  # no row is cut
+    for _ in range(5):
+        x, y = sampler.next()
+        for row_x, row_y in zip(x.tolist(), y.tolist(), strict=True):
+            counted = [t for t in row_y if t != IGNORE]
+            text = tok.decode(counted)
+            assert text in ("? JULIET: ay me!", "JULIET\n")  # nothing from prompts or padding
+            # each target is the token that follows its position
+            n = len(tok.encode(tok.decode([t for t in row_x if t])))
+            for t in range(n - 1):
+                assert row_y[t] in (IGNORE, row_x[t + 1])
+    # a window too short for any completion token: such examples are not drawn at all
+    short = SFTSampler(data, "train", block_size=20, batch_size=4, seed=0)
+    assert short.cut == 9 and short.dropped == 4  # the 5 prompt/completion rows keep targets
+    # (the chat rows' assistant turn starts past token 21)
+    x, y = short.next()
+    assert ((y != IGNORE).sum(1) > 0).all()
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ('{"prompt": "a"}', "line 1: missing or non-string 'completion'"),
+        ('{"prompt": "a", "completion": ""}', "line 1: 'completion' is empty"),
+        ('{"messages": [{"role": "robot", "content": "x"}]}', "messages[0] needs a 'role'"),
+        ('{"messages": [{"role": "user", "content": "x"}]}', "no non-empty assistant message"),
+        ("[1, 2]", "line 1: a list, expected an object"),
+        ("{oops", "line 1: not JSON"),
+    ],
+)
+def test_bad_rows_are_named_by_line(tmp_path, line, message):
+    (tmp_path / "rows.jsonl").write_text(line + "\n")
+    with pytest.raises(DataError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        read_rows(tmp_path / "rows.jsonl")
+
+
+@pytest.mark.heavy
+def test_finetune_a_run_with_lora_on_sft_rows(char_data, tmp_path, capsys):
+    from llm_foundry.cli import main
+
+    base = tmp_path / "base"
+    small = ["--model.n_layers", "1", "--model.dim", "32", "--model.n_heads", "2"]
+    small += ["--model.max_seq_len", "96"]
+    steps = ["--train.batch_size", "4", "--train.eval_batches", "2", "--train.sample_tokens", "0"]
+    steps += ["--train.progress", "false", "--train.block_size", "32"]
+    argv = ["train", "--data", str(char_data(60_000)), "--out", str(base), *small, *steps]
+    assert main([*argv, "--train.max_steps", "20", "--train.eval_interval", "10"]) == 0
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    assert main(["prepare", "--sft", str(tmp_path / "rows.jsonl"), "--tokenizer-from", str(base),
+                 "--out", str(tmp_path / "sft")]) == 0  # fmt: skip
+    tuned = tmp_path / "tuned"
+    argv = ["finetune", "--checkpoint", str(base), "--data", str(tmp_path / "sft")]
+    argv += ["--out", str(tuned), "--train.lora_r", "4", "--train.lr", "1e-2", *steps]
+    argv += ["--train.block_size", "80"]  # the longest row (67 tokens) whole
+    assert main([*argv, "--train.max_steps", "30", "--train.eval_interval", "10"]) == 0
+    records = [json.loads(x) for x in (tuned / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records if "loss" in r]
+    assert losses[-1] < losses[0]  # it learns the completions
+    info = json.loads((tuned / "run.json").read_text())
+    assert info["train"]["init_from"].startswith(str(base)) and info["train"]["lora_r"] == 4
+    capsys.readouterr()
+    assert main(["generate", "--checkpoint", str(tuned), "--prompt", "ROMEO: what light",
+                 "--max-new-tokens", "5", "--seed", "0"]) == 0  # fmt: skip
+    assert capsys.readouterr().out.strip()
+    torch.manual_seed(0)
