@@ -108,6 +108,7 @@ def test_finetune_a_run_with_lora_on_sft_rows(char_data, tmp_path, capsys):
     assert losses[-1] < losses[0]  # it learns the completions
     info = json.loads((tuned / "run.json").read_text())
     assert info["train"]["init_from"].startswith(str(base)) and info["train"]["lora_r"] == 4
+    assert "LoRA r=4 on wq,wv: 512 trainable parameters" in capsys.readouterr().out  # 2 x (A + B)
     capsys.readouterr()
     assert main(["generate", "--checkpoint", str(tuned), "--prompt", "ROMEO: what light",
                  "--max-new-tokens", "5", "--seed", "0"]) == 0  # fmt: skip

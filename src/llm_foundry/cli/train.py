@@ -165,6 +165,7 @@ def _prepare_default(data: Path, wait_s: float = 600.0) -> None:
 
 def train_and_report(model_cfg, train_cfg, data: Path, out: Path, resume: bool = False):
     """Train, then (rank 0) plot the losses, print a sample and write summary.json."""
+    from llm_foundry.accounting import human
     from llm_foundry.generate import sample_text
     from llm_foundry.plots import plot_losses
     from llm_foundry.tokenizer import load_tokenizer
@@ -181,6 +182,13 @@ def train_and_report(model_cfg, train_cfg, data: Path, out: Path, resume: bool =
     n = trainer.model.num_params()
     if w.main:
         per_step = train_cfg.batch_size * train_cfg.grad_accum * w.world_size
+        if train_cfg.lora_r:  # the base is frozen: say how much trains, and its optimizer bytes
+            k = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+            print(
+                f"LoRA r={train_cfg.lora_r} on {train_cfg.lora_targets}: {k:,} trainable "
+                f"parameters ({k / n:.2%} of {n:,}); AdamW state {human(8 * k, 'B')} instead "
+                f"of {human(8 * n, 'B')}"
+            )
         print(
             f"model: {n:,} parameters ({trainer.model.num_params(non_embedding=True):,} "
             f"non-embedding) | device {trainer.device} | run dir {out}\n"
