@@ -89,7 +89,9 @@ def main(argv: list[str], finetune: bool = False) -> int:
 
     ns = parser(finetune).parse_args(join_negative_values(argv))
     if finetune and not ns.resume and not ns.checkpoint:
-        raise ValueError("finetune needs --checkpoint DIR (a run, our checkpoint or an HF directory)")
+        raise ValueError(
+            "finetune needs --checkpoint DIR (a run, our checkpoint or an HF directory)"
+        )
     start = _base_model(ns.checkpoint) if finetune and not ns.resume else None
     given_out, resume = _config_value(ns, "out"), bool(_config_value(ns, "resume"))
     if given_out is not None and Path(given_out).exists() and not Path(given_out).is_dir():
