@@ -263,3 +263,14 @@ def test_a_finished_run_on_other_data_is_not_reused(data_dir, tmp_path):
         ablation.run_study(study, other, tmp_path / "out")
     done = json.loads((tmp_path / "out" / "runs" / "a" / "seed0" / "result.json").read_text())
     assert done["fingerprint"]["code"]["llm_foundry"]  # the code version is part of it too
+
+
+def test_a_listing_cut_short_by_its_reader_ends_quietly():
+    """`llm-foundry ablate --list | head -1`: the closed pipe is not an error."""
+    import subprocess
+    import sys
+
+    cmd = f"{sys.executable} -m llm_foundry ablate --list | head -1"
+    r = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    assert r.stdout.startswith(recipe_names()[0])

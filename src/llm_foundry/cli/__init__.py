@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 
 # name -> (module in this package, one line of help)
@@ -67,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         command = importlib.import_module(f"llm_foundry.cli.{COMMANDS[name][0]}")
         return command.main(rest) or 0
+    except BrokenPipeError:  # `llm-foundry ... | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
+        return 0
     except argparse.ArgumentError as e:  # a settings flag unknown or mistyped
         from llm_foundry.cli.options import flag_hint
 
