@@ -356,8 +356,10 @@ class HFTokenizerFile:
     def vocab_size(self) -> int:
         return self.hf.get_vocab_size()
 
-    def encode(self, text: str) -> list[int]:
-        return self.hf.encode(text).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; special tokens written in it (a chat template's markers) are
+        read as their ids. ``add_special_tokens=False`` adds no BOS (a rendered chat has its own)."""
+        return self.hf.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids) -> str:
         return self.hf.decode([int(i) for i in ids], skip_special_tokens=True)

@@ -6,7 +6,9 @@ Rows (one JSON object a line):
     {"prompt": "...", "completion": "..."}
     {"messages": [{"role": "system" | "user" | "assistant", "content": "..."}, ...]}
 
-The built-in template (for this project's char and BPE tokenizers) writes a prompt/completion row
+An HF tokenizer's own Jinja chat template renders chat rows when the tokenizer comes from an HF
+directory (``llm_foundry.chat``); otherwise the built-in template (for this project's char and
+BPE tokenizers) writes a prompt/completion row
 as ``prompt + completion`` and a chat as one ``ROLE: content`` line per message; the loss covers
 the completion, or every assistant message's content and the newline that ends it. Each piece is
 encoded on its own, so a mask boundary is also a token boundary. ``prepare_sft`` writes
@@ -31,10 +33,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from llm_foundry.chat import load_chat_template, response_spans
 from llm_foundry.data.batches import BatchSampler, open_tokens
 from llm_foundry.data.encode import token_dtype
 from llm_foundry.data.sources import DataError, write_atomic
-from llm_foundry.tokenizer import load_tokenizer
+from llm_foundry.tokenizer import load_any_tokenizer
 
 ROLES = ("system", "user", "assistant")
 IGNORE = -100  # the target of positions that do not count (the model's ignore_index)
@@ -112,20 +115,49 @@ def encode_row(tokenizer, row: dict) -> tuple[list[int], list[int]]:
     return ids, mask
 
 
+def encode_chat(tokenizer, template: str, specials: dict, row: dict) -> tuple[list, list]:
+    """(ids, mask) of a chat row under an HF tokenizer's Jinja template: the rendered text
+    tokenized as ``apply_chat_template`` does; mask 1 on the tokens of every assistant reply (the
+    characters each reply adds to the rendering). A prompt/completion row is its two pieces."""
+    if "messages" not in row:
+        prompt = tokenizer.encode(row["prompt"], add_special_tokens=False) if row["prompt"] else []
+        completion = tokenizer.encode(row["completion"], add_special_tokens=False)
+        eos = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
+        return prompt + completion + eos, [0] * len(prompt) + [1] * (len(completion) + len(eos))
+    text, spans = response_spans(template, row["messages"], **specials)
+    enc = tokenizer.hf.encode(text, add_special_tokens=False)
+    mask = [int(any(a <= start < b for a, b in spans)) for start, _ in enc.offsets]
+    return list(enc.ids), mask
+
+
 def prepare_sft(
     out_dir: str | Path, jsonl: str | Path, tokenizer_file: str | Path, val_fraction: float = 0.1
 ) -> dict:
-    """Tokenize the rows of ``jsonl`` with the tokenizer in ``tokenizer_file`` (the model's own)
+    """Tokenize the rows of ``jsonl`` with the tokenizer in ``tokenizer_file`` (the model's own;
+    an HF tokenizer's chat template beside it, in ``tokenizer_config.json``, renders the chats)
     into ``out_dir``; the last ``val_fraction`` of the rows (at least one) are validation."""
     out, jsonl = Path(out_dir), Path(jsonl)
-    tok = load_tokenizer(tokenizer_file)
+    tok = load_any_tokenizer(tokenizer_file)
+    template, specials = (None, {})
+    if getattr(tok, "kind", "") == "hf":
+        template, specials = load_chat_template(Path(tokenizer_file).parent)
+        if tok.eos_id is None and "eos_token" in specials:
+            tok.eos_id = tok.hf.token_to_id(specials["eos_token"])
+        if template is None and any("messages" in r for r in read_rows(jsonl)):
+            raise DataError(
+                f"{Path(tokenizer_file).parent} has no chat template (tokenizer_config.json "
+                "chat_template or chat_template.jinja) to render the chat rows with"
+            )
     rows = read_rows(jsonl)
     if len(rows) < 2:
         raise DataError(f"{jsonl} has {len(rows)} row; at least 2 are needed (train and val)")
     encoded = []
     for i, row in enumerate(rows, start=1):
         try:
-            encoded.append(encode_row(tok, row))
+            if template is not None or getattr(tok, "kind", "") == "hf":
+                encoded.append(encode_chat(tok, template, specials, row))
+            else:
+                encoded.append(encode_row(tok, row))
         except (KeyError, ValueError) as e:
             raise DataError(
                 f"{jsonl}, row {i}: cannot be encoded by {tokenizer_file}: {e}"
