@@ -118,3 +118,42 @@ def test_sft_rows_under_an_hf_template_mask_exactly_the_replies(tmp_path):
     # completion and the tokenizer's end of sequence
     chat = 'JULIET<|im_end|>\nThe Nurse, "within".<|im_end|>\n'
     assert seen == {chat, "JULIET</s>"}
+
+
+def test_the_builtin_template_is_the_fine_tuning_format_and_each_template_ends_its_turn():
+    from llm_foundry.chat import BUILTIN_TEMPLATE, end_of_turn
+    from llm_foundry.data.sft import segments
+
+    chat = [{"role": "system", "content": "be brief"}, *MESSAGES]
+    assert render_chat(BUILTIN_TEMPLATE, chat) == "".join(
+        t for t, _ in segments({"messages": chat})
+    )
+    assert end_of_turn(CHATML) == "<|im_end|>"
+    assert end_of_turn(LLAMA2, bos_token="<s>", eos_token="</s>") == "</s>"
+    assert end_of_turn(BUILTIN_TEMPLATE) == "\n"
+
+
+def test_generate_chat_prompts_an_hf_model_through_its_template(tmp_path, capsys):
+    import json
+
+    import torch
+
+    from llm_foundry.cli import main
+
+    directory = _hf_tokenizer_dir(tmp_path, CHATML)
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(directory))
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=len(hf_tok), hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+        num_attention_heads=2, max_position_embeddings=128,
+    )  # fmt: skip
+    transformers.LlamaForCausalLM(cfg).save_pretrained(str(directory))
+    capsys.readouterr()
+    argv = ["generate", "--checkpoint", str(directory), "--chat", "--prompt", "Who speaks next?"]
+    assert main([*argv, "--max-new-tokens", "4", "--temperature", "0", "--json"]) == 0
+    rec = json.loads(capsys.readouterr().out)
+    want = hf_tok.apply_chat_template(
+        [{"role": "user", "content": "Who speaks next?"}],
+        add_generation_prompt=True, tokenize=True, return_dict=False,
+    )  # fmt: skip
+    assert rec["tokens"][: len(want)] == list(want)

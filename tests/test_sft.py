@@ -113,4 +113,10 @@ def test_finetune_a_run_with_lora_on_sft_rows(char_data, tmp_path, capsys):
     assert main(["generate", "--checkpoint", str(tuned), "--prompt", "ROMEO: what light",
                  "--max-new-tokens", "5", "--seed", "0"]) == 0  # fmt: skip
     assert capsys.readouterr().out.strip()
+    # a chat turn in the built-in format; the reply ends at its line's end
+    argv = ["generate", "--checkpoint", str(tuned), "--chat", "--prompt", "ROMEO: what light?"]
+    assert main([*argv, "--max-new-tokens", "40", "--seed", "0", "--json"]) == 0
+    rec = json.loads(capsys.readouterr().out)
+    assert rec["prompt"] == "USER: ROMEO: what light?\nASSISTANT: "
+    assert "\n" not in rec["completion"]
     torch.manual_seed(0)

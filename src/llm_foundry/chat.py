@@ -20,6 +20,12 @@ from datetime import datetime
 from pathlib import Path
 
 TEMPLATE_FILE = "chat_template.jinja"
+# this project's own chat format (char and BPE tokenizers): one "ROLE: content" line a message;
+# ``llm_foundry.data.sft.segments`` writes the same text piece by piece for the loss mask
+BUILTIN_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] | upper }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}ASSISTANT: {% endif %}"
+)
 CONFIG_FILE = "tokenizer_config.json"
 
 
@@ -103,3 +109,13 @@ def response_spans(template: str, messages: list[dict], **variables) -> tuple[st
             )
         spans.append((len(before), len(through)))
     return text, spans
+
+
+def end_of_turn(template: str, **variables) -> str:
+    """What the template writes after an assistant reply, stripped (e.g. ``<|im_end|>``,
+    ``</s>``; a newline for the built-in template): where a generated reply ends."""
+    sentinel = "\x00reply\x00"
+    messages = [{"role": "user", "content": "u"}, {"role": "assistant", "content": sentinel}]
+    text = render_chat(template, messages, **variables)
+    after = text[text.index(sentinel) + len(sentinel) :]
+    return after.strip() or after[:1]

@@ -58,6 +58,51 @@ def _context(model, n_prompt: int, ns) -> int | None:
     return ns.context
 
 
+def _chat(ns, model, tok, info, eos_ids: set[int]) -> int:
+    """--chat: one reply to --prompt, or a conversation read from stdin (--interactive)."""
+    from llm_foundry.chat import BUILTIN_TEMPLATE, end_of_turn, load_chat_template, render_chat
+
+    if tok is None or ns.prompt_ids is not None:
+        raise ValueError("--chat needs a tokenizer and text prompts (--prompt or --interactive)")
+    hf = getattr(tok, "kind", "") == "hf"
+    template, specials = load_chat_template(info.checkpoint) if hf else (None, {})
+    template = template or BUILTIN_TEMPLATE
+    eot = end_of_turn(template, **specials)
+    eot_id = tok.hf.token_to_id(eot) if hf else None
+    if eot_id is not None:
+        eos_ids.add(eot_id)  # a special token: generation ends on its id
+    elif eot not in ns.stop:
+        ns.stop = [*ns.stop, eot]  # plain text: a stop string
+    messages: list[dict] = []
+
+    def reply(user: str) -> None:
+        messages.append({"role": "user", "content": user})
+        text = render_chat(template, messages, add_generation_prompt=True, **specials)
+        ids = tok.encode(text, add_special_tokens=False) if hf else tok.encode(text)
+        emit = (lambda piece: print(piece, end="", flush=True)) if ns.stream else None
+        rec = _complete(model, tok, ids, ns, eos_ids, emit)
+        if ns.json:
+            print(json.dumps(rec, ensure_ascii=False))
+        else:
+            print("" if ns.stream else rec["completion"], flush=True)
+        messages.append({"role": "assistant", "content": rec["completion"].strip()})
+
+    if ns.prompt is not None:
+        reply(ns.prompt)
+    if ns.interactive:
+        while True:
+            print("> ", end="", file=sys.stderr, flush=True)
+            line = sys.stdin.readline()
+            if not line or not line.strip() or line.strip() in ("exit", "quit"):
+                break
+            try:
+                reply(line.rstrip("\r\n"))
+            except ValueError as e:
+                messages.pop()
+                print(f"error: {e}", file=sys.stderr)
+    return 0
+
+
 def _complete(model, tok, ids: list[int], ns, eos_ids: set[int], emit=None) -> dict:
     """Generate a continuation of ``ids``; ``emit(piece)`` receives the text (or, without a
     tokenizer, ``" ID"`` pieces) as it is produced. Returns the --json record: ``tokens`` is
@@ -180,6 +225,13 @@ def _main(argv: list[str]) -> int:
         action="store_true",
         help="read prompts from stdin, one a line, until EOF, an empty line or 'exit'",
     )
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="each prompt is a user message: render the conversation with the model's chat "
+        "template (an HF tokenizer's own, else USER:/ASSISTANT: lines) and stop at the end of "
+        "the reply; with --interactive the conversation is kept",
+    )
     p.add_argument("--json", action="store_true", help="print a JSON line per prompt")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     ns = p.parse_args(argv)
@@ -250,6 +302,9 @@ def _main(argv: list[str]) -> int:
 
     def encode(line: str) -> list[int]:
         return _parse_ids(line, vocab) if tok is None else tok.encode(line)
+
+    if ns.chat:
+        return _chat(ns, model, tok, info, eos_ids)
 
     if ns.prompt_ids is not None:
         run(_parse_ids(ns.prompt_ids, vocab), echo=True)
