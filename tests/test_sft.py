@@ -120,3 +120,40 @@ def test_finetune_a_run_with_lora_on_sft_rows(char_data, tmp_path, capsys):
     assert rec["prompt"] == "USER: ROMEO: what light?\nASSISTANT: "
     assert "\n" not in rec["completion"]
     torch.manual_seed(0)
+
+
+def test_demo_rows_come_from_both_play_formats():
+    from llm_foundry.data.sft_demo import demo_rows, speeches
+
+    tiny = "First Citizen:\nSpeak, speak.\nWe are resolved.\n\nAll:\nResolved.\n\n"
+    plays = "HELENA.\nAnd you, monarch!\nAnd no.\n\nPAROLLES.\nNo.\n\n"
+    assert speeches(tiny) == [("First Citizen", ["Speak, speak.", "We are resolved."]),
+                              ("All", ["Resolved."])]  # fmt: skip
+    assert speeches(plays)[1] == ("PAROLLES", ["No."])
+    rows = demo_rows(tiny + plays, n=10, seed=0)
+    assert {"prompt": "HELENA:\nAnd you, monarch!\n", "completion": "And no.\n"} in rows
+    who = [r["messages"] for r in rows if "messages" in r]
+    assert [{"role": "user", "content": "First Citizen: Speak, speak. Who speaks next?"},
+            {"role": "assistant", "content": "All"}] in who  # fmt: skip
+    for row in rows:  # every character comes from the corpus: a char tokenizer of it encodes them
+        encode_row(CharTokenizer.train(tiny + plays + "USER: ASSISTANT: Who speaks next?"), row)
+
+
+def test_init_from_refuses_another_architecture_but_allows_a_longer_context(char_data, tmp_path):
+    from conftest import make_trainer
+
+    from llm_foundry.config import ConfigError, ModelConfig
+    from llm_foundry.train.config import TrainConfig
+    from llm_foundry.train.state import latest_checkpoint
+    from llm_foundry.train.trainer import Trainer
+
+    data = char_data(60_000)
+    make_trainer(data, tmp_path / "base", max_steps=4).run()
+    base = str(latest_checkpoint(tmp_path / "base" / "checkpoints"))
+    train = TrainConfig(batch_size=4, block_size=32, max_steps=2, sample_tokens=0, progress=False,
+                        init_from=base)  # fmt: skip
+    tiny = dict(vocab_size=65, dim=32, n_layers=2, n_heads=2, max_seq_len=32, dropout=0.1)
+    with pytest.raises(ConfigError, match="dim: 32 there, 64 here"):
+        Trainer(ModelConfig(**{**tiny, "dim": 64}), train, data, tmp_path / "wide")
+    longer = Trainer(ModelConfig(**{**tiny, "max_seq_len": 128}), train, data, tmp_path / "long")
+    longer.release()

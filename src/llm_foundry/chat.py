@@ -55,6 +55,7 @@ def load_chat_template(directory: str | Path) -> tuple[str | None, dict[str, str
 def _environment():
     try:
         import jinja2
+        from jinja2.ext import loopcontrols
         from jinja2.sandbox import ImmutableSandboxedEnvironment
     except ImportError as e:  # pragma: no cover - jinja2 comes with transformers
         raise ImportError("chat templates need jinja2: pip install 'jinja2>=3.1.6'") from e
@@ -68,7 +69,7 @@ def _environment():
         )
 
     env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
     )
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception

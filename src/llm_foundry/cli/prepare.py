@@ -24,6 +24,13 @@ def main(argv: list[str]) -> int:
         help='fine-tuning rows: {"prompt", "completion"} or {"messages": [{"role", "content"}]}',
     )
     p.add_argument(
+        "--sft-demo",
+        action="store_true",
+        help="with --dataset or --text: make fine-tuning rows from the play's speeches ('continue "
+        "this speech', 'who speaks next'), write them to OUT/rows.jsonl and prepare them",
+    )
+    p.add_argument("--rows", type=int, default=2000, help="--sft-demo: how many rows")
+    p.add_argument(
         "--tokenizer-from",
         metavar="PATH",
         help="use this tokenizer.json (or the one of a run / checkpoint directory) instead of "
@@ -35,6 +42,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--out", required=True, help="directory to write")
     p.add_argument("--json", action="store_true", help="print meta.json")
     ns = p.parse_args(argv)
+    if ns.sft_demo:
+        ns.sft = _demo_rows(ns)
     if ns.sft:
         return _prepare_sft(ns)
     meta = prepare(
@@ -79,3 +88,22 @@ def _prepare_sft(ns) -> int:
             f"targets); tokenizer {tok}"
         )
     return 0
+
+
+def _demo_rows(ns) -> str:
+    """Write the demonstration rows made from --dataset / --text to OUT/rows.jsonl."""
+    from pathlib import Path
+
+    from llm_foundry.data import load_shakespeare, read_text_files
+    from llm_foundry.data.sft_demo import demo_rows
+
+    if not (ns.dataset or ns.text):
+        raise ValueError("--sft-demo needs the play to make rows from: --dataset or --text")
+    text, _ = load_shakespeare() if ns.dataset else read_text_files(ns.text)
+    rows = demo_rows(text, ns.rows)
+    if not rows:
+        raise ValueError("no speeches found (paragraphs starting with a 'NAME:' or 'NAME.' line)")
+    out = Path(ns.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(out / "rows.jsonl")

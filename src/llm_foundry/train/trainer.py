@@ -226,12 +226,15 @@ class Trainer:
             from llm_foundry.interop.hf import from_hf
 
             source = from_hf(path)
-        if source.cfg != self.mc:
-            diff = [
-                f"{k}: {v!r} there, {getattr(self.mc, k)!r} here"
-                for k, v in source.cfg.to_dict().items()
-                if getattr(self.mc, k) != v
-            ]
+        # settings no weight depends on may change (e.g. a longer context for relative positions)
+        free = {"dropout", "attn_impl", "moe_dispatch", "moe_aux_loss_coef", "router_z_loss_coef",
+                "router_jitter"} | ({"max_seq_len"} if self.mc.pos_encoding != "learned" else set())  # fmt: skip
+        diff = [
+            f"{k}: {v!r} there, {getattr(self.mc, k)!r} here"
+            for k, v in source.cfg.to_dict().items()
+            if getattr(self.mc, k) != v and k not in free
+        ]
+        if diff:
             hint = ""
             if source.cfg.vocab_size != self.mc.vocab_size:
                 hint = "; prepare the data with that model's tokenizer (prepare --tokenizer-from)"
