@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -157,3 +158,27 @@ def test_init_from_refuses_another_architecture_but_allows_a_longer_context(char
         Trainer(ModelConfig(**{**tiny, "dim": 64}), train, data, tmp_path / "wide")
     longer = Trainer(ModelConfig(**{**tiny, "max_seq_len": 128}), train, data, tmp_path / "long")
     longer.release()
+
+
+def test_training_on_sft_rows_resumes_exactly(sft_dir, tmp_path):
+    import shutil
+
+    from conftest import make_trainer
+
+    from llm_foundry.train.state import write_json_atomic
+
+    data, _ = sft_dir
+
+    def losses(run):
+        recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        return [r["loss"] for r in recs if "loss" in r]
+
+    make_trainer(data, tmp_path / "full", max_steps=8).run()
+    shutil.copytree(tmp_path / "full", tmp_path / "cut")
+    shutil.rmtree(tmp_path / "cut" / "checkpoints" / "step_000008")
+    write_json_atomic(
+        tmp_path / "cut" / "checkpoints" / "latest.json", {"step": 4, "path": "step_000004"}
+    )
+    make_trainer(data, tmp_path / "cut", resume=True, max_steps=8).run()
+    assert losses(tmp_path / "cut") == losses(tmp_path / "full")
+    assert all(math.isfinite(x) for x in losses(tmp_path / "full"))  # every batch had targets
