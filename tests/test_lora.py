@@ -211,3 +211,24 @@ def test_lora_fine_tuning_starts_from_the_checkpoint_trains_adapters_and_resumes
     write_json_atomic(cut / "checkpoints" / "latest.json", {"step": 4, "path": "step_000004"})
     make_trainer(data, cut, resume=True, max_steps=8, checkpoint_interval=4, **lora).run()
     assert _losses(cut) == _losses(tmp_path / "ft")
+
+
+def test_params_lora_view_counts_what_peft_trains(capsys):
+    from llm_foundry.accounting import lora_report
+    from llm_foundry.cli import main
+    from llm_foundry.interop.hf import config_from_hf
+
+    hf = _hf_llama()
+    cfg = config_from_hf(hf.config)
+    targets = {"wq": "q_proj", "wv": "v_proj", "w2": "down_proj"}
+    peft_model = peft.get_peft_model(
+        hf, peft.LoraConfig(r=8, target_modules=list(targets.values()))
+    )
+    trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+    rep = lora_report(cfg, 8, list(targets))
+    assert rep["trainable"] == trainable and set(rep["targets"]) == set(targets)
+    assert (
+        main(["params", "--preset", "llama2-7b", "--lora-r", "8", "--lora-targets", "wq,wv"]) == 0
+    )
+    out = capsys.readouterr().out  # 32 layers x 2 matrices x r (4096 in + 4096 out)
+    assert "LoRA r=8" in out and f"{32 * 2 * 8 * (4096 + 4096):,}  (0.062% of the model)" in out

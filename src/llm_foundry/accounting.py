@@ -152,3 +152,39 @@ def format_report(rep: dict, title: str = "") -> str:
         f"{human(kv['fp32_per_sequence'], 'B')} fp32, {human(kv['bf16_per_sequence'], 'B')} bf16"
     )
     return "\n".join(lines)
+
+
+def lora_report(cfg: ModelConfig, r: int, targets: list[str]) -> dict:
+    """What LoRA adapters of rank ``r`` on ``targets`` add: adapter parameters per target kind
+    (r x (in + out) per adapted matrix, summed over layers), their share of the model, and the
+    AdamW state (two fp32 moments) of a LoRA run against a full fine-tune."""
+    from llm_foundry.models.lora import add_lora, lora_layers
+
+    model = meta_model(cfg)
+    total = model.num_params()
+    add_lora(model, targets, r=r)
+    per_kind: dict[str, int] = {}
+    for name, lora in lora_layers(model).items():
+        kind = name.split(".")[-1]
+        per_kind[kind] = per_kind.get(kind, 0) + lora.lora_A.numel() + lora.lora_B.numel()
+    trainable = sum(per_kind.values())
+    return dict(
+        r=r,
+        targets=per_kind,
+        trainable=trainable,
+        fraction=trainable / total,
+        adamw_bytes_lora=8 * trainable,
+        adamw_bytes_full=8 * total,
+    )
+
+
+def format_lora(rep: dict) -> str:
+    lines = [f"LoRA r={rep['r']}: adapter parameters per target"]
+    for kind, n in rep["targets"].items():
+        lines.append(f"  {kind:<10}{n:>16,}")
+    lines.append(
+        f"  {'total':<10}{rep['trainable']:>16,}  ({rep['fraction']:.3%} of the model); AdamW "
+        f"state {human(rep['adamw_bytes_lora'], 'B')} instead of "
+        f"{human(rep['adamw_bytes_full'], 'B')}"
+    )
+    return "\n".join(lines)
