@@ -232,3 +232,21 @@ def test_params_lora_view_counts_what_peft_trains(capsys):
     )
     out = capsys.readouterr().out  # 32 layers x 2 matrices x r (4096 in + 4096 out)
     assert "LoRA r=8" in out and f"{32 * 2 * 8 * (4096 + 4096):,}  (0.062% of the model)" in out
+
+
+def test_an_adapter_for_another_base_is_refused_naming_the_tensor(tmp_path):
+    ours = from_hf(_hf_llama())
+    add_lora(ours, ("wq", "w1"), r=4)
+    save_adapter(ours, tmp_path / "adapter")
+    wider = transformers.LlamaConfig(
+        vocab_size=61, hidden_size=64, intermediate_size=80, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    with pytest.raises(ConversionError, match=r"layers\.0\.attn\.wq\.lora_A: shape \(4, 48\)"):
+        load_adapter(from_hf(transformers.LlamaForCausalLM(wider)), tmp_path / "adapter")
+    one_layer = transformers.LlamaConfig(
+        vocab_size=61, hidden_size=48, intermediate_size=80, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    with pytest.raises(ConversionError, match=r"adapter tensors with no module in the model"):
+        load_adapter(from_hf(transformers.LlamaForCausalLM(one_layer)), tmp_path / "adapter")
