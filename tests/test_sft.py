@@ -182,3 +182,72 @@ def test_training_on_sft_rows_resumes_exactly(sft_dir, tmp_path):
     make_trainer(data, tmp_path / "cut", resume=True, max_steps=8).run()
     assert losses(tmp_path / "cut") == losses(tmp_path / "full")
     assert all(math.isfinite(x) for x in losses(tmp_path / "full"))  # every batch had targets
+
+
+@pytest.mark.parametrize("pe", ["rope", "alibi", "none"])
+def test_packed_examples_compute_what_they_compute_alone(sft_dir, pe, tiny_config):
+    """Rows packed with whole examples, attention kept inside each: every example's logits and
+    its summed loss equal those of the example run by itself (relative positions)."""
+    from llm_foundry.models import Transformer
+
+    data, tok = sft_dir
+    torch.manual_seed(0)
+    model = Transformer(tiny_config(vocab_size=tok.vocab_size, pos_encoding=pe, max_seq_len=96))
+    model.eval()
+    x, y, doc = SFTSampler(data, "train", block_size=90, batch_size=3, seed=0, pack=True).next()
+    assert (doc[:, 1:] >= doc[:, :-1]).all() and (doc.max(1).values >= 1).all()  # >= 2 per row
+    logits = model(x, doc=doc)[0]
+    packed_sum = torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1), y.flatten(), ignore_index=IGNORE, reduction="sum"
+    )
+    alone_sum = torch.zeros(())
+    for b in range(x.shape[0]):
+        for k in doc[b].unique():
+            where = (doc[b] == k).nonzero().flatten()
+            s, e = int(where[0]), int(where[-1]) + 1
+            alone = model(x[b : b + 1, s:e])[0][0]
+            torch.testing.assert_close(alone, logits[b, s:e], atol=1e-4, rtol=1e-4)
+            alone_sum += torch.nn.functional.cross_entropy(
+                alone, y[b, s:e], ignore_index=IGNORE, reduction="sum"
+            )
+    torch.testing.assert_close(packed_sum, alone_sum, atol=1e-3, rtol=1e-5)
+    # no position targets the first token of the next document
+    boundary = (doc[:, 1:] != doc[:, :-1]).nonzero()
+    assert all(y[b, t] == IGNORE for b, t in boundary.tolist())
+
+
+def test_packing_is_refused_for_absolute_positions(sft_dir, tmp_path):
+    from llm_foundry.config import ConfigError, ModelConfig
+    from llm_foundry.train.config import TrainConfig
+    from llm_foundry.train.trainer import Trainer
+
+    data, tok = sft_dir
+    model = ModelConfig(vocab_size=tok.vocab_size, dim=32, n_layers=1, n_heads=2,
+                        max_seq_len=64, pos_encoding="learned")  # fmt: skip
+    train = TrainConfig(batch_size=2, block_size=64, sft_packing=True, progress=False)
+    with pytest.raises(ConfigError, match="pos_encoding='learned': packed documents"):
+        Trainer(model, train, data, tmp_path / "run")
+
+
+def test_training_with_packing_runs_and_resumes_exactly(sft_dir, tmp_path):
+    import shutil
+
+    from conftest import make_trainer
+
+    from llm_foundry.train.state import write_json_atomic
+
+    data, _ = sft_dir
+
+    def losses(run):
+        recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        return [r["loss"] for r in recs if "loss" in r]
+
+    make_trainer(data, tmp_path / "full", max_steps=8, sft_packing=True).run()
+    shutil.copytree(tmp_path / "full", tmp_path / "cut")
+    shutil.rmtree(tmp_path / "cut" / "checkpoints" / "step_000008")
+    write_json_atomic(
+        tmp_path / "cut" / "checkpoints" / "latest.json", {"step": 4, "path": "step_000004"}
+    )
+    make_trainer(data, tmp_path / "cut", resume=True, max_steps=8, sft_packing=True).run()
+    assert losses(tmp_path / "cut") == losses(tmp_path / "full")
+    assert all(math.isfinite(x) for x in losses(tmp_path / "full"))

@@ -195,7 +195,8 @@ class SFTSampler(BatchSampler):
     is prompt, template or padding; examples longer than block_size + 1 tokens are cut."""
 
     def __init__(self, data_dir: str | Path, split: str, block_size: int, batch_size: int,
-                 seed: int = 0, *, rank: int = 0, world_size: int = 1):  # fmt: skip
+                 seed: int = 0, *, rank: int = 0, world_size: int = 1,
+                 pack: bool = False):  # fmt: skip
         data_dir = Path(data_dir)
         meta = json.loads((data_dir / "meta.json").read_text())
         tokens = open_tokens(data_dir / f"{split}.bin", meta["dtype"], meta[f"{split}_tokens"])
@@ -205,6 +206,7 @@ class SFTSampler(BatchSampler):
         n = meta[f"{split}_examples"]
         self.offsets = np.asarray(open_tokens(data_dir / f"{split}.offsets.bin", np.int64, n + 1))
         self.pad_id = 0
+        self.pack = pack
         # examples longer than a window are cut; one whose targets all lie past the cut is left
         # out (it would be a batch row with nothing to learn)
         starts, ends = self.offsets[:-1], self.offsets[1:]
@@ -219,7 +221,10 @@ class SFTSampler(BatchSampler):
                 f"{block_size + 1} tokens; raise train.block_size or shorten the prompts"
             )
 
-    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def next(self):
+        """x, y (B, T); with packing also doc (B, T), the document each position belongs to."""
+        if self.pack:
+            return self._packed()
         B, T = self.batch_size, self.block_size
         draws = self.rng.integers(0, len(self.eligible), size=B * self.world_size)
         picks = self.eligible[draws[self.rank * B : (self.rank + 1) * B]]
@@ -234,5 +239,30 @@ class SFTSampler(BatchSampler):
             y[b, : len(ids) - 1] = np.where(trained, ids[1:], IGNORE)
         self.batches += 1
         return torch.from_numpy(x), torch.from_numpy(y)
+
+    def _packed(self):
+        """Rows filled with whole examples one after another (the last one cut at the row's
+        end); a position never targets the next document's first token."""
+        B, T = self.batch_size, self.block_size
+        rows = []
+        for _ in range(B * self.world_size):
+            ids, mask, doc = [], [], []
+            while len(ids) < T + 1:
+                i = self.eligible[self.rng.integers(0, len(self.eligible))]
+                start, end = int(self.offsets[i]), int(self.offsets[i + 1])
+                ids += np.asarray(self.data[start:end], dtype=np.int64).tolist()
+                mask += np.asarray(self.mask[start:end]).tolist()
+                doc += [len(set(doc))] * (end - start)
+            rows.append((ids[: T + 1], mask[: T + 1], doc[: T + 1]))
+        x = np.zeros((B, T), dtype=np.int64)
+        y = np.full((B, T), IGNORE, dtype=np.int64)
+        d = np.zeros((B, T), dtype=np.int64)
+        for b, (ids, mask, doc) in enumerate(rows[self.rank * B : (self.rank + 1) * B]):
+            ids, mask, doc = np.array(ids), np.array(mask, dtype=bool), np.array(doc)
+            x[b], d[b] = ids[:-1], doc[:-1]
+            keep = mask[1:] & (doc[1:] == doc[:-1])  # a target inside the same document
+            y[b] = np.where(keep, ids[1:], IGNORE)
+        self.batches += 1
+        return torch.from_numpy(x), torch.from_numpy(y), torch.from_numpy(d)
 
     __next__ = next

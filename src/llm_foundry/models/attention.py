@@ -51,6 +51,14 @@ def padding_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, pad: torch.Tensor) ->
     return zeros.masked_fill(hide, float("-inf"))[:, None]
 
 
+def document_mask(doc: torch.Tensor) -> torch.Tensor:
+    """Additive mask (B, 1, T, T) keeping attention inside each packed document: 0 where query i
+    and key j belong to the same document of their row, -inf elsewhere. doc: (B, T) ids."""
+    same = doc[:, :, None] == doc[:, None, :]  # (B, T, T)
+    zeros = torch.zeros(same.shape, device=doc.device)
+    return zeros.masked_fill(~same, float("-inf"))[:, None]
+
+
 def manual_attention(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from llm_foundry.models.attention import attention_mask, padding_mask
+from llm_foundry.models.attention import attention_mask, document_mask, padding_mask
 from llm_foundry.models.block import build_block
 from llm_foundry.models.fast_decode import Linear
 from llm_foundry.models.kv_cache import KVCache
@@ -79,15 +79,18 @@ class Transformer(nn.Module):
         ignore_index: int = IGNORE_INDEX,
         cache: KVCache | None = None,
         last_only: bool = False,
+        doc: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """idx, targets: (B, T) token ids -> logits (B, T, vocab) and the mean cross-entropy over
         targets that are not ``ignore_index`` (None without targets).
 
         With a ``cache`` the T tokens continue the cached ones (positions cache.length..), and
         their keys/values are added to it. ``last_only`` computes logits of the last position
-        only (B, 1, vocab): all that decoding needs.
+        only (B, 1, vocab): all that decoding needs. ``doc`` (B, T) numbers the documents packed
+        into each row: attention stays inside each (with relative positions, RoPE or ALiBi, a
+        packed document then computes what it computes alone).
         """
-        x, _ = self._trunk(idx, need_weights=False, cache=cache)
+        x, _ = self._trunk(idx, need_weights=False, cache=cache, doc=doc)
         if last_only:
             x = x[:, -1:]
         logits = self.lm_head(x)  # (B, T, V)
@@ -111,14 +114,14 @@ class Transformer(nn.Module):
             self.cfg, batch_size, max_len or self.cfg.max_seq_len, w.device, dtype or w.dtype
         )
 
-    def _trunk(self, idx: torch.Tensor, need_weights: bool, cache: KVCache | None = None):
+    def _trunk(self, idx: torch.Tensor, need_weights: bool, cache: KVCache | None = None, doc=None):
         """Embeddings and blocks: idx (B, T) -> final hidden states (B, T, D), attention weights."""
         T = idx.shape[1]
         start = cache.length if cache is not None else 0
         pad = cache.pad if cache is not None else None  # left padding of batched prompts
         x = self.drop(self.emb_norm(self.pos.embed(self.tok_emb(idx), start, pad)))
         mask = None  # plain causal over the T tokens alone: SDPA's own causal kernel
-        if self.needs_mask or cache is not None:
+        if self.needs_mask or cache is not None or doc is not None:
             q_pos = torch.arange(start, start + T, device=idx.device)
             k_pos = cache.key_positions(start, T) if cache is not None else q_pos
             mask = attention_mask(
@@ -126,6 +129,8 @@ class Transformer(nn.Module):
             )
             if pad is not None:
                 mask = mask + padding_mask(q_pos, k_pos, pad)
+            if doc is not None:
+                mask = mask + document_mask(doc)
         weights = []
         recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled()
         for i, layer in enumerate(self.layers):

@@ -79,6 +79,7 @@ class TrainConfig:
     lora_dropout: float = 0.0  # dropout on the adapters' input
     lora_targets: str = "wq,wv"  # comma list of projections: wq, wk, wv, wo, w1, w2, w3, lm_head
     lora_rslora: bool = False  # rank-stabilised scale (Kalajdzievski 2023)
+    sft_packing: bool = False  # SFT data: fill rows with whole examples, attention kept in each
 
     def __post_init__(self) -> None:
         p: list[str] = []
@@ -105,6 +106,7 @@ class TrainConfig:
             "tensorboard",
             "progress",
             "lora_rslora",
+            "sft_packing",
         ):
             if not isinstance(getattr(self, name), bool):
                 p.append(f"{name}={getattr(self, name)!r} must be true or false")

@@ -138,6 +138,16 @@ class Trainer:
         self.train_data = load_split(self.data_dir, "train")
         self.val_data = load_split(self.data_dir, "val")
         self.sft = self.meta.get("kind") == "sft"  # whole examples with masked prompts
+        if train_cfg.sft_packing and not self.sft:
+            raise ValueError(
+                f"train.sft_packing needs fine-tuning data (prepare --sft); {data_dir} is text"
+            )
+        if train_cfg.sft_packing and self.mc.pos_encoding in ("learned", "sinusoidal"):
+            raise ConfigError(
+                [f"pos_encoding={self.mc.pos_encoding!r}: packed documents would see absolute "
+                 "positions past their start; packing needs rope, alibi or none"],
+                "train.sft_packing",
+            )  # fmt: skip
         self.sampler = self._sampler("train", train_cfg.seed)
         if self.sft and (self.sampler.cut or self.sampler.dropped) and self.world.main:
             log.info(
@@ -211,7 +221,7 @@ class Trainer:
         tc, w = self.tc, self.world
         if self.sft:
             return SFTSampler(self.data_dir, split, tc.block_size, tc.batch_size, seed,
-                              rank=w.rank, world_size=w.world_size)  # fmt: skip
+                              rank=w.rank, world_size=w.world_size, pack=tc.sft_packing)  # fmt: skip
         data = self.train_data if split == "train" else self.val_data
         return BatchSampler(data, tc.block_size, tc.batch_size, seed,
                             rank=w.rank, world_size=w.world_size)  # fmt: skip
@@ -313,9 +323,9 @@ class Trainer:
         sampler = self._sampler("val", self.tc.seed + 1)
         total = torch.zeros((), device=self.device)
         for _ in range(self.tc.eval_batches):
-            x, y = (t.to(self.device) for t in sampler.next())
+            x, y, *doc = (t.to(self.device) for t in sampler.next())
             with self._autocast():
-                total += self.forward(x, y)[1].float()
+                total += self.forward(x, y, doc=doc[0] if doc else None)[1].float()
         self.model.train()
         return D.mean(total, w).item() / self.tc.eval_batches
 
@@ -358,10 +368,10 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         aux_sum = torch.zeros((), device=self.device)
         for micro in range(tc.grad_accum):
-            x, y = (t.to(self.device, non_blocking=True) for t in self.sampler.next())
+            x, y, *doc = (t.to(self.device, non_blocking=True) for t in self.sampler.next())
             last = micro == tc.grad_accum - 1
             with D.sync_gradients(self.wrapped, tc.parallel, last), self._autocast():
-                loss = self.forward(x, y)[1] / tc.grad_accum
+                loss = self.forward(x, y, doc=doc[0] if doc else None)[1] / tc.grad_accum
                 aux = self.model.aux_loss()  # experts' balancing losses (None: dense)
                 total = loss if aux is None else loss + aux / tc.grad_accum
                 self.scaler.scale(total).backward()
