@@ -21,6 +21,8 @@ encoded on its own, so a mask boundary is also a token boundary. ``prepare_sft``
 ``SFTSampler`` draws whole examples (seeded, resumable like ``BatchSampler``), cut to
 block_size + 1 tokens and padded; padding and prompt tokens get the target -100 (ignored).
 Examples cut so that no target is left are not drawn (``cut`` and ``dropped`` count them).
+With ``pack`` a row holds several whole examples one after another, with a document id per
+position (the model keeps attention inside each document) and no target across a boundary.
 """
 
 from __future__ import annotations
@@ -192,7 +194,8 @@ def prepare_sft(
 
 class SFTSampler(BatchSampler):
     """Batches of whole examples: x, y (batch_size, block_size), y = IGNORE where the next token
-    is prompt, template or padding; examples longer than block_size + 1 tokens are cut."""
+    is prompt, template or padding; examples longer than block_size + 1 tokens are cut. With
+    ``pack``: rows of several examples and their document ids (batch_size, block_size)."""
 
     def __init__(self, data_dir: str | Path, split: str, block_size: int, batch_size: int,
                  seed: int = 0, *, rank: int = 0, world_size: int = 1,
