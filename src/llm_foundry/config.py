@@ -69,9 +69,7 @@ class ModelConfig:
     dim: int = 512  # residual stream width (d_model)
     n_layers: int = 8  # number of Transformer blocks
     n_heads: int = 8  # query heads
-    n_kv_heads: int | None = (
-        None  # key/value heads: None or n_heads MHA, 1 < g < n_heads GQA, 1 MQA
-    )
+    n_kv_heads: int | None = None  # key/value heads: None/n_heads MHA, 1 < g < n_heads GQA, 1 MQA
     head_dim: int | None = None  # per-head width; default dim // n_heads (Qwen3 sets it)
     hidden_dim: int | None = None  # MLP width; default mlp_ratio*dim (x 2/3 for gated MLPs)
     mlp_ratio: float = 4.0  # MLP width multiplier when hidden_dim is not given

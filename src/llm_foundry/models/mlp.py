@@ -34,7 +34,7 @@ class MLP(nn.Module):
 
     def flops_per_token(self, context: int) -> int:
         """Training FLOPs per token of every projection (``context`` does not matter here)."""
-        return sum(m.flops_per_token() for m in self.children() if isinstance(m, Linear))
+        return sum(m.flops_per_token() for m in self.children() if hasattr(m, "flops_per_token"))
 
     def active_params(self) -> int:
         """Parameters each token uses: all of them (a mixture of experts uses fewer)."""

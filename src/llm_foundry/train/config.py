@@ -71,9 +71,7 @@ class TrainConfig:
     # rank; 0 never warns. A random square init sits at ~0.8, so 0.1 means real collapse.
     monitor_rank_frac: float = 0.1
     # fine-tuning: start from a checkpoint's weights, and train low-rank adapters only (LoRA)
-    init_from: str | None = (
-        None  # our run/checkpoint or an HF directory whose weights start training
-    )
+    init_from: str | None = None  # run, checkpoint or HF directory whose weights start training
     lora_r: int = 0  # adapter rank; 0 trains every weight
     lora_alpha: float = 16.0  # adapter scale alpha / r (alpha / sqrt(r) with lora_rslora)
     lora_dropout: float = 0.0  # dropout on the adapters' input

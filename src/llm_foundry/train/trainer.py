@@ -239,10 +239,12 @@ class Trainer:
         # settings no weight depends on may change (e.g. a longer context for relative positions)
         free = {"dropout", "attn_impl", "moe_dispatch", "moe_aux_loss_coef", "router_z_loss_coef",
                 "router_jitter"} | ({"max_seq_len"} if self.mc.pos_encoding != "learned" else set())  # fmt: skip
+        there, here = source.cfg.to_dict(), self.mc.to_dict()
+        there["n_kv_heads"], here["n_kv_heads"] = source.cfg.kv_heads, self.mc.kv_heads
         diff = [
-            f"{k}: {v!r} there, {getattr(self.mc, k)!r} here"
-            for k, v in source.cfg.to_dict().items()
-            if getattr(self.mc, k) != v and k not in free
+            f"{k}: {v!r} there, {here[k]!r} here"
+            for k, v in there.items()
+            if here[k] != v and k not in free
         ]
         if diff:
             hint = ""
