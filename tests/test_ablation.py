@@ -159,8 +159,15 @@ def test_study_trains_every_variant_and_seed_then_resumes_without_retraining(
 
 
 def test_changed_settings_refuse_to_reuse_a_finished_run(data_dir, tmp_path):
-    study = tiny_study(variants=[Variant("a"), Variant("b", {"norm": "layernorm"})])
+    model = {**TINY_MODEL, "n_kv_heads": None}  # None: one per query head
+    study = tiny_study(model=model, variants=[Variant("a"), Variant("b", {"norm": "layernorm"})])
     ablation.run_study(study, data_dir, tmp_path)
+    results = sorted((tmp_path / "runs").glob("*/seed0/result.json"))
+    written = [r.stat().st_mtime_ns for r in results]
+    # n_kv_heads spelled out as n_heads is the same model: the results are reused, not rewritten
+    study.model["n_kv_heads"] = ablation.configs(study, Variant("a"), 0)[0].n_heads
+    ablation.run_study(study, data_dir, tmp_path)
+    assert len(results) == 2 and [r.stat().st_mtime_ns for r in results] == written
     study.train["lr"] = 5e-3
     with pytest.raises(ValueError, match=r"train\.lr"):
         ablation.run_study(study, data_dir, tmp_path)

@@ -250,3 +250,21 @@ def test_an_adapter_for_another_base_is_refused_naming_the_tensor(tmp_path):
     )  # fmt: skip
     with pytest.raises(ConversionError, match=r"adapter tensors with no module in the model"):
         load_adapter(from_hf(transformers.LlamaForCausalLM(one_layer)), tmp_path / "adapter")
+
+
+def test_adapters_on_shared_experts_change_the_output_and_merge_exactly(tiny_config):
+    """A mixture of experts' shared MLP is plain linear layers: LoRA adapts it like any MLP."""
+    torch.manual_seed(0)
+    cfg = tiny_config(n_experts=4, experts_per_token=2, expert_hidden_dim=16, n_shared_experts=1)
+    model = Transformer(cfg).eval()
+    idx = torch.randint(0, 37, (2, 9))
+    base = model(idx)[0]
+    names = add_lora(model, ("w1", "w2", "w3"), r=2, alpha=4)
+    assert {n.rpartition(".")[0] for n in names} == {
+        f"layers.{i}.mlp.shared" for i in range(cfg.n_layers)
+    }
+    _randomise(model)
+    adapted = model(idx)[0]
+    assert (adapted - base).abs().max() > 1e-2
+    merge_lora(model)
+    torch.testing.assert_close(model(idx)[0], adapted, atol=1e-5, rtol=1e-5)

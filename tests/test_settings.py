@@ -113,3 +113,25 @@ def test_help_shows_each_fields_meaning_and_default(capsys):
         "--model.tie_embeddings V output head shares the token-embedding matrix (default false)"
         in out
     )
+
+
+def test_the_command_line_preset_wins_over_a_config_files_preset(tmp_path, capsys):
+    conf = _write(tmp_path / "p.yaml", "preset: gpt2-shakespeare-char\nmodel:\n  n_layers: 2\n")
+    assert main(["params", "--config", conf, "--json"]) == 0
+    from_file = json.loads(capsys.readouterr().out)["config"]
+    assert from_file["norm"] == "layernorm" and from_file["n_layers"] == 2
+    assert main(["params", "--config", conf, "--preset", "llama-shakespeare-char", "--json"]) == 0
+    from_cli = json.loads(capsys.readouterr().out)["config"]
+    assert from_cli["norm"] == "rmsnorm" and from_cli["n_layers"] == 2
+
+
+def test_out_and_resume_come_from_the_last_config_file_that_sets_them(tmp_path):
+    """As every other setting does: later files override earlier ones, the command line both."""
+    from llm_foundry.cli.train import _config_value, parser
+
+    a = _write(tmp_path / "a.yaml", "out: runs/a\nresume: true\n")
+    b = _write(tmp_path / "b.yaml", "out: runs/b\n")
+    ns = parser().parse_args(["--config", a, "--config", b])
+    assert (_config_value(ns, "out"), _config_value(ns, "resume")) == ("runs/b", True)
+    ns = parser().parse_args(["--config", a, "--config", b, "--out", "runs/c"])
+    assert _config_value(ns, "out") == "runs/c"

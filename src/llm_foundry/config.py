@@ -21,7 +21,7 @@ import yaml
 # each component module owns its registry; the valid names come from there
 from llm_foundry.models.attention import ATTENTION_IMPL_NAMES
 from llm_foundry.models.block import NORM_POSITION_NAMES
-from llm_foundry.models.mlp import GATED_MLPS, MLP_NAMES
+from llm_foundry.models.mlp import MLP_NAMES, is_gated
 from llm_foundry.models.moe import MOE_DISPATCH_NAMES
 from llm_foundry.models.norm import NORM_NAMES
 from llm_foundry.models.position import POSITION_NAMES, ROPE_SCALINGS
@@ -139,7 +139,7 @@ class ModelConfig:
         if self.hidden_dim is not None:
             return self.hidden_dim
         hidden = int(self.mlp_ratio * self.dim)
-        if self.mlp in GATED_MLPS:
+        if is_gated(self.mlp):
             hidden = int(2 * hidden / 3)  # three matrices instead of two: keep parameters equal
         return self.multiple_of * math.ceil(hidden / self.multiple_of)
 
@@ -150,7 +150,7 @@ class ModelConfig:
 
     @property
     def gated(self) -> bool:
-        return self.mlp in GATED_MLPS
+        return is_gated(self.mlp)
 
     def problems(self) -> list[str]:
         """Every problem with this config, each naming the field, the value and what is valid."""

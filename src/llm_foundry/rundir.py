@@ -79,7 +79,7 @@ class RunDir:
         return ckpt, model, TrainConfig.from_dict(state["train_config"]), data
 
 
-def checkpoint_dir(path: str | Path) -> Path:
+def checkpoint_dir(path: str | Path, flag: str = "--checkpoint") -> Path:
     """The checkpoint directory ``path`` names: itself (ours or an HF one: it has a
     config.json), or for a training run directory (or its ``checkpoints/`` folder) the step
     directory that ``latest.json`` points at."""
@@ -87,7 +87,7 @@ def checkpoint_dir(path: str | Path) -> Path:
 
     path = Path(path)
     if not path.is_dir():
-        raise FileNotFoundError(f"--checkpoint {path}: no such directory")
+        raise FileNotFoundError(f"{flag} {path}: no such directory")
     if (path / "config.json").exists():
         return path
     for root in (path / CHECKPOINTS, path):
@@ -99,7 +99,7 @@ def checkpoint_dir(path: str | Path) -> Path:
                 )
             return step
     raise FileNotFoundError(
-        f"--checkpoint {path}: no config.json (an llm-foundry checkpoint or an HF transformers "
+        f"{flag} {path}: no config.json (an llm-foundry checkpoint or an HF transformers "
         "directory) and no checkpoints/latest.json (a training run directory)"
     )
 

@@ -145,7 +145,8 @@ def resolve(
         extra.update({k: v for k, v in conf.items() if k not in SECTIONS})
     for section, fields in _as_changes(overrides).items():
         given[section].update(fields)
-    preset = preset or extra.pop("preset", None)
+    file_preset = extra.pop("preset", None)  # --preset on the command line wins
+    preset = preset or file_preset
     if preset:
         model_base = get_preset(preset)
     elif base_model is not None:

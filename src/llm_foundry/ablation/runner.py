@@ -124,7 +124,7 @@ def run_one(study: Study, variant: Variant, seed_index: int, data: Path, run_dir
     result_file = run_dir / "result.json"
     # everything a result depends on: settings, the corpus and tokenizer, the code that ran
     fingerprint = dict(
-        model=mc.to_dict(),
+        model={**mc.to_dict(), "n_kv_heads": mc.kv_heads},  # None and n_heads are one setting
         train=tc.to_dict(),
         data=data_fingerprint(data),
         code=dict(llm_foundry=llm_foundry.__version__),

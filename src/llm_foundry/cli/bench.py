@@ -38,7 +38,11 @@ def _str_list(text: str) -> list[str]:
 
 
 def parse_args(argv: list[str], prog: str = "bench_attention.py") -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog=prog,
+        description="Manual attention vs SDPA: time and peak memory for each sequence length "
+        "and KV-head count (MHA, GQA, MQA).",
+    )
     ap.add_argument("--seq-lens", type=_int_list, default=[256, 512, 1024, 2048, 4096])
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--heads", type=int, default=12, help="query heads H")

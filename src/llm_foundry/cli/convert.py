@@ -35,7 +35,7 @@ def main(argv: list[str]) -> int:
         out = convert_from_hf(ns.from_hf, ns.out)
         what = {"from": ns.from_hf, "to": str(out), "format": "llm-foundry"}
     else:
-        ckpt = checkpoint_dir(ns.to_hf)  # a run directory means its latest checkpoint
+        ckpt = checkpoint_dir(ns.to_hf, "--to-hf")  # a run directory means its latest checkpoint
         if checkpoint_kind(ckpt)[0] == "hf":
             raise ValueError(f"--to-hf {ckpt} is an HF transformers directory already")
         out = convert_to_hf(ckpt, ns.out, ns.family)

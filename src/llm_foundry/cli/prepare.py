@@ -75,7 +75,7 @@ def _prepare_sft(ns) -> int:
         raise ValueError("--sft needs --tokenizer-from: the tokenizer.json of the model to tune")
     tok = Path(ns.tokenizer_from)
     if tok.is_dir():
-        tok = checkpoint_dir(tok) / "tokenizer.json"
+        tok = checkpoint_dir(tok, "--tokenizer-from") / "tokenizer.json"
     if not tok.is_file():
         raise FileNotFoundError(f"--tokenizer-from {ns.tokenizer_from}: no tokenizer.json there")
     meta = prepare_sft(ns.out, ns.sft, tok, ns.val_fraction)

@@ -63,10 +63,12 @@ def _config_value(ns, key: str):
     """``key`` from the command line, else from the last --config file that sets it (read now:
     out and resume decide what the settings start from)."""
     value = getattr(ns, key)
-    for file in ns.config:
+    if value not in (None, False):
+        return value
+    for file in reversed(ns.config):
         conf = read_config_file(file)
-        if value in (None, False) and key in conf:
-            value = conf[key]
+        if key in conf:
+            return conf[key]
     return value
 
 
@@ -88,6 +90,9 @@ def main(argv: list[str], finetune: bool = False) -> int:
     from llm_foundry.rundir import RunDir
 
     ns = parser(finetune).parse_args(join_negative_values(argv))
+    if finetune:  # the start may come from a --config file, as out and data may
+        ns.checkpoint = _config_value(ns, "checkpoint")
+        ns.resume = bool(_config_value(ns, "resume"))
     if finetune and not ns.resume and not ns.checkpoint:
         raise ValueError(
             "finetune needs --checkpoint DIR (a run, our checkpoint or an HF directory)"

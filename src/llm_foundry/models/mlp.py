@@ -76,7 +76,12 @@ MLPS = {
     "geglu": (GatedMLP, _gelu),
 }
 MLP_NAMES = MLPS.keys()  # the values ``ModelConfig.mlp`` accepts (a live view)
-GATED_MLPS = ("swiglu", "geglu")  # three matrices: ModelConfig.ffn_dim keeps parameters equal
+
+
+def is_gated(mlp: str) -> bool:
+    """Whether ``mlp`` names a three-matrix (gated) kind: ModelConfig.ffn_dim keeps parameters
+    equal by making it 2/3 as wide."""
+    return issubclass(MLPS[mlp][0], GatedMLP)
 
 
 def activation(cfg: ModelConfig):

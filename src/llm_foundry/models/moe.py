@@ -21,7 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from llm_foundry.models.fast_decode import Linear
-from llm_foundry.models.mlp import GATED_MLPS, activation
+from llm_foundry.models.mlp import activation, is_gated
 
 if TYPE_CHECKING:
     from llm_foundry.config import ModelConfig
@@ -130,7 +130,7 @@ class MoE(nn.Module):
         self.router = Linear(D, E, bias=False)
         self.w1 = nn.Parameter(torch.empty(E, H, D))
         self.w2 = nn.Parameter(torch.empty(E, D, H))
-        gated = cfg.mlp in GATED_MLPS
+        gated = is_gated(cfg.mlp)
         self.w3 = nn.Parameter(torch.empty(E, H, D)) if gated else None
         self.act: Callable = activation(cfg)
         self.dispatch = DISPATCH[cfg.moe_dispatch]
@@ -161,14 +161,9 @@ class MoE(nn.Module):
         self.router_logits, self.expert_ids = logits, ids
         out = self.dispatch(flat, weights, ids, self.w1, self.w2, self.w3, self.act)
         if self.shared is not None:
-            s = self.shared
-            out = out + expert_ffn(
-                flat,
-                s["w1"].weight,
-                s["w2"].weight,
-                s["w3"].weight if "w3" in s else None,
-                self.act,
-            )
+            s = self.shared  # through the modules, so LoRA-wrapped projections work too
+            h = self.act(s["w1"](flat))
+            out = out + s["w2"](h * s["w3"](flat) if "w3" in s else h)
         return out.view(B, T, D)
 
     def init_weights(self, std: float, residual_std: float) -> None:
