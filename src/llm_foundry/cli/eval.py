@@ -1,4 +1,6 @@
-"""``llm-foundry eval``: loss and perplexity per context length, of any checkpoint kind."""
+"""``llm-foundry eval``: loss and perplexity per context length, of any checkpoint kind; or, with
+``--tasks``, tasks of the EleutherAI evaluation harness (the shipped local ones, or any of its
+registry when the datasets can be downloaded)."""
 
 from __future__ import annotations
 
@@ -51,7 +53,8 @@ def main(argv: list[str]) -> int:
 
     p = argparse.ArgumentParser(
         prog="llm-foundry eval",
-        description="Loss and perplexity per context length (non-overlapping or sliding windows).",
+        description="Loss and perplexity per context length (non-overlapping or sliding "
+        "windows) on --data or --text; or lm-eval tasks with --tasks.",
     )
     p.add_argument(
         "--checkpoint", required=True, help="checkpoint, run or HF transformers directory"
@@ -59,6 +62,17 @@ def main(argv: list[str]) -> int:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--data", help="a token file written by prepare (e.g. data/x/val.bin)")
     src.add_argument("--text", help="a UTF-8 text file, encoded with the checkpoint's tokenizer")
+    src.add_argument(
+        "--tasks",
+        help="comma-separated lm-eval tasks: the local shakespeare (group), "
+        "shakespeare_next_line, shakespeare_passages, shakespeare_next_speaker, or any task of "
+        "the harness's registry (needs its datasets); needs pip install 'llm-foundry[eval]'",
+    )
+    harness = p.add_argument_group("with --tasks")
+    harness.add_argument("--limit", type=float, default=None, help="at most N documents a task")
+    harness.add_argument("--num-fewshot", type=int, default=None)
+    harness.add_argument("--include-path", default=None, help="a directory of more task YAMLs")
+    harness.add_argument("--out", default=None, help="write the harness's results JSON here")
     p.add_argument("--context", default="256", help="comma-separated context lengths")
     p.add_argument("--stride", type=int, default=None, help="sliding windows with this stride")
     p.add_argument("--batch-size", type=int, default=8)
@@ -67,6 +81,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--rope-factor", type=float, default=None)
     p.add_argument("--json", action="store_true")
     ns = p.parse_args(argv)
+    if ns.tasks is not None:
+        return run_tasks(ns)
     try:
         contexts = [int(c) for c in ns.context.split(",")]
     except ValueError:
@@ -103,4 +119,35 @@ def main(argv: list[str]) -> int:
     else:
         print(f"{ckpt} on {source} (max_seq_len {model.cfg.max_seq_len})")
         print(format_table(rows))
+    return 0
+
+
+def run_tasks(ns) -> int:
+    """``eval --tasks``: the harness runs the tasks on our model; prints its table."""
+    try:
+        from llm_foundry.harness import evaluate_tasks
+    except ImportError as e:
+        raise SystemExit(f"eval --tasks: {e}") from None
+    from lm_eval.utils import make_table
+
+    tasks = [t.strip() for t in ns.tasks.split(",") if t.strip()]
+    if not tasks:
+        raise ValueError("--tasks is empty: name at least one task (e.g. shakespeare)")
+    if ns.limit is not None and ns.limit <= 0:
+        raise ValueError(f"--limit {ns.limit:g} must be > 0 (a count, or a fraction below 1)")
+    results = evaluate_tasks(
+        ns.checkpoint,
+        tasks,
+        batch_size=ns.batch_size,
+        limit=int(ns.limit) if ns.limit and ns.limit >= 1 else ns.limit,
+        num_fewshot=ns.num_fewshot,
+        include_path=ns.include_path,
+    )
+    if ns.out:
+        Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(ns.out).write_text(json.dumps(results, indent=2, default=str))
+    if ns.json:
+        print(json.dumps({"results": results["results"]}, indent=2, default=str))
+    else:
+        print(make_table(results))
     return 0

@@ -1293,6 +1293,33 @@ def _copy_tokenizer(src: Path, dst: Path) -> None:
     shutil.copyfile(file, dst / TOKENIZER_FILE)
 
 
+def _name_special_tokens(out: Path) -> None:
+    """Our BPE tokenizer exported: tokenizer_config.json names its specials, so AutoTokenizer
+    (and tools built on it, such as lm-eval's hf backend) knows BOS, EOS and padding."""
+    from llm_foundry.tokenizer import SPECIAL_TOKENS, load_tokenizer
+
+    file = out / TOKENIZER_FILE
+    try:
+        tok = load_tokenizer(file) if file.exists() else None
+    except ValueError:
+        return
+    if getattr(tok, "kind", None) == "bpe":
+        bos, eos, pad = SPECIAL_TOKENS
+        (out / "tokenizer_config.json").write_text(
+            json.dumps(
+                {
+                    "tokenizer_class": "PreTrainedTokenizerFast",
+                    "bos_token": bos,
+                    "eos_token": eos,
+                    "pad_token": pad,
+                    "add_bos_token": False,
+                    "clean_up_tokenization_spaces": False,
+                },
+                indent=2,
+            )
+        )
+
+
 def convert_from_hf(src_dir: str | Path, out_ckpt: str | Path) -> Path:
     """``llm-foundry convert --from-hf DIR --out CKPT``: an HF checkpoint directory to our
     checkpoint format (``llm_foundry.checkpoint``). Returns the checkpoint directory."""
@@ -1310,4 +1337,5 @@ def convert_to_hf(ckpt_dir: str | Path, out_dir: str | Path, family: str | None 
     ckpt_dir = Path(ckpt_dir)
     out = to_hf(load_checkpoint(ckpt_dir), out_dir, family)
     _copy_tokenizer(ckpt_dir, out)
+    _name_special_tokens(out)
     return out
