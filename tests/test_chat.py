@@ -95,6 +95,11 @@ def test_template_errors_are_one_line():
         render_chat(LLAMA2, [MESSAGES[1]], bos_token="<s>", eos_token="</s>")
     with pytest.raises(ValueError, match="chat template: TemplateSyntaxError"):
         render_chat("{% for m in messages %}", MESSAGES)
+    # a name the template needs but nobody passes: named (a bare {{ x }} renders empty, as in HF)
+    with pytest.raises(ValueError, match="chat template: UndefinedError: 'system' is undefined"):
+        render_chat(
+            "{{ system.content }}{% for m in messages %}{{ m.content }}{% endfor %}", MESSAGES
+        )
     # templates are sandboxed: no reaching into Python internals
     with pytest.raises(ValueError, match="chat template: SecurityError"):
         render_chat("{{ messages.__class__.__mro__ }}", MESSAGES)
