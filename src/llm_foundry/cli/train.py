@@ -189,12 +189,16 @@ def train_and_report(model_cfg, train_cfg, data: Path, out: Path, resume: bool =
     n = trainer.model.num_params()
     if w.main:
         per_step = train_cfg.batch_size * train_cfg.grad_accum * w.world_size
-        if train_cfg.lora_r:  # the base is frozen: say how much trains, and its optimizer bytes
+        if train_cfg.lora_r:  # the base is frozen: say how much trains, and what memory it takes
+            from llm_foundry.models.lora import frozen_base_bytes
+
             k = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+            held, fp32 = frozen_base_bytes(trainer.model)
             print(
                 f"LoRA r={train_cfg.lora_r} on {train_cfg.lora_targets}: {k:,} trainable "
                 f"parameters ({k / n:.2%} of {n:,}); AdamW state {human(8 * k, 'B')} instead "
-                f"of {human(8 * n, 'B')}"
+                f"of {human(8 * n, 'B')}; frozen weights of the adapted projections "
+                f"{human(held, 'B')} {train_cfg.lora_base_dtype} (fp32: {human(fp32, 'B')})"
             )
         print(
             f"model: {n:,} parameters ({trainer.model.num_params(non_embedding=True):,} "

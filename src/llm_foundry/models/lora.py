@@ -6,6 +6,11 @@
 A starts as nn.Linear's default (Kaiming-uniform, a = sqrt(5)) and B at zero, so an adapted
 model starts equal to its base. Merging adds s · B A into W (one matrix again, no extra cost at
 inference); unmerging subtracts it. Shapes: x (..., in) -> (..., out).
+
+The frozen W may be held in less memory (``base_dtype``; the QLoRA idea, Dettmers et al. 2023,
+with int8 in place of NF4): bf16, or int8 with one absmax scale per output channel, widened to
+the activations' dtype in forward and again in backward (no widened copy is kept between them).
+Merging into such a base gives an fp32 weight: widen(W) + s · B A.
 """
 
 from __future__ import annotations
@@ -19,16 +24,112 @@ import torch.nn.functional as F
 
 # our projection names (the last part of a module's name) a LoRA can target
 TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3", "lm_head")
+# how an adapted projection's frozen weight is held: fp32 (as trained), bf16, int8 + fp32 scales
+BASE_DTYPES = ("fp32", "bf16", "int8")
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric absmax int8, one scale per output channel: w (out, in) -> q int8 (out, in),
+    scale fp32 (out,), with w ≈ q · scale[:, None] and |w - q · scale| <= scale / 2 in each row
+    (an all-zero row gets scale 1 and q = 0)."""
+    w = w.detach().float()
+    absmax = w.abs().amax(dim=1)  # (out,)
+    scale = torch.where(absmax > 0, absmax / 127, torch.ones_like(absmax))
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127)  # -128 unused: symmetric
+    return q.to(torch.int8), scale
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """q int8 (out, in), scale (out,) -> fp32 (out, in): q · scale[:, None]."""
+    return q.float() * scale[:, None]
+
+
+def widen(weight: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """A stored frozen weight (out, in) as ``dtype``: int8 dequantized with its ``scale`` (out,),
+    bf16 (scale None) cast."""
+    w = weight if scale is None else dequantize_int8(weight, scale)
+    return w.to(dtype)
+
+
+class _WidenedMatmul(torch.autograd.Function):
+    """x (..., in) @ widen(weight).T -> (..., out), a gradient for x only. Backward widens the
+    weight again instead of saving the widened copy: between forward and backward only the
+    low-precision tensors stay alive, which is where the memory goes with many layers."""
+
+    @staticmethod
+    def forward(ctx, x, weight, scale):
+        ctx.save_for_backward(weight, scale)
+        return F.linear(x, widen(weight, scale, x.dtype))  # under autocast: cast again inside
+
+    @staticmethod
+    def backward(ctx, grad):
+        weight, scale = ctx.saved_tensors
+        if not ctx.needs_input_grad[0]:
+            return None, None, None
+        return grad @ widen(weight, scale, grad.dtype), None, None
+
+
+class FrozenLinear(nn.Module):
+    """A frozen ``nn.Linear`` whose weight is stored as bf16 or int8 + fp32 per-row scales
+    (``weight_scale``); the bias, if any, stays as it was. x (..., in) -> (..., out)."""
+
+    def __init__(self, base: nn.Linear, kind: str):
+        super().__init__()
+        if kind not in ("bf16", "int8"):
+            raise ValueError(f"FrozenLinear kind={kind!r} must be one of bf16, int8")
+        self.kind, self.in_features, self.out_features = kind, base.in_features, base.out_features
+        self.linear_cls = type(base)  # what merging turns it back into
+        if kind == "int8":
+            q, scale = quantize_int8(base.weight)
+            self.weight = nn.Parameter(q, requires_grad=False)
+            self.register_buffer("weight_scale", scale)
+        else:
+            self.weight = nn.Parameter(base.weight.detach().to(torch.bfloat16), requires_grad=False)
+            self.register_buffer("weight_scale", None)
+        self.bias = base.bias
+        if self.bias is not None:
+            self.bias.requires_grad_(False)
+
+    def widened(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight the layer computes with: (out, in) as ``dtype``."""
+        return widen(self.weight, self.weight_scale, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = _WidenedMatmul.apply(x, self.weight, self.weight_scale)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    @torch.no_grad()
+    def to_linear(self) -> nn.Linear:
+        """An fp32 linear layer (of the class it was made from) holding ``widened()``."""
+        linear = torch.nn.utils.skip_init(
+            self.linear_cls, self.in_features, self.out_features,
+            bias=self.bias is not None, device=self.weight.device,
+        )  # fmt: skip
+        linear.weight.copy_(self.widened())
+        if self.bias is not None:
+            linear.bias.copy_(self.bias)
+        return linear.requires_grad_(False)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind}"
 
 
 class LoRALinear(nn.Module):
     """A frozen linear layer plus a trainable low-rank update."""
 
-    def __init__(self, base: nn.Linear, r: int, alpha: float, dropout: float, rslora: bool):
+    def __init__(
+        self,
+        base: nn.Linear,
+        r: int,
+        alpha: float,
+        dropout: float,
+        rslora: bool,
+        base_dtype: str = "fp32",
+    ):
         super().__init__()
-        self.base = base
         for p in base.parameters():
             p.requires_grad_(False)
+        self.base = base if base_dtype == "fp32" else FrozenLinear(base, base_dtype)
         self.lora_A = nn.Parameter(torch.empty(r, base.in_features, device=base.weight.device))
         self.lora_B = nn.Parameter(torch.zeros(base.out_features, r, device=base.weight.device))
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
@@ -36,6 +137,11 @@ class LoRALinear(nn.Module):
         self.scale = alpha / (math.sqrt(r) if rslora else r)
         self.drop = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.merged = False
+
+    @property
+    def base_dtype(self) -> str:
+        """How the frozen weight is held now: fp32, bf16 or int8 (fp32 again once merged)."""
+        return getattr(self.base, "kind", "fp32")
 
     def flops_per_token(self) -> int:
         """Training FLOPs per token: the frozen weight's forward and input gradient (4 per
@@ -54,7 +160,11 @@ class LoRALinear(nn.Module):
 
     @torch.no_grad()
     def merge(self) -> None:
+        """Fold s · B A into the base weight; a bf16/int8 base becomes fp32 first (widen(W) +
+        s · B A: rounding the sum back to bf16/int8 would lose the update) and stays fp32."""
         if not self.merged:
+            if isinstance(self.base, FrozenLinear):
+                self.base = self.base.to_linear()
             self.base.weight += self.delta().to(self.base.weight.dtype)
             self.merged = True
 
@@ -72,9 +182,12 @@ def add_lora(
     alpha: float = 16.0,
     dropout: float = 0.0,
     rslora: bool = False,
+    base_dtype: str = "fp32",
 ) -> list[str]:
     """Freeze ``model`` and put a LoRA on every linear layer whose name ends in one of
-    ``targets`` (of ``TARGETS``). Returns the adapted modules' names, in model order."""
+    ``targets`` (of ``TARGETS``), its frozen weight held as ``base_dtype`` (of ``BASE_DTYPES``;
+    the rest of the model is left as it is). Returns the adapted modules' names, in model
+    order."""
     targets = tuple(targets)
     unknown = sorted(set(targets) - set(TARGETS))
     if unknown or not targets:
@@ -83,6 +196,8 @@ def add_lora(
         raise ValueError(f"LoRA rank r={r!r} must be a positive integer")
     if not 0 <= dropout < 1:
         raise ValueError(f"LoRA dropout={dropout!r} must be in [0, 1)")
+    if base_dtype not in BASE_DTYPES:
+        raise ValueError(f"LoRA base_dtype={base_dtype!r} must be one of {', '.join(BASE_DTYPES)}")
     cfg = getattr(model, "cfg", None)
     if "lm_head" in targets and getattr(cfg, "tie_embeddings", False):
         raise ValueError(
@@ -102,7 +217,7 @@ def add_lora(
         parent_name, _, leaf = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         base = getattr(parent, leaf)
-        setattr(parent, leaf, LoRALinear(base, r, alpha, dropout, rslora))
+        setattr(parent, leaf, LoRALinear(base, r, alpha, dropout, rslora, base_dtype))
     return names
 
 
@@ -118,8 +233,22 @@ def merge_lora(model: nn.Module) -> None:
 
 
 def unmerge_lora(model: nn.Module) -> None:
+    """Take every merged update out again (a bf16/int8 base merged into fp32 stays fp32)."""
     for m in lora_layers(model).values():
         m.unmerge()
+
+
+def frozen_base_bytes(model: nn.Module) -> tuple[int, int]:
+    """(bytes the adapted projections' frozen tensors hold now: weights, int8 scales, biases;
+    bytes the same weights and biases hold in fp32), from the tensors themselves."""
+    fp32_size = torch.finfo(torch.float32).bits // 8
+    held = fp32 = 0
+    for m in lora_layers(model).values():
+        weights = [t for t in (m.base.weight, m.base.bias) if t is not None]
+        scale = getattr(m.base, "weight_scale", None)
+        held += sum(t.nbytes for t in weights) + (scale.nbytes if scale is not None else 0)
+        fp32 += sum(t.numel() * fp32_size for t in weights)
+    return held, fp32
 
 
 def lora_settings(model: nn.Module) -> dict | None:
@@ -130,9 +259,12 @@ def lora_settings(model: nn.Module) -> dict | None:
         return None
     first = next(iter(layers.values()))
     targets = sorted({name.split(".")[-1] for name in layers})
-    return dict(
+    settings = dict(
         r=first.r, alpha=first.alpha, dropout=first.dropout, rslora=first.rslora, targets=targets
     )
+    if first.base_dtype != "fp32":  # the stored base weights are bf16, or int8 + scales
+        settings["base_dtype"] = first.base_dtype
+    return settings
 
 
 def apply_lora_settings(model: nn.Module, settings: dict | None) -> nn.Module:
@@ -145,5 +277,6 @@ def apply_lora_settings(model: nn.Module, settings: dict | None) -> nn.Module:
             alpha=settings["alpha"],
             dropout=settings["dropout"],
             rslora=settings["rslora"],
+            base_dtype=settings.get("base_dtype", "fp32"),
         )
     return model

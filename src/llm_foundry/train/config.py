@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from llm_foundry.config import ConfigError, one_of, suggest
+from llm_foundry.models.lora import BASE_DTYPES as LORA_BASE_DTYPES
 from llm_foundry.models.lora import TARGETS as LORA_TARGETS
 
 SCHEDULES = ("cosine", "linear", "constant", "wsd")
@@ -77,6 +78,7 @@ class TrainConfig:
     lora_dropout: float = 0.0  # dropout on the adapters' input
     lora_targets: str = "wq,wv"  # comma list of projections: wq, wk, wv, wo, w1, w2, w3, lm_head
     lora_rslora: bool = False  # rank-stabilised scale (Kalajdzievski 2023)
+    lora_base_dtype: str = "fp32"  # adapted projections' frozen weights: fp32 | bf16 | int8
     sft_packing: bool = False  # SFT data: fill rows with whole examples, attention kept in each
 
     def __post_init__(self) -> None:
@@ -140,6 +142,18 @@ class TrainConfig:
             p.append(
                 f"lora_targets={self.lora_targets!r} must be a comma list of "
                 f"{', '.join(LORA_TARGETS)}"
+            )
+        one_of(p, "lora_base_dtype", self.lora_base_dtype, LORA_BASE_DTYPES)
+        low = self.lora_base_dtype in ("bf16", "int8")  # held in less memory than trained
+        if low and self.lora_r == 0:
+            p.append(
+                f"lora_base_dtype={self.lora_base_dtype!r} holds the adapted projections' frozen "
+                "weights: it needs lora_r > 0 (set lora_r, or leave lora_base_dtype at fp32)"
+            )
+        if low and self.parallel == "fsdp":
+            p.append(
+                f"lora_base_dtype={self.lora_base_dtype!r} with parallel='fsdp': FSDP2 shards "
+                "parameters of one dtype only; use parallel=ddp (or lora_base_dtype=fp32)"
             )
         if self.init_from is not None and not (isinstance(self.init_from, str) and self.init_from):
             p.append(f"init_from={self.init_from!r} must be a directory path or null")

@@ -119,6 +119,7 @@ class Trainer:
                 alpha=train_cfg.lora_alpha,
                 dropout=train_cfg.lora_dropout,
                 rslora=train_cfg.lora_rslora,
+                base_dtype=train_cfg.lora_base_dtype,
             )
         self.model.activation_checkpointing = train_cfg.activation_checkpointing
         self.wrapped = D.wrap(
@@ -271,6 +272,14 @@ class Trainer:
                 changed,
                 f"resume: {path} holds a model with other settings; a run resumes with the "
                 "architecture it was started with, drop or fix these --model flags",
+            )
+        # the frozen base is saved as the run held it: bf16/int8 tensors do not load into fp32 ones
+        saved_base = state["train_config"].get("lora_base_dtype", "fp32")
+        if saved_base != self.tc.lora_base_dtype:
+            raise ConfigError(
+                [f"lora_base_dtype: saved {saved_base!r}, now {self.tc.lora_base_dtype!r}"],
+                f"resume: {path} holds its frozen base as {saved_base}; resume with "
+                f"--train.lora_base_dtype {saved_base}",
             )
         saved_data = state.get("data")  # absent in checkpoints written before it was recorded
         if saved_data is not None and saved_data != self.data_id:
