@@ -1,5 +1,6 @@
-"""Training on 2 CPU processes (torchrun, gloo): DDP and FSDP2 give one process's losses, and
-checkpoints move between world sizes. Each rank runs one thread."""
+"""Training on 2 CPU processes (torchrun, gloo): DDP and FSDP2 give one process's losses (text,
+experts, SFT rows with and without LoRA), and checkpoints move between world sizes. Each rank
+runs one thread."""
 
 from __future__ import annotations
 
@@ -207,3 +208,46 @@ def test_experts_train_across_ranks_as_in_one_process(parallel, data_dir, tmp_pa
 
     assert len(load(run)) == len(load(one)) == 2 * 2 * 4  # 2 records x 2 layers x 4 experts
     assert max(abs(a - b) for a, b in zip(load(run), load(one), strict=True)) < 0.02
+
+
+# ----------------------------------------------------------------------------------------------
+# Supervised fine-tuning: rows with different numbers of completion tokens on each rank
+
+
+@pytest.fixture(scope="module")
+def sft_dir(tmp_path_factory) -> Path:
+    """Prompt/completion rows of 3-14 characters: each batch row holds 1-7 target tokens, so
+    the ranks' halves of a global batch hold different numbers of them."""
+    import random
+
+    from llm_foundry.data.sft import prepare_sft
+    from llm_foundry.tokenizer import CharTokenizer
+
+    root = tmp_path_factory.mktemp("sft")
+    rng = random.Random(0)
+    letters = "abcdefghij"
+    rows = []
+    for _ in range(60):
+        prompt = "".join(rng.choice(letters) for _ in range(rng.randint(2, 7)))
+        rows.append({"prompt": prompt + "=", "completion": prompt[::-1][: rng.randint(1, 7)]})
+    CharTokenizer.train(letters + "=").save(root / "tokenizer.json")
+    (root / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    prepare_sft(root / "data", root / "rows.jsonl", root / "tokenizer.json", 0.2)
+    return root / "data"
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora-int8"])
+def test_sft_on_two_ddp_ranks_gives_the_losses_of_one_process(lora, sft_dir, tmp_path):
+    """The loss is the mean over the global batch's completion tokens: each rank weighs its
+    mean by its share of them, as one process at the whole batch does. With LoRA only the
+    adapters have gradients (DDP reduces those) and the int8 base is broadcast like any other."""
+    adapters = dict(lora_r=2, lora_targets="wq,wv,w2", lora_base_dtype="int8") if lora else {}
+    one = tmp_path / "one"
+    one_process(sft_dir, one, max_steps=6, **adapters)
+    run = tmp_path / "ddp"
+    args = ["train", "--data", str(sft_dir), "--out", str(run)]
+    args += _flags(**TRAIN, batch_size=GLOBAL_BATCH // 2, max_steps=6, parallel="ddp", **adapters)
+    r = torchrun(args)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert_close(losses(run), losses(one), tol=1e-5 * max(losses(one).values()))
+    assert_close(val_losses(run), val_losses(one), tol=1e-5 * max(val_losses(one).values()))

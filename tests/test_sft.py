@@ -251,3 +251,31 @@ def test_training_with_packing_runs_and_resumes_exactly(sft_dir, tmp_path):
     make_trainer(data, tmp_path / "cut", resume=True, max_steps=8, sft_packing=True).run()
     assert losses(tmp_path / "cut") == losses(tmp_path / "full")
     assert all(math.isfinite(x) for x in losses(tmp_path / "full"))
+
+
+def test_the_loss_is_the_mean_over_the_steps_target_tokens_whatever_the_micro_batches(
+    sft_dir, tmp_path
+):
+    """Rows hold different numbers of completion tokens: 2 micro-batches of 2 rows weigh each
+    by its share of the step's targets, so they train as one batch of 4 does (not as the mean
+    of two per-batch means). The same weighting makes DDP ranks agree with one process
+    (tests/test_distributed.py)."""
+    from conftest import TINY
+
+    from llm_foundry.config import ModelConfig
+    from llm_foundry.train.config import TrainConfig
+    from llm_foundry.train.trainer import Trainer
+
+    data, _ = sft_dir
+    # no dropout masks drawn per micro-batch shape; whole rows: 16 or 7 targets each
+    model = ModelConfig(**{**TINY, "dropout": 0.0, "max_seq_len": 80})
+
+    def losses(run, **train):
+        cfg = dict(block_size=80, max_steps=6, eval_interval=3, eval_batches=2, warmup_steps=2,
+                   sample_tokens=0, progress=False)  # fmt: skip
+        Trainer(model, TrainConfig(**cfg, **train), data, tmp_path / run).run()
+        recs = [json.loads(x) for x in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+        return [r["loss"] for r in recs if "loss" in r]
+
+    whole, accum = losses("whole", batch_size=4), losses("accum", batch_size=2, grad_accum=2)
+    assert max(abs(a - b) for a, b in zip(whole, accum, strict=True)) < 1e-5 * max(whole)

@@ -1,9 +1,11 @@
 """The training loop: AdamW, schedule, clipping, evaluation, crash-safe checkpoints, exact resume.
 
-One step = ``grad_accum`` micro-batches, one clip, one optimizer update. Everything a resumed run
-needs to continue bit for bit (weights, optimizer moments, RNG and data-sampler states) goes into
-each checkpoint; ``metrics.jsonl`` is cut back to the checkpoint's step on resume. With
-``monitor_interval`` set, ``llm_foundry.train.monitor`` adds a training-dynamics record every N steps.
+One step = ``grad_accum`` micro-batches, one clip, one optimizer update; on fine-tuning (SFT) data
+the step's loss is the mean over all its target tokens, whatever the ranks and micro-batches.
+Everything a resumed run needs to continue bit for bit (weights, optimizer moments, RNG and
+data-sampler states) goes into each checkpoint; ``metrics.jsonl`` is cut back to the checkpoint's
+step on resume. With ``monitor_interval`` set, ``llm_foundry.train.monitor`` adds a
+training-dynamics record every N steps.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from llm_foundry import lock
 from llm_foundry.checkpoint import load_checkpoint
 from llm_foundry.config import ConfigError, ModelConfig
 from llm_foundry.data import BatchSampler, data_fingerprint, load_meta, load_split
-from llm_foundry.data.sft import SFTSampler
+from llm_foundry.data.sft import IGNORE, SFTSampler
 from llm_foundry.models import Transformer
 from llm_foundry.models.lora import add_lora, apply_lora_settings, lora_settings
 from llm_foundry.train import distributed as D
@@ -335,8 +337,9 @@ class Trainer:
         total = torch.zeros((), device=self.device)
         for _ in range(self.tc.eval_batches):
             x, y, *doc = (t.to(self.device) for t in sampler.next())
+            share = self._target_shares([y])[0] if self.sft else 1
             with self._autocast():
-                total += self.forward(x, y, doc=doc[0] if doc else None)[1].float()
+                total += self.forward(x, y, doc=doc[0] if doc else None)[1].float() * share
         self.model.train()
         return D.mean(total, w).item() / self.tc.eval_batches
 
@@ -368,6 +371,17 @@ class Trainer:
             torch.distributed.barrier()  # no rank goes on before the checkpoint is complete
         return path
 
+    def _target_shares(self, ys: list[torch.Tensor]) -> torch.Tensor:
+        """What each of this rank's micro-batch mean losses is multiplied by so that the step's
+        loss is the mean over every target token of the global batch: n_i x world / N (N the
+        targets of all micro-batches on all ranks; DDP then averages over ranks). SFT rows hold
+        different numbers of targets (prompts and padding are masked), so a plain average of
+        per-batch means would weigh tokens unequally and depend on the world size. One process,
+        one micro-batch: exactly 1. Returns (micro-batches,) fp32, on the device (no host sync)."""
+        n = torch.stack([(y != IGNORE).sum() for y in ys]).double()  # (micro-batches,)
+        total = D.mean(n.sum(), self.world) * self.world.world_size  # all ranks' targets
+        return (n * self.world.world_size / total).float()
+
     def _train_step(self, layer_norms: bool = False):
         """One optimizer step; returns (loss, grad_norm, applied, norms), where ``norms`` is
         (per-layer gradient norms, the rest's norm) before clipping when ``layer_norms``, else
@@ -378,11 +392,16 @@ class Trainer:
             group["lr"] = lr
         loss_sum = torch.zeros((), device=self.device)
         aux_sum = torch.zeros((), device=self.device)
-        for micro in range(tc.grad_accum):
-            x, y, *doc = (t.to(self.device, non_blocking=True) for t in self.sampler.next())
+        batches = [
+            [t.to(self.device, non_blocking=True) for t in self.sampler.next()]
+            for _ in range(tc.grad_accum)
+        ]
+        shares = self._target_shares([b[1] for b in batches]) if self.sft else None
+        for micro, (x, y, *doc) in enumerate(batches):
             last = micro == tc.grad_accum - 1
             with D.sync_gradients(self.wrapped, tc.parallel, last), self._autocast():
-                loss = self.forward(x, y, doc=doc[0] if doc else None)[1] / tc.grad_accum
+                loss = self.forward(x, y, doc=doc[0] if doc else None)[1]
+                loss = loss / tc.grad_accum if shares is None else loss * shares[micro]
                 aux = self.model.aux_loss()  # experts' balancing losses (None: dense)
                 total = loss if aux is None else loss + aux / tc.grad_accum
                 self.scaler.scale(total).backward()
