@@ -20,7 +20,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("train", "train a model (no arguments: the Shakespeare demo)"),
     "finetune": ("finetune", "fine-tune a checkpoint (fully or LoRA) on text or chat/SFT data"),
     "generate": ("generate", "generate text from a checkpoint, training run or HF directory"),
-    "eval": ("eval", "loss and perplexity per context length"),
+    "eval": ("eval", "loss and perplexity per context length; lm-eval tasks (--tasks)"),
+    "serve": ("serve", "an OpenAI-compatible HTTP server with continuous batching"),
     "convert": ("convert", "convert checkpoints to and from HF transformers"),
     "inspect": (
         "inspect",

@@ -148,7 +148,7 @@ class Attention(nn.Module):
         k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)
         v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)
         q, k = self.q_norm(q).transpose(1, 2), self.k_norm(k).transpose(1, 2)  # (B, H|K, T, hd)
-        q, k = pos.rotate(q, k, start)
+        q, k = pos.rotate(q, k, start, kv[0].pad if kv is not None else None)
         v = v.transpose(1, 2)
         if kv is not None:
             cache, layer = kv

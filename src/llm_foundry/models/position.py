@@ -57,7 +57,8 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate each (i, i + hd/2) feature pair by its angle. x: (B, H, T, hd); cos, sin: (T, hd)."""
+    """Rotate each (i, i + hd/2) feature pair by its angle. x: (B, H, T, hd); cos, sin: (T, hd),
+    or (B, 1, T, hd) when each row has its own positions."""
     return (x * cos + rotate_half(x) * sin).type_as(x)
 
 
@@ -92,8 +93,9 @@ class NoPosition(nn.Module):
         from its first real token when ``pad`` (B,) says it has pad[b] left-padding tokens."""
         return x
 
-    def rotate(self, q: torch.Tensor, k: torch.Tensor, start: int):
-        """Rotate q: (B, H, T, hd) and k: (B, K, T, hd) at positions start..start+T-1."""
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, start: int, pad=None):
+        """Rotate q: (B, H, T, hd) and k: (B, K, T, hd) at positions start..start+T-1, each row
+        counted from its first real token when ``pad`` (B,) is given (as ``embed``)."""
         return q, k
 
     def bias(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor | None:
@@ -194,11 +196,15 @@ class RotaryPosition(NoPosition):
         if self.cos.shape[0] < length or self.cos.device != self.inv_freq.device:
             self._grow(length)
 
-    def rotate(self, q, k, start):
+    def rotate(self, q, k, start, pad=None):
         end = start + q.shape[2]
         if self.cos.shape[0] < end or self.cos.device != q.device:
             self._grow(end)
-        cos, sin = self.cos[start:end].to(q.dtype), self.sin[start:end].to(q.dtype)
+        if pad is None:
+            cos, sin = self.cos[start:end].to(q.dtype), self.sin[start:end].to(q.dtype)
+        else:  # each row at its own positions: its keys do not depend on where its slots lie
+            pos = _row_positions(start, q.shape[2], pad)  # (B, T)
+            cos, sin = self.cos[pos][:, None].to(q.dtype), self.sin[pos][:, None].to(q.dtype)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
 

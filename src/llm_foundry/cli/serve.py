@@ -1,0 +1,44 @@
+"""``llm-foundry serve``: an OpenAI-compatible server (completions, chat, streaming) with
+continuous batching, on 127.0.0.1 unless told otherwise."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="llm-foundry serve",
+        description="Serve a model over OpenAI's HTTP API (/v1/completions, "
+        "/v1/chat/completions, /v1/models, /health, /metrics); concurrent requests share "
+        "the model through continuous batching. Needs pip install 'llm-foundry[serve]'.",
+    )
+    p.add_argument("--checkpoint", required=True, help="checkpoint, run or HF directory")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--slots", type=int, default=8, help="sequences decoded together")
+    p.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond the "
+                   "slots before new ones get 503")  # fmt: skip
+    p.add_argument("--model-name", default=None, help="the id clients ask for (default: the "
+                   "checkpoint directory's name)")  # fmt: skip
+    p.add_argument("--device", default="cpu")
+    ns = p.parse_args(argv)
+    if not 0 < ns.port < 65536:
+        raise ValueError(f"--port {ns.port} must be in 1..65535")
+    try:
+        import uvicorn
+
+        from llm_foundry.serve import load_served
+        from llm_foundry.serve.app import create_app
+    except ImportError as e:
+        raise SystemExit(
+            f"serve needs FastAPI and uvicorn: pip install 'llm-foundry[serve]' ({e})"
+        ) from None
+    served = load_served(ns.checkpoint, ns.slots, ns.max_queue, ns.model_name, ns.device)
+    served.engine.start()
+    print(f"serving {served.name} on http://{ns.host}:{ns.port}/v1 ({ns.slots} slots)", flush=True)
+    try:
+        uvicorn.run(create_app(served), host=ns.host, port=ns.port, log_level="warning")
+    finally:
+        served.engine.stop()
+    return 0

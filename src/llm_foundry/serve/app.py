@@ -1,0 +1,409 @@
+"""The OpenAI-compatible HTTP API over an ``Engine``: /v1/models, /v1/completions,
+/v1/chat/completions (both with server-sent-event streaming), /health and /metrics.
+
+Requests are checked here (types, ranges, context length) and refused with OpenAI's error body
+and HTTP 400 (404 for an unknown model, 503 with Retry-After when the queue is full); a request
+that fails never reaches the engine, so it cannot disturb the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from llm_foundry.serve.engine import Engine, Params, QueueFull, Sequence
+
+try:
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+except ImportError as e:  # the optional [serve] extra
+    raise ImportError(
+        f"serving needs FastAPI and uvicorn: pip install 'llm-foundry[serve]'; {e}"
+    ) from None
+
+MAX_LOGPROBS = 5  # OpenAI's bound for completions
+
+
+class BadRequest(Exception):
+    def __init__(self, message: str, param: str | None = None, status: int = 400, code=None):
+        super().__init__(message)
+        self.param, self.status, self.code = param, status, code
+
+
+def error_body(message: str, param=None, code=None, kind="invalid_request_error") -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+@dataclass
+class Served:
+    """What the app serves: the engine, its tokenizer, the chat template and the counters."""
+
+    engine: Engine
+    tokenizer: object
+    name: str
+    template: str | None = None
+    specials: dict = field(default_factory=dict)
+    requests: dict = field(default_factory=dict)  # (endpoint, status) -> count
+    chat_stop: tuple[str, ...] = ()  # a chat template's plain-text end of turn
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+# ---- request fields ---------------------------------------------------------------------------
+def _number(body, key, default, lo, hi, integer=False):
+    value = body.get(key, default)
+    if value is None:
+        return default
+    ok = isinstance(value, int) if integer else isinstance(value, int | float)
+    if isinstance(value, bool) or not ok or not lo <= value <= hi:
+        kind = "an integer" if integer else "a number"
+        raise BadRequest(f"'{key}' must be {kind} in [{lo}, {hi}], got {value!r}", key)
+    return value
+
+
+def _params(body: dict, chat: bool, context: int) -> tuple[Params, int]:
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None and not (
+        isinstance(stop, list) and len(stop) <= 4 and all(isinstance(s, str) and s for s in stop)
+    ):
+        raise BadRequest(
+            f"'stop' must be a string or up to 4 non-empty strings, got {stop!r}", "stop"
+        )
+    if chat:
+        want = body.get("logprobs")
+        if want is not None and not isinstance(want, bool):
+            raise BadRequest(f"'logprobs' must be true or false, got {want!r}", "logprobs")
+        top = _number(body, "top_logprobs", 0, 0, 20, integer=True)
+        logprobs = top if want else None
+        limit = body.get("max_completion_tokens", body.get("max_tokens"))
+    else:
+        logprobs = _number(body, "logprobs", None, 0, MAX_LOGPROBS, integer=True)
+        limit = body.get("max_tokens", 16)
+    max_tokens = _number({"max_tokens": limit}, "max_tokens", context, 1, context, integer=True)
+    params = Params(
+        max_tokens=max_tokens,
+        temperature=float(_number(body, "temperature", 1.0, 0.0, 2.0)),
+        top_p=_number(body, "top_p", None, 0.0, 1.0),
+        seed=_number(body, "seed", None, -(2**63), 2**63 - 1, integer=True),
+        stop=tuple(stop or ()),
+        logprobs=logprobs,
+    )
+    if params.top_p is not None and params.top_p == 0:
+        raise BadRequest("'top_p' must be > 0", "top_p")
+    n = _number(body, "n", 1, 1, 16, integer=True)
+    return params, n
+
+
+def _prompt_ids(served: Served, body: dict, chat: bool) -> list[int]:
+    tok = served.tokenizer
+    hf = getattr(tok, "kind", "") == "hf"
+    if chat:
+        from llm_foundry.chat import render_chat
+
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str) for m in messages
+        ):  # fmt: skip
+            raise BadRequest(
+                "'messages' must be a non-empty list of {role, content} objects with string "
+                "values", "messages",
+            )  # fmt: skip
+        messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+        try:
+            text = render_chat(served.template, messages, add_generation_prompt=True,
+                               **served.specials)  # fmt: skip
+        except ValueError as e:
+            raise BadRequest(str(e), "messages") from None
+    else:
+        text = body.get("prompt")
+        if isinstance(text, list) and len(text) == 1 and isinstance(text[0], str):
+            text = text[0]
+        if (
+            isinstance(text, list)
+            and text
+            and all(isinstance(i, int) and not isinstance(i, bool) for i in text)
+        ):
+            vocab = served.engine.model.cfg.vocab_size
+            if not all(0 <= i < vocab for i in text):
+                raise BadRequest(f"'prompt' token ids must be in [0, {vocab})", "prompt")
+            return list(text)
+        if not isinstance(text, str) or not text:
+            raise BadRequest(
+                "'prompt' must be a non-empty string (or one list of token ids)", "prompt"
+            )
+    try:
+        return tok.encode(text, add_special_tokens=False) if hf else tok.encode(text)
+    except ValueError as e:
+        raise BadRequest(f"the prompt cannot be encoded: {e}", "prompt") from None
+
+
+# ---- responses ----------------------------------------------------------------------------------
+def _logprobs_block(served: Served, records: list, chat: bool):
+    decode = served.tokenizer.decode
+    if chat:
+        return {
+            "content": [
+                {
+                    "token": decode([t]),
+                    "logprob": lp,
+                    "bytes": list(decode([t]).encode()),
+                    "top_logprobs": [
+                        {"token": decode([i]), "logprob": v, "bytes": list(decode([i]).encode())}
+                        for i, v in top
+                    ],
+                }
+                for t, lp, top in records
+            ]
+        }
+    return {
+        "tokens": [decode([t]) for t, _, _ in records],
+        "token_logprobs": [lp for _, lp, _ in records],
+        "top_logprobs": [{decode([i]): v for i, v in top} for _, _, top in records],
+        "text_offset": [],
+    }
+
+
+def _finish_reason(reason: str) -> str:
+    return reason if reason in ("stop", "length") else "stop"
+
+
+def create_app(served: Served) -> FastAPI:
+    app = FastAPI(title="llm-foundry", docs_url=None, redoc_url=None)
+    engine = served.engine
+
+    def count(endpoint: str, status: int) -> None:
+        served.requests[(endpoint, status)] = served.requests.get((endpoint, status), 0) + 1
+
+    def refuse(endpoint: str, e: BadRequest) -> JSONResponse:
+        count(endpoint, e.status)
+        headers = {"Retry-After": "1"} if e.status == 503 else None
+        kind = "server_overloaded" if e.status == 503 else "invalid_request_error"
+        return JSONResponse(error_body(str(e), e.param, e.code, kind), e.status, headers=headers)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "slots": engine.slots, "busy": engine.busy(),
+                "waiting": engine.queue_length()}  # fmt: skip
+
+    @app.get("/v1/models")
+    async def models():
+        model = {"id": served.name, "object": "model", "created": served.created,
+                 "owned_by": "llm-foundry"}  # fmt: skip
+        return {"object": "list", "data": [model]}
+
+    @app.get("/metrics")
+    async def metrics():
+        s = engine.stats
+        lines = [
+            "# TYPE llm_foundry_requests_total counter",
+            *(
+                f'llm_foundry_requests_total{{endpoint="{e}",status="{c}"}} {n}'
+                for (e, c), n in sorted(served.requests.items())
+            ),  # fmt: skip
+            "# TYPE llm_foundry_prompt_tokens_total counter",
+            f"llm_foundry_prompt_tokens_total {s.prompt_tokens}",
+            "# TYPE llm_foundry_generated_tokens_total counter",
+            f"llm_foundry_generated_tokens_total {s.generated_tokens}",
+            "# TYPE llm_foundry_queue_length gauge",
+            f"llm_foundry_queue_length {engine.queue_length()}",
+            "# TYPE llm_foundry_slots_busy gauge",
+            f"llm_foundry_slots_busy {engine.busy()}",
+            "# TYPE llm_foundry_slots gauge",
+            f"llm_foundry_slots {engine.slots}",
+            "# TYPE llm_foundry_batch_occupancy gauge",
+            f"llm_foundry_batch_occupancy "
+            f"{s.busy_slot_steps / max(1, s.decode_steps * engine.slots):.4f}",
+            "# TYPE llm_foundry_time_to_first_token_seconds summary",
+            f"llm_foundry_time_to_first_token_seconds_sum {s.ttft_sum_s:.6f}",
+            f"llm_foundry_time_to_first_token_seconds_count {s.ttft_count}",
+            "# TYPE llm_foundry_decode_steps_total counter",
+            f"llm_foundry_decode_steps_total {s.decode_steps}",
+            "# TYPE llm_foundry_requests_cancelled_total counter",
+            f"llm_foundry_requests_cancelled_total {s.cancelled}",
+        ]
+        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+
+    async def generate(request: Request, chat: bool):
+        endpoint = "chat" if chat else "completions"
+        try:
+            try:
+                body = await request.json()
+            except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
+                raise BadRequest("the request body is not valid JSON") from None
+            if not isinstance(body, dict):
+                raise BadRequest("the request body must be a JSON object")
+            model = body.get("model", served.name)
+            if model != served.name:
+                raise BadRequest(f"The model '{model}' does not exist; this server has "
+                                 f"'{served.name}'", "model", 404, "model_not_found")  # fmt: skip
+            params, n = _params(body, chat, engine.context)
+            if chat:
+                params.stop = tuple(dict.fromkeys(params.stop + served.chat_stop))
+            prompt = _prompt_ids(served, body, chat)
+            if len(prompt) >= engine.context:
+                raise BadRequest(
+                    f"the prompt is {len(prompt)} tokens; the model's context is "
+                    f"{engine.context}, leaving no room for a reply", "prompt",
+                    code="context_length_exceeded",
+                )  # fmt: skip
+            params.max_tokens = min(params.max_tokens, engine.context - len(prompt))
+            stream = body.get("stream", False)
+            if not isinstance(stream, bool):
+                raise BadRequest(f"'stream' must be true or false, got {stream!r}", "stream")
+            options = body.get("stream_options") or {}
+            usage_chunk = isinstance(options, dict) and options.get("include_usage") is True
+        except BadRequest as e:
+            return refuse(endpoint, e)
+
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        seqs = []
+        for i in range(n):
+            p = Params(**{**params.__dict__})
+            if p.seed is not None:
+                p.seed += i  # n choices with one seed: different draws, still reproducible
+
+            def emit(kind, payload, index=i):
+                loop.call_soon_threadsafe(events.put_nowait, (index, kind, payload))
+
+            seqs.append(Sequence(prompt=prompt, params=p, emit=emit))
+        try:
+            engine.submit(seqs)
+        except QueueFull as e:
+            return refuse(endpoint, BadRequest(f"the server is busy ({e}); retry later",
+                                               status=503))  # fmt: skip
+        except ValueError as e:
+            return refuse(endpoint, BadRequest(str(e)))
+        count(endpoint, 200)
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        created = int(time.time())
+        usage = lambda: {  # noqa: E731
+            "prompt_tokens": len(prompt),
+            "completion_tokens": sum(len(s.tokens) for s in seqs),
+            "total_tokens": len(prompt) + sum(len(s.tokens) for s in seqs),
+        }
+        obj = "chat.completion" if chat else "text_completion"
+
+        if stream:
+
+            async def sse():
+                done = 0
+                try:
+                    if chat:
+                        for i in range(n):
+                            first = {"index": i, "delta": {"role": "assistant", "content": ""},
+                                     "logprobs": None, "finish_reason": None}  # fmt: skip
+                            yield _sse(rid, obj + ".chunk", created, served.name, [first])
+                    while done < n:
+                        i, kind, payload = await events.get()
+                        if kind == "text":
+                            piece, records = payload
+                            lp = _logprobs_block(served, records, chat) if records else None
+                            choice = (
+                                {
+                                    "index": i,
+                                    "delta": {"content": piece},
+                                    "logprobs": lp,
+                                    "finish_reason": None,
+                                }  # fmt: skip
+                                if chat
+                                else {
+                                    "index": i,
+                                    "text": piece,
+                                    "logprobs": lp,
+                                    "finish_reason": None,
+                                }  # fmt: skip
+                            )
+                        else:
+                            done += 1
+                            if payload.startswith("error"):
+                                yield (
+                                    "data: "
+                                    + json.dumps(error_body(payload, kind="server_error"))
+                                    + "\n\n"
+                                )
+                                continue
+                            choice = (
+                                {
+                                    "index": i,
+                                    "delta": {},
+                                    "logprobs": None,
+                                    "finish_reason": _finish_reason(payload),
+                                }  # fmt: skip
+                                if chat
+                                else {
+                                    "index": i,
+                                    "text": "",
+                                    "logprobs": None,
+                                    "finish_reason": _finish_reason(payload),
+                                }  # fmt: skip
+                            )
+                        yield _sse(rid, obj + (".chunk" if chat else ""), created, served.name,
+                                   [choice])  # fmt: skip
+                    if usage_chunk:
+                        yield _sse(rid, obj + (".chunk" if chat else ""), created, served.name,
+                                   [], usage=usage())  # fmt: skip
+                    yield "data: [DONE]\n\n"
+                finally:
+                    engine.cancel([s for s in seqs if not s.finished])  # a client that left
+
+            return StreamingResponse(sse(), media_type="text/event-stream")
+
+        texts = [""] * n
+        records: list[list] = [[] for _ in range(n)]
+        reasons: list[str | None] = [None] * n
+        try:
+            while any(r is None for r in reasons):
+                try:
+                    i, kind, payload = await asyncio.wait_for(events.get(), timeout=0.25)
+                except TimeoutError:
+                    if await request.is_disconnected():
+                        return None
+                    continue
+                if kind == "text":
+                    texts[i] += payload[0]
+                    records[i] += payload[1]
+                else:
+                    reasons[i] = payload
+        finally:
+            engine.cancel([s for s in seqs if not s.finished])
+        failed = [r for r in reasons if r.startswith("error")]
+        if failed:
+            return JSONResponse(error_body(failed[0], kind="server_error"), 500)
+        choices = []
+        for i in range(n):
+            lp = (
+                _logprobs_block(served, records[i], chat)
+                if seqs[i].params.logprobs is not None
+                else None
+            )
+            if chat:
+                choices.append({"index": i, "message": {"role": "assistant", "content": texts[i]},
+                                "logprobs": lp, "finish_reason": _finish_reason(reasons[i])})  # fmt: skip
+            else:
+                choices.append({"index": i, "text": texts[i], "logprobs": lp,
+                                "finish_reason": _finish_reason(reasons[i])})  # fmt: skip
+        return {"id": rid, "object": obj, "created": created, "model": served.name,
+                "choices": choices, "usage": usage()}  # fmt: skip
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await generate(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await generate(request, chat=True)
+
+    return app
+
+
+def _sse(rid, obj, created, model, choices, usage=None) -> str:
+    chunk = {"id": rid, "object": obj, "created": created, "model": model, "choices": choices}
+    if usage is not None:
+        chunk["usage"] = usage
+    return "data: " + json.dumps(chunk, ensure_ascii=False) + "\n\n"

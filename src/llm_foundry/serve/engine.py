@@ -1,0 +1,332 @@
+"""Continuous batching: one loop runs the model for every request in flight.
+
+The KV cache holds ``slots`` rows of ``capacity`` positions. Every row is right-aligned at the
+shared write position ``t``: row r's tokens sit in cache slots pad[r]..t-1, and each decode step
+feeds every busy row's last token at slot t together, in one forward (B = slots). Positions are
+counted per row (slot - pad[r]; RoPE rotates keys at these positions too), so a row's keys do
+not depend on where its slots lie and rows can be moved:
+
+    join     a request's prompt (P tokens) is prefilled alone, at positions 0..P-1 exactly as a
+             solo run, and its keys/values are copied into a free row at slots t-P..t-1 (when
+             t < P every row first moves right by P - t)
+    decode   one token for every busy row; free rows see only themselves (their output unused)
+    leave    a finished or cancelled row is simply marked free
+    compact  when t reaches the capacity, every row moves left by the smallest pad
+
+Requests wait in a bounded queue; a full queue refuses new ones (``QueueFull``).
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from llm_foundry.sampling import check_sampling, sample_next
+
+
+class QueueFull(Exception):
+    """The waiting queue is at its bound: try again later."""
+
+
+@dataclass
+class Params:
+    """How one sequence is generated (OpenAI's request fields, checked by the server)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    logprobs: int | None = None  # alternatives to report per token (0: the chosen one only)
+
+
+@dataclass
+class Sequence:
+    """One generation in flight. ``emit(kind, payload)`` receives, from the engine's thread:
+    ("text", (piece, [(token, logprob, top)...])) as text becomes final, then
+    ("done", finish_reason) once: stop | length | cancelled | error: MESSAGE."""
+
+    prompt: list[int]
+    params: Params
+    emit: Callable[[str, object], None]
+    tokens: list[int] = field(default_factory=list)
+    sent: int = 0  # characters of the text emitted so far
+    pending: list = field(default_factory=list)  # logprob records not yet sent with text
+    slot: int | None = None
+    cancelled: bool = False
+    finished: bool = False
+    submitted: float = field(default_factory=time.perf_counter)
+    first_token_s: float | None = None
+    generator: torch.Generator | None = None
+
+
+@dataclass
+class Stats:
+    """Counters for /metrics (read from other threads; ints and floats only)."""
+
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    decode_steps: int = 0
+    busy_slot_steps: int = 0  # sum over decode steps of the rows in use
+    ttft_sum_s: float = 0.0
+    ttft_count: int = 0
+    finished: int = 0
+    cancelled: int = 0
+
+
+class Engine:
+    """Runs ``model`` for queued ``Sequence``s in a background thread (``start``/``stop``)."""
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        slots: int = 8,
+        max_queue: int = 64,
+        eos_ids: set[int] | frozenset = frozenset(),
+        capacity: int | None = None,
+    ):
+        cfg = model.cfg
+        self.context = cfg.max_seq_len
+        self.capacity = capacity or 2 * self.context
+        if cfg.sliding_window is not None and cfg.sliding_window < self.capacity:
+            raise ValueError(
+                f"serving a sliding-window model (window {cfg.sliding_window}) needs its window "
+                f">= the cache capacity {self.capacity}; not supported yet"
+            )
+        if slots < 1 or max_queue < 0:
+            raise ValueError(f"slots={slots} must be >= 1 and max_queue={max_queue} >= 0")
+        self.model, self.tok, self.slots, self.max_queue = model.eval(), tokenizer, slots, max_queue
+        self.eos_ids = set(eos_ids)
+        device = next(model.parameters()).device
+        self.device = device
+        from llm_foundry.models.kv_cache import KVCache
+
+        self.cache = KVCache(cfg.replace(sliding_window=None), slots, self.capacity, device,
+                             model.tok_emb.weight.dtype)  # fmt: skip
+        model.pos.reserve(self.capacity)
+        self.t = 0  # the shared write position
+        self.pad = torch.zeros(slots, dtype=torch.long, device=device)
+        self.rows: list[Sequence | None] = [None] * slots
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.stats = Stats()
+        self._wake = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._running = False
+
+    # ---- the server's side (any thread) ---------------------------------------------------
+    def submit(self, seqs: list[Sequence]) -> None:
+        """Queue ``seqs`` (all or none): QueueFull when the queue has no room for them."""
+        for s in seqs:
+            check_sampling(s.params.temperature, s.params.top_k, s.params.top_p, None, None)
+        with self._wake:
+            if len(self.waiting) + len(seqs) > self.max_queue + self.free_slots():
+                raise QueueFull(f"{len(self.waiting)} requests waiting (bound {self.max_queue})")
+            self.waiting.extend(seqs)
+            self._wake.notify()
+
+    def cancel(self, seqs: list[Sequence]) -> None:
+        """Stop ``seqs`` (a client went away): their rows are freed at the next step."""
+        with self._wake:
+            for s in seqs:
+                s.cancelled = True
+            self._wake.notify()
+
+    def free_slots(self) -> int:
+        return sum(r is None for r in self.rows)
+
+    def queue_length(self) -> int:
+        return len(self.waiting)
+
+    def busy(self) -> int:
+        return self.slots - self.free_slots()
+
+    def start(self) -> Engine:
+        self._running = True
+        self._thread = threading.Thread(target=self._loop, name="llm-foundry-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        with self._wake:
+            self._running = False
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    # ---- the loop (the engine's thread) ---------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while self._running and not self.waiting and not self.busy():
+                    self._wake.wait(timeout=0.5)
+                if not self._running:
+                    return
+            self.step()
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Drop cancelled rows, admit waiting requests into free rows, then one decode step."""
+        for seq in list(self.rows):
+            if seq is not None and seq.cancelled:
+                self._finish(seq, "cancelled")
+        while self.free_slots():
+            with self._wake:
+                if not self.waiting:
+                    break
+                seq = self.waiting.popleft()
+            if seq.cancelled:
+                self._finish(seq, "cancelled")
+                continue
+            self._join(seq)
+        active = [r for r, s in enumerate(self.rows) if s is not None]
+        if not active:
+            self.t = 0
+            return
+        if self.t >= self.capacity:
+            self._shift(-int(min(self.pad[r] for r in active)))
+        last = torch.zeros(self.slots, 1, dtype=torch.long, device=self.device)
+        pad = torch.full((self.slots,), self.t, dtype=torch.long, device=self.device)
+        for r in active:
+            last[r, 0] = self.rows[r].tokens[-1]
+            pad[r] = self.pad[r]
+        self.cache.length, self.cache.pad = self.t, pad
+        try:
+            logits = self.model(last, cache=self.cache, last_only=True)[0][:, -1]
+        except Exception as e:  # noqa: BLE001 - every request in flight is told
+            for r in active:
+                self._finish(self.rows[r], f"error: {type(e).__name__}: {e}")
+            return
+        self.t += 1
+        self.stats.decode_steps += 1
+        self.stats.busy_slot_steps += len(active)
+        for r in active:
+            self._accept(self.rows[r], logits[r : r + 1])
+
+    def _join(self, seq: Sequence) -> None:
+        """Prefill ``seq`` alone and place its keys/values in a free row ending at slot t."""
+        P = len(seq.prompt)
+        try:
+            small = self.model.new_cache(1, P)
+            idx = torch.tensor([seq.prompt], device=self.device)
+            logits = self.model(idx, cache=small, last_only=True)[0][:, -1]
+        except Exception as e:  # noqa: BLE001 - this request fails, the others go on
+            self._finish(seq, f"error: {type(e).__name__}: {e}")
+            return
+        if not any(s is not None for s in self.rows):
+            self.t = 0
+        if self.t < P:
+            self._shift(P - self.t)
+        r = self.rows.index(None)
+        for layer in range(len(self.cache.k)):
+            self.cache.k[layer][r, :, self.t - P : self.t] = small.k[layer][0, :, :P]
+            self.cache.v[layer][r, :, self.t - P : self.t] = small.v[layer][0, :, :P]
+        self.pad[r] = self.t - P
+        self.rows[r], seq.slot = seq, r
+        if seq.params.seed is not None:
+            seq.generator = torch.Generator(device=self.device).manual_seed(seq.params.seed)
+        self.stats.prompt_tokens += P
+        self._accept(seq, logits)
+
+    def _shift(self, d: int) -> None:
+        """Move every row's slots by ``d`` (right when > 0) and the write position with them."""
+        if d == 0:
+            return
+        t = self.t
+        for layer in range(len(self.cache.k)):
+            for buf in (self.cache.k[layer], self.cache.v[layer]):
+                if d > 0:
+                    buf[:, :, d : t + d] = buf[:, :, 0:t].clone()
+                else:
+                    buf[:, :, 0 : t + d] = buf[:, :, -d:t].clone()
+        for r, s in enumerate(self.rows):
+            if s is not None:
+                self.pad[r] += d
+        self.t = t + d
+
+    def _accept(self, seq: Sequence, logits: torch.Tensor) -> None:
+        """Pick ``seq``'s next token from its logits (1, V), emit the text that is final."""
+        p = seq.params
+        try:
+            token = int(
+                sample_next(
+                    logits,
+                    temperature=p.temperature,
+                    top_k=p.top_k,
+                    top_p=p.top_p,
+                    generator=seq.generator,
+                )[0]  # fmt: skip
+            )
+        except ValueError as e:
+            self._finish(seq, f"error: {e}")
+            return
+        now = time.perf_counter()
+        if seq.first_token_s is None:
+            seq.first_token_s = now - seq.submitted
+            self.stats.ttft_sum_s += seq.first_token_s
+            self.stats.ttft_count += 1
+        seq.tokens.append(token)
+        self.stats.generated_tokens += 1
+        if p.logprobs is not None:
+            lp = torch.log_softmax(logits[0].float(), -1)
+            top = lp.topk(p.logprobs) if p.logprobs else None
+            alternatives = (
+                [(int(i), float(v)) for v, i in zip(top.values, top.indices, strict=True)]
+                if top is not None
+                else []
+            )
+            seq.pending.append((token, float(lp[token]), alternatives))
+        if token in self.eos_ids:
+            seq.tokens.pop()  # the end of the text, not part of it
+            self._flush(seq, final=True)
+            self._finish(seq, "stop")
+            return
+        reason = self._flush(seq, final=False)
+        if reason is None and len(seq.tokens) >= p.max_tokens:
+            reason = "length"
+        if reason is None and len(seq.prompt) + len(seq.tokens) >= self.context:
+            reason = "length"  # the model's context is full
+        if reason is not None:
+            if reason == "length":
+                self._flush(seq, final=True)
+            self._finish(seq, reason)
+
+    def _flush(self, seq: Sequence, final: bool) -> str | None:
+        """Emit the text that can no longer change: all of it when ``final``; else hold back
+        what could still begin a stop string or an unfinished character. Returns "stop" when
+        a stop string appeared (the text is emitted up to it)."""
+        text = self.tok.decode(seq.tokens)
+        cut = len(text)
+        reason = None
+        for stop in seq.params.stop:
+            at = text.find(stop, max(0, seq.sent - len(stop) + 1))
+            if at != -1 and at < cut:
+                cut, reason = at, "stop"
+        if reason is None and not final:
+            hold = max((len(s) - 1 for s in seq.params.stop), default=0)
+            cut = len(text) - hold
+            while cut > seq.sent and text[cut - 1] == "\ufffd":  # bytes of a character to come
+                cut -= 1
+        if cut > seq.sent or (seq.pending and (final or reason)):
+            seq.emit("text", (text[seq.sent : max(cut, seq.sent)], seq.pending))
+            seq.sent, seq.pending = max(cut, seq.sent), []
+        return reason
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        if seq.finished:
+            return
+        seq.finished = True
+        if seq.slot is not None:
+            self.rows[seq.slot] = None
+            seq.slot = None
+        if reason == "cancelled":
+            self.stats.cancelled += 1
+        else:
+            self.stats.finished += 1
+        seq.emit("done", reason)
