@@ -4,6 +4,8 @@ continuous batching, on 127.0.0.1 unless told otherwise."""
 from __future__ import annotations
 
 import argparse
+import threading
+import time
 
 
 def main(argv: list[str]) -> int:
@@ -22,6 +24,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--model-name", default=None, help="the id clients ask for (default: the "
                    "checkpoint directory's name)")  # fmt: skip
     p.add_argument("--device", default="cpu")
+    p.add_argument("--compile", action="store_true", help="compile the decode step (fuses its "
+                   "small kernels; ~20-60 s at start)")  # fmt: skip
     ns = p.parse_args(argv)
     if not 0 < ns.port < 65536:
         raise ValueError(f"--port {ns.port} must be in 1..65535")
@@ -34,11 +38,29 @@ def main(argv: list[str]) -> int:
         raise SystemExit(
             f"serve needs FastAPI and uvicorn: pip install 'llm-foundry[serve]' ({e})"
         ) from None
-    served = load_served(ns.checkpoint, ns.slots, ns.max_queue, ns.model_name, ns.device)
-    served.engine.start()
+    served = load_served(ns.checkpoint, ns.slots, ns.max_queue, ns.model_name, ns.device,
+                         ns.compile)  # fmt: skip
+    if ns.compile:
+        print("compiling the decode step ...", flush=True)
+        served.engine.warm_up()
+    # HTTP in a thread, the model loop in this (main) thread, where compiled kernels run fastest
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(served), host=ns.host, port=ns.port, log_level="warning")
+    )
+    thread = threading.Thread(target=server.run, name="http", daemon=True)
+    thread.start()
+    while not server.started and thread.is_alive():
+        time.sleep(0.05)
+    if not thread.is_alive():
+        raise OSError(f"could not serve on {ns.host}:{ns.port} (is the port in use?)")
     print(f"serving {served.name} on http://{ns.host}:{ns.port}/v1 ({ns.slots} slots)", flush=True)
+    watcher = threading.Thread(target=lambda: (thread.join(), served.engine.stop()), daemon=True)
+    watcher.start()  # the HTTP server ending (e.g. on SIGTERM) ends the loop
     try:
-        uvicorn.run(create_app(served), host=ns.host, port=ns.port, log_level="warning")
+        served.engine.run()
+    except KeyboardInterrupt:
+        pass
     finally:
-        served.engine.stop()
+        server.should_exit = True
+        thread.join(timeout=10)
     return 0

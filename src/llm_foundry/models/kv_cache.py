@@ -76,6 +76,15 @@ class KVCache:
             pos = torch.arange(start + T - keep, start + T, device=self.slot_pos.device)
             self.slot_pos[pos % self.size] = pos
 
+    def rows(self, n: int) -> KVCache:
+        """A cache over the first ``n`` rows of this one, sharing its memory (a batch smaller
+        than the allocation reads and writes the same tensors)."""
+        view = object.__new__(KVCache)
+        view.__dict__.update(self.__dict__)
+        view.k, view.v = [k[:n] for k in self.k], [v[:n] for v in self.v]
+        view.pad = None
+        return view
+
     def reset(self) -> None:
         self.length = 0
         self.slot_pos.fill_(EMPTY)

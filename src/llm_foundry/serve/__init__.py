@@ -7,7 +7,7 @@ from pathlib import Path
 
 
 def load_served(checkpoint: str | Path, slots: int = 8, max_queue: int = 64,
-                name: str | None = None, device: str = "cpu"):  # fmt: skip
+                name: str | None = None, device: str = "cpu", compile: bool = False):  # fmt: skip
     """The model of ``checkpoint`` behind an engine, with its tokenizer and chat template, as
     ``app.Served`` (the engine not yet started)."""
     from llm_foundry.chat import BUILTIN_TEMPLATE, end_of_turn, load_chat_template
@@ -26,7 +26,7 @@ def load_served(checkpoint: str | Path, slots: int = 8, max_queue: int = 64,
     eot_id = tok.hf.token_to_id(eot) if hf else None
     if eot_id is not None:
         eos.add(eot_id)  # a special token ends the reply by its id
-    engine = Engine(model, tok, slots=slots, max_queue=max_queue, eos_ids=eos)
+    engine = Engine(model, tok, slots=slots, max_queue=max_queue, eos_ids=eos, compile=compile)
     served = Served(engine, tok, name or Path(checkpoint).resolve().name, template, specials)
     served.chat_stop = () if eot_id is not None else (eot,)  # a plain-text end of turn
     return served

@@ -91,6 +91,7 @@ class Engine:
         max_queue: int = 64,
         eos_ids: set[int] | frozenset = frozenset(),
         capacity: int | None = None,
+        compile: bool = False,
     ):
         cfg = model.cfg
         self.context = cfg.max_seq_len
@@ -104,6 +105,13 @@ class Engine:
             raise ValueError(f"slots={slots} must be >= 1 and max_queue={max_queue} >= 0")
         self.model, self.tok, self.slots, self.max_queue = model.eval(), tokenizer, slots, max_queue
         self.eos_ids = set(eos_ids)
+        # the decode step compiled (fused small kernels; prefill stays eager: one shape each)
+        if compile:
+            from llm_foundry.generate import _compiled
+
+            self.decode = _compiled(model)
+        else:
+            self.decode = model
         device = next(model.parameters()).device
         self.device = device
         from llm_foundry.models.kv_cache import KVCache
@@ -147,7 +155,28 @@ class Engine:
     def busy(self) -> int:
         return self.slots - self.free_slots()
 
+    @torch.no_grad()
+    def warm_up(self) -> None:
+        """Compile the decode step before the first request: batches of 1, 2 and 3 rows (the
+        first two sizes are specialised, the third makes the batch size symbolic)."""
+        if self.decode is self.model or any(r is not None for r in self.rows):
+            return
+        for n in (1, 2, 3):
+            cache = self.cache.rows(n)
+            cache.length = 1
+            cache.pad = torch.zeros(n, dtype=torch.long, device=self.device)
+            idx = torch.zeros(n, 1, dtype=torch.long, device=self.device)
+            self.decode(idx, cache=cache, last_only=True)
+        self.t = 0
+
+    def run(self) -> None:
+        """Run the loop in the calling thread until ``stop`` (the command runs it in the main
+        thread: compiled CPU kernels run ~2.5x slower from other threads here)."""
+        self._running = True
+        self._loop()
+
     def start(self) -> Engine:
+        """Run the loop in a background thread."""
         self._running = True
         self._thread = threading.Thread(target=self._loop, name="llm-foundry-engine", daemon=True)
         self._thread.start()
@@ -191,14 +220,16 @@ class Engine:
             return
         if self.t >= self.capacity:
             self._shift(-int(min(self.pad[r] for r in active)))
-        last = torch.zeros(self.slots, 1, dtype=torch.long, device=self.device)
-        pad = torch.full((self.slots,), self.t, dtype=torch.long, device=self.device)
+        n = active[-1] + 1  # rows past the last busy one are left out of the batch
+        last = torch.zeros(n, 1, dtype=torch.long, device=self.device)
+        pad = torch.full((n,), self.t, dtype=torch.long, device=self.device)
         for r in active:
             last[r, 0] = self.rows[r].tokens[-1]
             pad[r] = self.pad[r]
-        self.cache.length, self.cache.pad = self.t, pad
+        cache = self.cache.rows(n)
+        cache.length, cache.pad = self.t, pad
         try:
-            logits = self.model(last, cache=self.cache, last_only=True)[0][:, -1]
+            logits = self.decode(last, cache=cache, last_only=True)[0][:, -1]
         except Exception as e:  # noqa: BLE001 - every request in flight is told
             for r in active:
                 self._finish(self.rows[r], f"error: {type(e).__name__}: {e}")
