@@ -9,6 +9,7 @@ that fails never reaches the engine, so it cannot disturb the others.
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import time
 import uuid
@@ -175,6 +176,29 @@ def _finish_reason(reason: str) -> str:
 def create_app(served: Served) -> FastAPI:
     app = FastAPI(title="llm-foundry", docs_url=None, redoc_url=None)
     engine = served.engine
+    relays: dict = {}
+
+    def relay(loop):
+        """post(queue, item) from the engine's thread: items gathered and handed to the event
+        loop in one wake-up per batch (not one per token per request)."""
+        if loop not in relays:
+            pending: collections.deque = collections.deque()
+            scheduled = [False]
+
+            def drain():
+                scheduled[0] = False
+                while pending:
+                    queue, item = pending.popleft()
+                    queue.put_nowait(item)
+
+            def post(queue, item):
+                pending.append((queue, item))
+                if not scheduled[0]:
+                    scheduled[0] = True
+                    loop.call_soon_threadsafe(drain)
+
+            relays[loop] = post
+        return relays[loop]
 
     def count(endpoint: str, status: int) -> None:
         served.requests[(endpoint, status)] = served.requests.get((endpoint, status), 0) + 1
@@ -260,8 +284,8 @@ def create_app(served: Served) -> FastAPI:
         except BadRequest as e:
             return refuse(endpoint, e)
 
-        loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
+        post = relay(asyncio.get_running_loop())
         seqs = []
         for i in range(n):
             p = Params(**{**params.__dict__})
@@ -269,7 +293,7 @@ def create_app(served: Served) -> FastAPI:
                 p.seed += i  # n choices with one seed: different draws, still reproducible
 
             def emit(kind, payload, index=i):
-                loop.call_soon_threadsafe(events.put_nowait, (index, kind, payload))
+                post(events, (index, kind, payload))
 
             seqs.append(Sequence(prompt=prompt, params=p, emit=emit))
         try:
@@ -290,6 +314,7 @@ def create_app(served: Served) -> FastAPI:
         obj = "chat.completion" if chat else "text_completion"
 
         if stream:
+            chunk_obj = obj + (".chunk" if chat else "")
 
             async def sse():
                 done = 0
@@ -300,51 +325,24 @@ def create_app(served: Served) -> FastAPI:
                                      "logprobs": None, "finish_reason": None}  # fmt: skip
                             yield _sse(rid, obj + ".chunk", created, served.name, [first])
                     while done < n:
-                        i, kind, payload = await events.get()
-                        if kind == "text":
-                            piece, records = payload
-                            lp = _logprobs_block(served, records, chat) if records else None
-                            choice = (
-                                {
-                                    "index": i,
-                                    "delta": {"content": piece},
-                                    "logprobs": lp,
-                                    "finish_reason": None,
-                                }  # fmt: skip
-                                if chat
-                                else {
-                                    "index": i,
-                                    "text": piece,
-                                    "logprobs": lp,
-                                    "finish_reason": None,
-                                }  # fmt: skip
-                            )
-                        else:
-                            done += 1
-                            if payload.startswith("error"):
-                                yield (
-                                    "data: "
-                                    + json.dumps(error_body(payload, kind="server_error"))
-                                    + "\n\n"
-                                )
-                                continue
-                            choice = (
-                                {
-                                    "index": i,
-                                    "delta": {},
-                                    "logprobs": None,
-                                    "finish_reason": _finish_reason(payload),
-                                }  # fmt: skip
-                                if chat
-                                else {
-                                    "index": i,
-                                    "text": "",
-                                    "logprobs": None,
-                                    "finish_reason": _finish_reason(payload),
-                                }  # fmt: skip
-                            )
-                        yield _sse(rid, obj + (".chunk" if chat else ""), created, served.name,
-                                   [choice])  # fmt: skip
+                        batch = [await events.get()]
+                        while not events.empty():  # what arrived meanwhile goes in one write
+                            batch.append(events.get_nowait())
+                        out = []
+                        for i, kind, payload in batch:
+                            if kind == "done":
+                                done += 1
+                                if payload.startswith("error"):
+                                    body = error_body(payload, kind="server_error")
+                                    out.append("data: " + json.dumps(body) + "\n\n")
+                                    continue
+                                choice = _choice(chat, i, "", None, _finish_reason(payload))
+                            else:
+                                piece, records = payload
+                                lp = _logprobs_block(served, records, chat) if records else None
+                                choice = _choice(chat, i, piece, lp, None)
+                            out.append(_sse(rid, chunk_obj, created, served.name, [choice]))
+                        yield "".join(out)
                     if usage_chunk:
                         yield _sse(rid, obj + (".chunk" if chat else ""), created, served.name,
                                    [], usage=usage())  # fmt: skip
@@ -360,16 +358,19 @@ def create_app(served: Served) -> FastAPI:
         try:
             while any(r is None for r in reasons):
                 try:
-                    i, kind, payload = await asyncio.wait_for(events.get(), timeout=0.25)
+                    batch = [await asyncio.wait_for(events.get(), timeout=0.25)]
                 except TimeoutError:
                     if await request.is_disconnected():
                         return None
                     continue
-                if kind == "text":
-                    texts[i] += payload[0]
-                    records[i] += payload[1]
-                else:
-                    reasons[i] = payload
+                while not events.empty():
+                    batch.append(events.get_nowait())
+                for i, kind, payload in batch:
+                    if kind == "text":
+                        texts[i] += payload[0]
+                        records[i] += payload[1]
+                    else:
+                        reasons[i] = payload
         finally:
             engine.cancel([s for s in seqs if not s.finished])
         failed = [r for r in reasons if r.startswith("error")]
@@ -400,6 +401,14 @@ def create_app(served: Served) -> FastAPI:
         return await generate(request, chat=True)
 
     return app
+
+
+def _choice(chat: bool, index: int, text: str, logprobs, finish) -> dict:
+    """One choice of a streamed chunk: a chat delta or a completion's text."""
+    if chat:
+        delta = {"content": text} if text or finish is None else {}
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
 
 def _sse(rid, obj, created, model, choices, usage=None) -> str:

@@ -105,7 +105,9 @@ class Engine:
             raise ValueError(f"slots={slots} must be >= 1 and max_queue={max_queue} >= 0")
         self.model, self.tok, self.slots, self.max_queue = model.eval(), tokenizer, slots, max_queue
         self.eos_ids = set(eos_ids)
-        # the decode step compiled (fused small kernels; prefill stays eager: one shape each)
+        # one busy row decodes through the compiled step, whose fused matvec streams weights
+        # faster; batches of rows are matrix products either way and run eager (measured:
+        # benchmarks/README.md, bench_serve); prefill stays eager
         if compile:
             from llm_foundry.generate import _compiled
 
@@ -157,13 +159,13 @@ class Engine:
 
     @torch.no_grad()
     def warm_up(self) -> None:
-        """Compile the decode step before the first request: batches of 1, 2 and 3 rows (the
-        first two sizes are specialised, the third makes the batch size symbolic)."""
+        """Compile the one-row decode step before the first request (two cache lengths: the
+        second makes the length symbolic, so it compiles once)."""
         if self.decode is self.model or any(r is not None for r in self.rows):
             return
-        for n in (1, 2, 3):
+        for n, length in ((1, 1), (1, 2)):
             cache = self.cache.rows(n)
-            cache.length = 1
+            cache.length = length
             cache.pad = torch.zeros(n, dtype=torch.long, device=self.device)
             idx = torch.zeros(n, 1, dtype=torch.long, device=self.device)
             self.decode(idx, cache=cache, last_only=True)
@@ -229,7 +231,8 @@ class Engine:
         cache = self.cache.rows(n)
         cache.length, cache.pad = self.t, pad
         try:
-            logits = self.decode(last, cache=cache, last_only=True)[0][:, -1]
+            step = self.decode if n == 1 else self.model
+            logits = step(last, cache=cache, last_only=True)[0][:, -1]
         except Exception as e:  # noqa: BLE001 - every request in flight is told
             for r in active:
                 self._finish(self.rows[r], f"error: {type(e).__name__}: {e}")
