@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from llm_foundry.config import ModelConfig
 from llm_foundry.models import Transformer
 from llm_foundry.models.block import NORM_POSITION_NAMES, Block, ParallelBlock, PostNormBlock
-from llm_foundry.models.mlp import GATED_MLPS, MLP_NAMES
+from llm_foundry.models.mlp import MLP_NAMES, is_gated
 from llm_foundry.presets import PRESETS, get_preset
 
 
@@ -75,7 +75,7 @@ def test_residual_false_keeps_only_the_branches(tiny_config, norm_position):
     assert not torch.allclose(with_skip(x, pos, 0, None)[0], expected)
 
 
-@pytest.mark.parametrize("mlp, n_mats", [(m, 3 if m in GATED_MLPS else 2) for m in MLP_NAMES])
+@pytest.mark.parametrize("mlp, n_mats", [(m, 3 if is_gated(m) else 2) for m in MLP_NAMES])
 def test_mlp_variants(tiny_config, mlp, n_mats):
     model = Transformer(tiny_config(mlp=mlp))
     mats = [n for n, _ in model.layers[0].mlp.named_parameters() if n.endswith("weight")]
