@@ -13,9 +13,11 @@ import torch
 from llm_foundry.models import Transformer
 from llm_foundry.models.lora import (
     BASE_DTYPES,
+    FrozenLinear,
     LoRALinear,
     add_lora,
     dequantize_int8,
+    effective_weight,
     frozen_base_bytes,
     lora_layers,
     merge_lora,
@@ -172,6 +174,37 @@ def test_a_low_precision_base_computes_what_fp32_lora_on_the_rounded_weight_does
     torch.testing.assert_close(low(x), y_ref, atol=1e-5, rtol=1e-5)
     low.unmerge()
     torch.testing.assert_close(low(x), y_ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("base_dtype", BASE_DTYPES)
+def test_effective_weight_is_the_weight_each_projection_computes_with(base_dtype):
+    """``effective_weight`` of an nn.Linear, a FrozenLinear and a LoRALinear (merged or not) is
+    the W with module(x) == x W^T + b: the base widened to fp32 (int8 dequantized) plus s·B A."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(48, 24, bias=True)
+    lora = LoRALinear(copy.deepcopy(linear), 4, 8.0, 0.0, False, base_dtype)
+    with torch.no_grad():
+        lora.lora_B.normal_(0.0, 0.3)
+    x = torch.randn(3, 5, 48)
+    with torch.no_grad():
+        assert effective_weight(linear) is linear.weight
+        held = _rounded(linear.weight, base_dtype)
+        if base_dtype != "fp32":
+            assert isinstance(lora.base, FrozenLinear)
+            assert torch.equal(effective_weight(lora.base), held)
+            assert effective_weight(lora.base).dtype == torch.float32
+        w = effective_weight(lora)
+        assert w.dtype == torch.float32 and w.shape == (24, 48)
+        torch.testing.assert_close(w, held + lora.delta(), atol=0, rtol=0)
+        assert not torch.allclose(w, held, atol=1e-3)  # the update is in it
+        want = lora(x)
+        torch.testing.assert_close(x @ w.T + linear.bias, want, atol=1e-5, rtol=1e-5)
+        lora.merge()
+        torch.testing.assert_close(effective_weight(lora), w, atol=1e-6, rtol=0)
+        torch.testing.assert_close(x @ effective_weight(lora).T + linear.bias, want,
+                                   atol=1e-5, rtol=1e-5)  # fmt: skip
+        lora.unmerge()
+        torch.testing.assert_close(effective_weight(lora), w, atol=1e-6, rtol=0)
 
 
 @pytest.mark.parametrize("base_dtype", ["bf16", "int8"])

@@ -15,11 +15,13 @@ import torch
 from conftest import make_trainer
 from PIL import Image
 
+from llm_foundry.checkpoint import load_checkpoint
 from llm_foundry.cli import main as cli_main
 from llm_foundry.cli.inspect import main as inspect_main
 from llm_foundry.config import ConfigError, ModelConfig
 from llm_foundry.inspection import png_size
 from llm_foundry.models import Transformer
+from llm_foundry.models.lora import LoRALinear
 from llm_foundry.plots import plot_losses, read_metrics
 from llm_foundry.train.config import TrainConfig
 from llm_foundry.train.monitor import (
@@ -31,6 +33,7 @@ from llm_foundry.train.monitor import (
     rest_grad_norm,
     uniform_entropy,
 )
+from llm_foundry.train.state import latest_checkpoint
 from llm_foundry.train.trainer import Trainer
 
 MONITORED = [1, 4, 8, 12]  # 12 steps, monitor_interval 4: step 1 (initialisation), then every 4
@@ -248,6 +251,37 @@ def test_monitors_change_no_loss_and_resume_stays_exact(data_dir, tmp_path, moni
     assert sorted(b) == list(range(1, 13))
     assert [full[s] for s in full] == [b[s] for s in full]  # bit for bit, every step
     assert read_monitor(run / "metrics.jsonl") == read_monitor(monitored_run / "metrics.jsonl")
+
+
+@pytest.mark.parametrize("base_dtype", ["fp32", "int8"])
+def test_a_lora_fine_tune_is_monitored_on_the_weights_it_computes_with(
+    base_dtype, data_dir, monitored_run, tmp_path
+):
+    """A LoRA fine-tune (adapters on wq and wv, the frozen base held in fp32 or int8) with
+    monitors on: W_q's effective rank in each record is that of widen(base) + s·B A, worked out
+    by hand from the saved tensors (int8 dequantized), and W_k's (not adapted) that of its plain
+    weight. Step 5's record is the model after 4 updates: the step-4 checkpoint."""
+    base = latest_checkpoint(monitored_run / "checkpoints")
+    run = tmp_path / "ft"
+    lora = dict(init_from=str(base), lora_r=4, lora_alpha=8.0, lora_targets="wq,wv",
+                lora_base_dtype=base_dtype, lr=1e-2)  # fmt: skip
+    _trainer(data_dir, run, max_steps=5, monitor_interval=5, eval_interval=0, **lora).run()
+    records = {r["step"]: r["monitor"] for r in read_monitor(run / "metrics.jsonl")}
+    assert sorted(records) == [1, 5]
+    tuned = load_checkpoint(run / "checkpoints" / "step_000004", merge=False)
+    for i, layer in enumerate(tuned.layers):
+        wq = layer.attn.wq
+        assert isinstance(wq, LoRALinear) and wq.base_dtype == base_dtype
+        with torch.no_grad():
+            held = wq.base.weight
+            if base_dtype == "int8":
+                held = held.float() * wq.base.weight_scale[:, None]
+            by_hand = held + wq.scale * (wq.lora_B @ wq.lora_A)
+        assert records[1]["rank_wq"][i] == pytest.approx(effective_rank(held), rel=1e-6)
+        assert records[5]["rank_wq"][i] == pytest.approx(effective_rank(by_hand), rel=1e-6)
+        assert records[5]["rank_wq"][i] != pytest.approx(effective_rank(held), rel=1e-4)
+        assert records[5]["rank_wk"][i] == pytest.approx(effective_rank(layer.attn.wk.weight))
+        assert records[5]["full_rank"] == dict(wq=32, wk=32, hidden=32)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -175,6 +175,20 @@ class LoRALinear(nn.Module):
             self.merged = False
 
 
+def effective_weight(module: nn.Module) -> torch.Tensor:
+    """The weight (out, in) a projection computes with, whatever LoRA made of it: an
+    ``nn.Linear``'s own weight; a ``FrozenLinear``'s widened to fp32 (int8 dequantized, bf16
+    cast); a ``LoRALinear``'s base weight so read plus its update s · B A unless merged (then
+    the base holds it already). ``module(x) == x @ effective_weight(module).T + bias``, to
+    rounding. Gradients reach the adapters; call it under ``torch.no_grad()`` to only read."""
+    if isinstance(module, LoRALinear):
+        w = effective_weight(module.base)
+        return w if module.merged else w + module.delta()
+    if isinstance(module, FrozenLinear):
+        return module.widened()
+    return module.weight
+
+
 def add_lora(
     model: nn.Module,
     targets: Iterable[str] = ("wq", "wv"),

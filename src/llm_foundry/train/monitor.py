@@ -29,6 +29,8 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from llm_foundry.models.lora import effective_weight
+
 PROBE_SEQUENCES = 8  # at most this many sequences in the probe batch (SVD cost ~ B*T*D^2)
 RANK_KINDS = {"wq": "W_q", "wk": "W_k", "hidden": "hidden states"}
 
@@ -93,7 +95,8 @@ def probe(model: nn.Module, x: torch.Tensor) -> dict:
     """Per-layer statistics of one eval-mode forward of ``x`` (B, T) token ids.
 
     Returns lists with one entry per layer: ``attn_entropy`` (H floats per layer, nats),
-    ``rank_wq`` / ``rank_wk`` (effective rank of the attention's wq / wk weight),
+    ``rank_wq`` / ``rank_wk`` (effective rank of the attention's wq / wk weight: the one it
+    computes with, ``effective_weight``, so a LoRA's frozen base widened plus its update),
     ``rank_hidden`` (effective rank of the block's output flattened to (B*T, D), not centred)
     and ``act_rms`` (RMS of that output); plus ``full_rank`` (the largest rank of each kind) and
     ``entropy_uniform`` (``uniform_entropy`` of the batch, for scale).
@@ -120,8 +123,9 @@ def probe(model: nn.Module, x: torch.Tensor) -> dict:
         for handle in handles:
             handle.remove()
         model.train(was_training)
-    wq = [layer.attn.wq.weight for layer in model.layers]  # (H*hd, D)
-    wk = [layer.attn.wk.weight for layer in model.layers]  # (K*hd, D)
+    # the weights the forward computes with: a LoRA's base (int8/bf16 widened) plus its update
+    wq = [effective_weight(layer.attn.wq) for layer in model.layers]  # (H*hd, D)
+    wk = [effective_weight(layer.attn.wk) for layer in model.layers]  # (K*hd, D)
     B, T = x.shape
     return dict(
         attn_entropy=entropy,
