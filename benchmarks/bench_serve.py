@@ -5,9 +5,10 @@ clients, against the same server taking requests one at a time (1 client) and ag
 Two LLaMA-style sizes with random weights (seeded): the `llama-shakespeare` preset (9.5M) and a
 124.7M config (768 dim, 12 layers, 12 heads, 4 KV heads, MLP 2048, vocab 32000). Each is written
 once as an HF directory with a character-level HF tokenizer (tiny Shakespeare's characters,
-padded with filler tokens to the vocabulary), which both servers load. Every client streams
-/v1/completions requests back to back (greedy, a line of Shakespeare as the prompt, a fixed
-max_tokens); aggregate tokens/s = completion tokens (from `usage`) over wall time, time to first
+padded with filler tokens to the vocabulary), which both servers load. Every client (an
+asyncio stream of one load-generator process, aiohttp) sends /v1/completions requests back to
+back (streamed, greedy, a line of Shakespeare as the prompt, a fixed max_tokens); aggregate
+tokens/s = completion tokens (from `usage`) over wall time, time to first
 token = first non-empty text chunk. Servers run one at a time, each as its own process.
 
     python benchmarks/bench_serve.py [--json] [--quick] [--requests 24] [--max-tokens 64]
@@ -24,7 +25,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -104,49 +104,53 @@ def start(kind: str, model_dir: Path, port: int, slots: int) -> subprocess.Popen
     raise RuntimeError(f"{kind} server did not start in 180 s")
 
 
-def one_request(url: str, model: str, prompt: str, max_tokens: int) -> tuple[float, int]:
-    """(time to first token in s, completion tokens) of one streamed greedy completion."""
+async def one_request(session, url: str, model: str, prompt: str, max_tokens: int):
+    """(time to first token in s, completion tokens) of one streamed greedy completion; only
+    the first text chunk and the usage chunk are parsed (the load generator stays light)."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
     t0 = time.perf_counter()
     first, tokens = None, 0
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
+    async with session.post(url + "/v1/completions", json=body) as r:
         r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
+        async for raw in r.content:
+            if not raw.startswith(b"data: {"):
                 continue
-            chunk = json.loads(line[6:])
-            if first is None and any(c.get("text") for c in chunk.get("choices", [])):
-                first = time.perf_counter() - t0
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
+            if first is None:
+                chunk = json.loads(raw[6:])
+                if any(c.get("text") for c in chunk.get("choices", [])):
+                    first = time.perf_counter() - t0
+            if b'"usage"' in raw:
+                tokens = json.loads(raw[6:])["usage"]["completion_tokens"]
     return first if first is not None else float("nan"), tokens
 
 
 def load_test(url, model, prompts, clients: int, requests: int, max_tokens: int) -> dict:
-    """``clients`` threads send ``requests`` requests in all, back to back."""
-    lock = threading.Lock()
-    todo = list(range(requests))
-    ttft, tokens = [], []
+    """``clients`` concurrent streams (asyncio, one thread) send ``requests`` in all, back to
+    back."""
+    import asyncio
 
-    def worker():
-        while True:
-            with lock:
-                if not todo:
-                    return
-                i = todo.pop()
-            f, n = one_request(url, model, prompts[i % len(prompts)], max_tokens)
-            with lock:
-                ttft.append(f)
-                tokens.append(n)
+    import aiohttp
 
-    threads = [threading.Thread(target=worker) for _ in range(clients)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
+    async def run():
+        todo = list(range(requests))
+        ttft, tokens = [], []
+        timeout = aiohttp.ClientTimeout(total=None)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+
+            async def worker():
+                while todo:
+                    i = todo.pop()
+                    f, n = await one_request(session, url, model, prompts[i % len(prompts)],
+                                             max_tokens)  # fmt: skip
+                    ttft.append(f)
+                    tokens.append(n)
+
+            t0 = time.perf_counter()
+            await asyncio.gather(*(worker() for _ in range(clients)))
+            return time.perf_counter() - t0, ttft, tokens
+
+    wall, ttft, tokens = asyncio.run(run())
     return dict(clients=clients, requests=requests, tokens=sum(tokens), wall_s=wall,
                 tokens_per_s=sum(tokens) / wall, ttft_median_s=statistics.median(ttft),
                 ttft_max_s=max(ttft))  # fmt: skip
