@@ -50,6 +50,17 @@ def checkpoint(tmp_path_factory):
     return path
 
 
+def wait_healthy(url: str, seconds: float) -> None:
+    """Poll ``url``/health until it answers 200 (or ``seconds`` pass)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            time.sleep(0.1)
+
+
 @contextmanager
 def running(checkpoint, **kwargs):
     """A real server on a free 127.0.0.1 port; yields its base URL and the engine."""
@@ -63,13 +74,7 @@ def running(checkpoint, **kwargs):
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            time.sleep(0.05)
+    wait_healthy(url, 20)
     try:
         yield url, served
     finally:
@@ -346,13 +351,7 @@ def test_the_serve_command_starts_a_server_a_client_can_use(checkpoint, tmp_path
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
+        wait_healthy(url, 60)
         r = client(url).completions.create(model="tiny", prompt="ROMEO:", max_tokens=10,
                                            temperature=0)  # fmt: skip
         assert r.choices[0].text == solo(checkpoint, "ROMEO:", 10)
