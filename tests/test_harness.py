@@ -87,6 +87,12 @@ def test_every_request_and_metric_equals_the_harness_hf_backend(hf_dir):
                     got, want = (got, None), (want, None)
                 assert got[0] == pytest.approx(want[0], rel=1e-5, abs=1e-4)
                 assert got[1] == want[1]
+            if task == "shakespeare_next_line":  # acc and acc_norm compare choices: no near-tie
+                lls = [r[0][0] for r in a["resps"]]
+                lengths = [len(c.encode()) for c in a["doc"]["choices"]]
+                for scores in (lls, [ll / n for ll, n in zip(lls, lengths, strict=True)]):
+                    best, second = sorted(scores)[-2:][::-1]
+                    assert best - second > 1e-3, "a choice won within rounding"
         for metric, value in theirs["results"][task].items():
             if isinstance(value, float) and "stderr" not in metric:
                 got = ours["results"][task][metric]

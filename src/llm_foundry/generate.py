@@ -140,19 +140,27 @@ def generate(model, idx: torch.Tensor, max_new_tokens: int, **kwargs) -> torch.T
     return torch.cat([idx, torch.stack(new, dim=1)], dim=1) if new else idx
 
 
-def generate_batch(
+def stream_batch(
     model, prompts: list[list[int]], max_new_tokens: int, **kwargs
-) -> list[list[int]]:
-    """Prompts of different lengths in one batch: left-padded, the pads masked out and skipped
-    by the positions, so each row's tokens equal generating that prompt alone (greedy).
-    Returns each prompt followed by its continuation (cut after ``eos_id`` if given)."""
+) -> Iterator[torch.Tensor]:
+    """``stream`` for prompts of different lengths in one batch: left-padded, the pads masked
+    out and skipped by the positions, so each row's tokens equal generating that prompt alone
+    (greedy). Yields the next tokens (B,) one step at a time."""
     if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("generate_batch needs at least one prompt and no empty prompt")
+        raise ValueError("a batch needs at least one prompt and no empty prompt")
     device = next(model.parameters()).device
     longest = max(len(p) for p in prompts)
     pad = torch.tensor([longest - len(p) for p in prompts], device=device)
     idx = torch.tensor([[0] * (longest - len(p)) + list(p) for p in prompts], device=device)
-    steps = list(stream(model, idx, max_new_tokens, pad=pad, **kwargs))
+    return stream(model, idx, max_new_tokens, pad=pad, **kwargs)
+
+
+def generate_batch(
+    model, prompts: list[list[int]], max_new_tokens: int, **kwargs
+) -> list[list[int]]:
+    """Prompts of different lengths in one batch (``stream_batch``); returns each prompt
+    followed by its continuation (cut after ``eos_id`` if given)."""
+    steps = list(stream_batch(model, prompts, max_new_tokens, **kwargs))
     new = torch.stack(steps, dim=1).tolist() if steps else [[] for _ in prompts]
     eos = kwargs.get("eos_id")
     out = []

@@ -40,7 +40,7 @@ except ImportError as e:  # the optional [eval] extra
 from tqdm import tqdm
 
 from llm_foundry.evaluate import windows
-from llm_foundry.generate import stream
+from llm_foundry.generate import stream_batch
 
 NAME = "llm-foundry"
 
@@ -239,14 +239,10 @@ class FoundryLM(TemplateLM):
         return [self._prefix]
 
     def _generate(self, prompts, new: int, until: list[str], temperature: float) -> list[str]:
-        device = next(self.model.parameters()).device
-        longest = max(len(p) for p in prompts)
-        pad = torch.tensor([longest - len(p) for p in prompts], device=device)
-        idx = torch.tensor([[0] * (longest - len(p)) + p for p in prompts], device=device)
         rows: list[list[int]] = [[] for _ in prompts]
         done = [False] * len(prompts)
         eos = self.eot_token_id
-        steps = stream(self.model, idx, new, temperature=temperature, pad=pad, seed=0)
+        steps = stream_batch(self.model, prompts, new, temperature=temperature, seed=0)
         for step in steps:
             for r, t in enumerate(step.tolist()):
                 if done[r]:

@@ -147,17 +147,14 @@ def _prompt_ids(served: Served, body: dict, chat: bool) -> list[int]:
 def _logprobs_block(served: Served, records: list, chat: bool):
     decode = served.tokenizer.decode
     if chat:
+
+        def entry(token: int, logprob: float) -> dict:
+            text = decode([token])
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
         return {
             "content": [
-                {
-                    "token": decode([t]),
-                    "logprob": lp,
-                    "bytes": list(decode([t]).encode()),
-                    "top_logprobs": [
-                        {"token": decode([i]), "logprob": v, "bytes": list(decode([i]).encode())}
-                        for i, v in top
-                    ],
-                }
+                {**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in top]}
                 for t, lp, top in records
             ]
         }

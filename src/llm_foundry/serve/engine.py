@@ -76,7 +76,6 @@ class Stats:
     busy_slot_steps: int = 0  # sum over decode steps of the rows in use
     ttft_sum_s: float = 0.0
     ttft_count: int = 0
-    finished: int = 0
     cancelled: int = 0
 
 
@@ -223,11 +222,10 @@ class Engine:
         if self.t >= self.capacity:
             self._shift(-int(min(self.pad[r] for r in active)))
         n = active[-1] + 1  # rows past the last busy one are left out of the batch
-        last = torch.zeros(n, 1, dtype=torch.long, device=self.device)
-        pad = torch.full((n,), self.t, dtype=torch.long, device=self.device)
-        for r in active:
-            last[r, 0] = self.rows[r].tokens[-1]
-            pad[r] = self.pad[r]
+        rows = self.rows[:n]  # a free row feeds token 0 and sees only itself (pad = t)
+        last = torch.tensor([[s.tokens[-1] if s else 0] for s in rows], device=self.device)
+        pad = torch.where(torch.tensor([s is not None for s in rows], device=self.device),
+                          self.pad[:n], self.t)  # fmt: skip
         cache = self.cache.rows(n)
         cache.length, cache.pad = self.t, pad
         try:
@@ -361,6 +359,4 @@ class Engine:
             seq.slot = None
         if reason == "cancelled":
             self.stats.cancelled += 1
-        else:
-            self.stats.finished += 1
         seq.emit("done", reason)
