@@ -21,6 +21,7 @@ from safetensors.torch import load_model, save_model
 
 from llm_foundry.config import ConfigError, ModelConfig
 from llm_foundry.models.lora import apply_lora_settings, lora_settings, merge_lora
+from llm_foundry.models.quant import apply_quant_settings, quant_settings, read_settings
 from llm_foundry.models.transformer import Transformer
 
 FORMAT = "llm-foundry"
@@ -58,6 +59,9 @@ def save_checkpoint(model: torch.nn.Module, path: str | Path) -> Path:
     lora = lora_settings(model)
     if lora:  # adapters over a frozen base: loading rebuilds them (and may merge them)
         meta["lora"] = lora
+    quant = quant_settings(model)
+    if quant:  # which projections hold int8/int4 weights: loading swaps those layers in
+        meta["quantization"] = quant
     (path / CONFIG_FILE).write_text(json.dumps(meta, indent=2))
     return path
 
@@ -192,11 +196,25 @@ def check_layer_count(cfg: ModelConfig, names, file: Path, config_file: Path) ->
         )
 
 
-def meta_transformer(cfg: ModelConfig, config_file: Path | None = None, weights=None, lora=None):
+def read_quantization(path: str | Path) -> dict | None:
+    """The quantization a checkpoint was saved with (None: full precision)."""
+    file = Path(path) / CONFIG_FILE
+    return read_settings(json.loads(file.read_text()), file)
+
+
+def build(cfg: ModelConfig, lora: dict | None = None, quant: dict | None = None) -> Transformer:
+    """The model a checkpoint's config, LoRA and quantization settings describe (weights not
+    loaded), on the current default device."""
+    return apply_quant_settings(apply_lora_settings(Transformer(cfg), lora), quant)
+
+
+def meta_transformer(
+    cfg: ModelConfig, config_file: Path | None = None, weights=None, lora=None, quant=None
+):
     """The model with every shape and no storage: free to build at any size that can exist."""
     try:
         with torch.device("meta"):
-            return apply_lora_settings(Transformer(cfg), lora)
+            return build(cfg, lora, quant)
     except RuntimeError as e:  # e.g. a tensor of more than 2**63 bytes
         where = f"{config_file} describes" if config_file else "the config describes"
         of = f", not the weights in {weights}" if weights else ""
@@ -204,14 +222,18 @@ def meta_transformer(cfg: ModelConfig, config_file: Path | None = None, weights=
 
 
 def check_weights_fit(
-    cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], path: Path, lora: dict | None = None
+    cfg: ModelConfig,
+    shapes: dict[str, tuple[int, ...]],
+    path: Path,
+    lora: dict | None = None,
+    quant: dict | None = None,
 ) -> None:
     """Refuse (one line) weights whose names or shapes differ from what ``cfg`` builds, checked
     on the meta device, so that a config can never make the process allocate more than the
     weights it came with."""
     file, config_file = path / WEIGHTS_FILE, path / CONFIG_FILE
     check_layer_count(cfg, shapes, file, config_file)
-    model = meta_transformer(cfg, config_file, file, lora)
+    model = meta_transformer(cfg, config_file, file, lora, quant)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     tied = {"tok_emb.weight", "lm_head.weight"} if cfg.tie_embeddings else set()
     problems = [
@@ -272,12 +294,12 @@ def load_checkpoint(
     with it are rebuilt and, with ``merge``, folded into their base weights."""
     path = Path(path)
     cfg = read_config(path)
-    lora = read_lora(path)
+    lora, quant = read_lora(path), read_quantization(path)
     file = path / WEIGHTS_FILE
     if not file.exists():
         raise FileNotFoundError(f"{file} not found: {path} is not an llm-foundry checkpoint")
-    check_weights_fit(cfg, read_safetensors_header(file), path, lora)
-    model = apply_lora_settings(Transformer(cfg), lora).to(device)
+    check_weights_fit(cfg, read_safetensors_header(file), path, lora, quant)
+    model = build(cfg, lora, quant).to(device)
     _load_into(model, file)
     if merge:
         merge_lora(model)

@@ -138,15 +138,22 @@ class Loaded(NamedTuple):
     info: CheckpointInfo
 
 
-def load(path: str | Path, device: str = "cpu", tokenizer: str | Path | None = None) -> Loaded:
+def load(
+    path: str | Path,
+    device: str = "cpu",
+    tokenizer: str | Path | None = None,
+    quantize: str | None = None,
+    group_size: int = 64,
+) -> Loaded:
     """The model, tokenizer and provenance of a run directory, one of our checkpoints or an HF
-    transformers directory. ``tokenizer`` overrides the directory's ``tokenizer.json``."""
+    transformers directory. ``tokenizer`` overrides the directory's ``tokenizer.json``;
+    ``quantize`` (int8 | int4, int4 in groups of ``group_size``) quantizes the loaded model's
+    projections in memory (``models/quant.py``)."""
     from llm_foundry.tokenizer import load_any_tokenizer
 
     given = Path(path)
     ckpt = checkpoint_dir(given)
     kind, meta = checkpoint_kind(ckpt)
-    hf_eos: list[int] = []
     if kind == "llm-foundry":
         from llm_foundry.checkpoint import load_checkpoint
 
@@ -155,10 +162,17 @@ def load(path: str | Path, device: str = "cpu", tokenizer: str | Path | None = N
         from llm_foundry.interop.hf import from_hf
 
         model = from_hf(ckpt).to(device).eval()
-        value = meta.get("eos_token_id")
-        hf_eos = (
-            [value] if isinstance(value, int) else [e for e in value or [] if isinstance(e, int)]
-        )
+    if quantize:
+        from llm_foundry.models.quant import quantize_model
+
+        if meta.get("quantization"):
+            raise ValueError(
+                f"--quantize {quantize}: {ckpt} is quantized already "
+                f"({meta['quantization'].get('scheme')}); load it as it is"
+            )
+        quantize_model(model, quantize, group_size)
+    value = meta.get("eos_token_id")  # HF's key; our quantized copies of HF models keep it
+    hf_eos = [value] if isinstance(value, int) else [e for e in value or [] if isinstance(e, int)]
     tok_file = Path(tokenizer) if tokenizer else ckpt / "tokenizer.json"
     if tokenizer and not tok_file.is_file():
         raise FileNotFoundError(f"--tokenizer {tok_file}: no such file")

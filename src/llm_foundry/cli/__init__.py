@@ -22,7 +22,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("generate", "generate text from a checkpoint, training run or HF directory"),
     "eval": ("eval", "loss and perplexity per context length; lm-eval tasks (--tasks)"),
     "serve": ("serve", "an OpenAI-compatible HTTP server with continuous batching"),
-    "convert": ("convert", "convert checkpoints to and from HF transformers"),
+    "convert": ("convert", "convert checkpoints to and from HF transformers, and to GGUF"),
+    "quantize": ("quantize", "int8/int4 weight-only copy of a checkpoint for CPU decoding"),
     "inspect": (
         "inspect",
         "PNG plots: lr schedule, attention, RoPE, sinusoidal, ALiBi, training dynamics",

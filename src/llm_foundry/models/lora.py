@@ -22,26 +22,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from llm_foundry.models.quant import dequantize_int8, quantize_int8
+
 # our projection names (the last part of a module's name) a LoRA can target
 TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3", "lm_head")
 # how an adapted projection's frozen weight is held: fp32 (as trained), bf16, int8 + fp32 scales
 BASE_DTYPES = ("fp32", "bf16", "int8")
-
-
-def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric absmax int8, one scale per output channel: w (out, in) -> q int8 (out, in),
-    scale fp32 (out,), with w ≈ q · scale[:, None] and |w - q · scale| <= scale / 2 in each row
-    (an all-zero row gets scale 1 and q = 0)."""
-    w = w.detach().float()
-    absmax = w.abs().amax(dim=1)  # (out,)
-    scale = torch.where(absmax > 0, absmax / 127, torch.ones_like(absmax))
-    q = torch.round(w / scale[:, None]).clamp_(-127, 127)  # -128 unused: symmetric
-    return q.to(torch.int8), scale
-
-
-def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """q int8 (out, in), scale (out,) -> fp32 (out, in): q · scale[:, None]."""
-    return q.float() * scale[:, None]
 
 
 def widen(weight: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:

@@ -1,0 +1,41 @@
+"""``llm-foundry quantize``: a checkpoint with int8 or int4 weights for CPU decoding."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def main(argv: list[str]) -> int:
+    from llm_foundry.models.quant import GROUP_SIZES, SCHEMES
+
+    p = argparse.ArgumentParser(
+        prog="llm-foundry quantize",
+        description="Write a copy of a model with weight-only int8 (one scale per output channel) "
+        "or int4 (groups of --group-size inputs) projections; activations stay floating point. "
+        "generate, eval and serve read the result like any checkpoint.",
+    )
+    p.add_argument(
+        "--checkpoint", required=True, help="training run, llm-foundry checkpoint or HF directory"
+    )
+    p.add_argument("--to", required=True, choices=list(SCHEMES), help="weight format")
+    p.add_argument("--group-size", type=int, default=64, choices=GROUP_SIZES, help="int4 group")
+    p.add_argument("--out", required=True, help="directory to write")
+    p.add_argument("--json", action="store_true", help="print what was written as JSON")
+    ns = p.parse_args(argv)
+    from llm_foundry.quantize import quantize_checkpoint
+
+    done = quantize_checkpoint(ns.checkpoint, ns.out, ns.to, ns.group_size)
+    if ns.json:
+        print(json.dumps(done, indent=2))
+        return 0
+    b = done["weight_bytes_per_token"]
+    group = f" (groups of {done['group_size']})" if "group_size" in done else ""
+    print(
+        f"wrote {done['scheme']}{group} checkpoint to {done['to']}: {len(done['layers'])} "
+        f"projections quantized, weights read per token {b['before'] / 2**20:.1f} MiB -> "
+        f"{b['after'] / 2**20:.1f} MiB ({b['before'] / b['after']:.2f}x less)"
+    )
+    if done["kept_fp32"]:
+        print(f"kept in fp32 (shape the kernel does not take): {', '.join(done['kept_fp32'])}")
+    return 0

@@ -1,0 +1,327 @@
+"""Weight-only quantization of the model's projections for CPU decoding.
+
+Decoding one token reads every weight once, so on a CPU its speed is memory bandwidth over the
+bytes of the weights: fewer bytes per weight is the only way past the fp32 bound. Activations stay
+floating point; only the stored weights shrink.
+
+    int8   w ≈ q · scale[row]                     q int8 (out, in), one fp32 scale per output row
+    int4   w ≈ (q - 8) · scale[row, g] + zero[row, g]
+                                                  q in 0..15, two per byte, per group of ``group``
+                                                  inputs a bf16 scale and zero (the value at q = 8)
+
+Kernels (measured in benchmarks/bench_quant_kernels.py), by how many rows a call carries:
+- one row in a compiled step, int8: a fused multiply-and-sum over the int8 bytes, fp32 activations;
+- fewer than ``KERNEL_ROWS`` rows otherwise (eager decoding, a batch of sequences): PyTorch's
+  ``_weight_int8pack_mm`` / ``_weight_int4pack_mm_for_cpu``, whose fast paths take bf16
+  activations (so these rows are rounded to bf16 on the way in; ~2x / ~4x faster than fp32);
+- ``KERNEL_ROWS`` rows or more (a prompt, an evaluation window): the weight widened to fp32 once
+  and one fp32 matrix product, exact and as fast as the kernels when the widening is shared by
+  many rows. int4 and eager int8 thus round activations only while decoding.
+
+Files hold the portable layout above (safetensors: ``qweight``, ``scales``, ``zeros``); the int4
+kernel's own packed layout is built from it at load. Token embeddings stay fp32 (a lookup reads
+one row per token) and so do MoE experts; the output head is quantized (when tied, a quantized
+copy of the embedding matrix).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from llm_foundry.models.fast_decode import matvec
+
+GROUP_SIZES = (32, 64, 128)  # int4 groups the CPU kernel takes (it needs in % group == 0)
+INT4_ROWS = 16  # the int4 CPU kernel packs output rows in blocks of 16 (fewer are padded)
+KERNEL_ROWS = 16  # from this many rows on, widening the weight once costs less than bf16 rounding
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric absmax int8, one scale per output channel: w (out, in) -> q int8 (out, in),
+    scale fp32 (out,), with w ≈ q · scale[:, None] and |w - q · scale| <= scale / 2 in each row
+    (an all-zero row gets scale 1 and q = 0)."""
+    w = w.detach().float()
+    absmax = w.abs().amax(dim=1)  # (out,)
+    scale = torch.where(absmax > 0, absmax / 127, torch.ones_like(absmax))
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127)  # -128 unused: symmetric
+    return q.to(torch.int8), scale
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """q int8 (out, in), scale (out,) -> fp32 (out, in): q · scale[:, None]."""
+    return q.float() * scale[:, None]
+
+
+def quantize_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric int4 per group of ``group`` inputs: w (out, in) -> packed uint8 (out, in/2)
+    (input 2j in the low nibble, 2j+1 in the high), scales and zeros bf16 (out, in/group).
+    The grid spans each group's min..max; q is rounded against the bf16-rounded scale and zero
+    that are stored, so |w - dequantized| <= scale / 2 wherever the grid reaches."""
+    out, n_in = w.shape
+    g = w.detach().float().reshape(out, n_in // group, group)
+    lo, hi = g.amin(-1), g.amax(-1)  # (out, groups)
+    scale = ((hi - lo) / 15).clamp(min=1e-8).to(torch.bfloat16)
+    zero = (lo + 8 * scale.float()).to(torch.bfloat16)
+    q = torch.round((g - zero.float()[..., None]) / scale.float()[..., None] + 8).clamp_(0, 15)
+    q = q.to(torch.uint8).reshape(out, n_in)
+    return q[:, 0::2] | (q[:, 1::2] << 4), scale, zero
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 (out, in/2) -> the 4-bit codes as int32 (out, in), inputs in order."""
+    return torch.stack((packed & 15, packed >> 4), dim=-1).flatten(-2).to(torch.int32)
+
+
+def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """The fp32 weight (out, in) of ``quantize_int4``'s output: (q - 8) · scale + zero."""
+    q = unpack_int4(packed).float()
+    out, n_in = q.shape
+    groups = scale.shape[1]
+    q = q.reshape(out, groups, n_in // groups)
+    return ((q - 8) * scale.float()[..., None] + zero.float()[..., None]).reshape(out, n_in)
+
+
+class QuantLinear(nn.Module):
+    """A projection holding quantized weights; subclasses know one scheme each."""
+
+    scheme = ""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
+
+    def dequantized(self) -> torch.Tensor:
+        """The fp32 weight (out, in) this layer computes with."""
+        raise NotImplementedError
+
+    def flops_per_token(self) -> int:
+        return 6 * self.in_features * self.out_features
+
+    def weight_bytes(self) -> int:
+        """Bytes one forward reads for the weight (what bounds decoding)."""
+        return sum(b.numel() * b.element_size() for b in self.buffers() if b is not None)
+
+    def _add_bias(self, y: torch.Tensor) -> torch.Tensor:
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"{self.scheme}, in={self.in_features}, out={self.out_features}"
+
+
+class Int8Linear(QuantLinear):
+    scheme = "int8"
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__(in_features, out_features, bias)
+        self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=torch.int8))
+        self.register_buffer("scales", torch.ones(out_features))
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group: int | None = None) -> Int8Linear:
+        m = cls(linear.in_features, linear.out_features, linear.bias is not None)
+        m.qweight, m.scales = quantize_int8(linear.weight)
+        if linear.bias is not None:
+            m.bias.data.copy_(linear.bias.detach())
+        return m
+
+    def dequantized(self) -> torch.Tensor:
+        return dequantize_int8(self.qweight, self.scales)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[:-1].numel()
+        if x.device.type != "cpu" or rows >= KERNEL_ROWS:
+            return F.linear(x, self.dequantized().to(x.dtype), self.bias)
+        if torch.compiler.is_compiling() and rows == 1:
+            # compiled one-token step: one fused pass over the int8 bytes, fp32 activations
+            return self._add_bias(matvec(x, self.qweight) * self.scales)
+        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        y = torch._weight_int8pack_mm(flat, self.qweight, self.scales.to(torch.bfloat16))
+        return self._add_bias(y.to(x.dtype).reshape(*x.shape[:-1], self.out_features))
+
+
+class Int4Linear(QuantLinear):
+    scheme = "int4"
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, group: int = 64):
+        super().__init__(in_features, out_features, bias)
+        self.group = group
+        groups = in_features // group
+        self.register_buffer(
+            "qweight", torch.zeros(out_features, in_features // 2, dtype=torch.uint8)
+        )
+        self.register_buffer("scales", torch.ones(out_features, groups, dtype=torch.bfloat16))
+        self.register_buffer("zeros", torch.zeros(out_features, groups, dtype=torch.bfloat16))
+        self._packed: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group: int | None = 64) -> Int4Linear:
+        m = cls(linear.in_features, linear.out_features, linear.bias is not None, group)
+        m.qweight, m.scales, m.zeros = quantize_int4(linear.weight, group)
+        if linear.bias is not None:
+            m.bias.data.copy_(linear.bias.detach())
+        return m
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self._packed = None  # new codes: the kernel's layout is rebuilt at the next forward
+        return super()._load_from_state_dict(*args, **kwargs)
+
+    def dequantized(self) -> torch.Tensor:
+        return dequantize_int4(self.qweight, self.scales, self.zeros)
+
+    def kernel_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the CPU kernel's packed codes, scales-and-zeros (groups, out, 2) bf16), built once."""
+        if self._packed is None:
+            pad = -self.out_features % INT4_ROWS  # zero rows: code 8, scale and zero 0
+            codes = F.pad(unpack_int4(self.qweight), (0, 0, 0, pad), value=8)
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2)
+            sz = torch.stack((self.scales, self.zeros), dim=-1)  # (out, groups, 2)
+            sz = F.pad(sz, (0, 0, 0, 0, 0, pad)).transpose(0, 1).contiguous()
+            self._packed = (packed, sz)
+        return self._packed
+
+    def weight_bytes(self) -> int:
+        return self.qweight.numel() + 2 * self.scales.numel() * self.scales.element_size()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "cpu" or x.shape[:-1].numel() >= KERNEL_ROWS:
+            return F.linear(x, self.dequantized().to(x.dtype), self.bias)
+        packed, sz = self.kernel_weights()
+        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, packed, self.group, sz)
+        y = y[:, : self.out_features]  # rows padded to the kernel's block of 16
+        return self._add_bias(y.to(x.dtype).reshape(*x.shape[:-1], self.out_features))
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, group={self.group}"
+
+
+SCHEMES: dict[str, type[QuantLinear]] = {"int8": Int8Linear, "int4": Int4Linear}
+
+
+def fits(scheme: str, linear: nn.Module, group: int) -> bool:
+    """Whether ``scheme``'s kernel takes this projection's shape (int4: in % group == 0; int8
+    takes any)."""
+    return scheme != "int4" or linear.in_features % group == 0
+
+
+def _projections(model: nn.Module) -> dict[str, nn.Linear]:
+    """Every dense projection (nn.Linear) by module name. MoE expert banks are not Linear, and
+    routers stay fp32: a rounded router logit can send a token to another expert."""
+    return {
+        n: m
+        for n, m in model.named_modules()
+        if isinstance(m, nn.Linear) and n and not n.endswith("router")
+    }
+
+
+def check_settings(scheme: str, group: int | None) -> list[str]:
+    """Problems with a quantization request (empty when fine)."""
+    problems = []
+    if scheme not in SCHEMES:
+        problems.append(f"quantization scheme {scheme!r} is not one of {', '.join(SCHEMES)}")
+    if scheme == "int4" and group not in GROUP_SIZES:
+        problems.append(f"int4 group size {group!r} is not one of {GROUP_SIZES}")
+    return problems
+
+
+def quantize_model(model: nn.Module, scheme: str, group: int = 64) -> dict:
+    """Replace the projections of ``model`` (in place) by ``scheme``'s quantized layers; returns
+    the settings a checkpoint records: scheme, group (int4), the layers quantized and those kept
+    in fp32 because the kernel does not take their shape."""
+    problems = check_settings(scheme, group)
+    if problems:
+        raise ValueError("; ".join(problems))
+    if any(isinstance(m, QuantLinear) for m in model.modules()):
+        raise ValueError("the model is quantized already")
+    if any(type(m).__name__ == "LoRALinear" for m in model.modules()):
+        raise ValueError("the model has unmerged LoRA adapters: merge them before quantizing")
+    cls = SCHEMES[scheme]
+    done, kept = [], []
+    with torch.no_grad():
+        for name, linear in _projections(model).items():
+            if not fits(scheme, linear, group):
+                kept.append(name)
+                continue
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent), attr, cls.from_linear(linear, group))
+            done.append(name)
+    settings = {"scheme": scheme, "layers": done, "kept_fp32": kept}
+    if scheme == "int4":
+        settings["group_size"] = group
+    return settings
+
+
+def apply_quant_settings(model: nn.Module, settings: dict | None) -> nn.Module:
+    """Swap in empty quantized layers where ``settings`` (a checkpoint's ``quantization``) says,
+    so that its weights load into them."""
+    if not settings:
+        return model
+    cls, group = SCHEMES[settings["scheme"]], settings.get("group_size")
+    layers = _projections(model)
+    for name in settings["layers"]:
+        linear = layers[name]
+        kwargs = {"group": group} if group else {}
+        with torch.device(linear.weight.device):
+            q = cls(linear.in_features, linear.out_features, linear.bias is not None, **kwargs)
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent), attr, q)
+    return model
+
+
+def read_settings(meta: dict, file) -> dict | None:
+    """A checkpoint config's ``quantization`` entry, checked (None: a full-precision model)."""
+    q = meta.get("quantization")
+    if q is None:
+        return None
+    ok = isinstance(q, dict) and isinstance(q.get("layers"), list)
+    problems = check_settings(q.get("scheme"), q.get("group_size")) if ok else ["not an object"]
+    if not ok or problems:
+        raise ValueError(
+            f"{file}: 'quantization' is {q!r} ({'; '.join(problems) or 'no layers list'}); "
+            f"expected scheme one of {', '.join(SCHEMES)}, group_size (int4) and layers"
+        )
+    return q
+
+
+def dequantize_model(model: nn.Module) -> nn.Module:
+    """Replace quantized layers by fp32 ``Linear`` layers holding the weights they compute with
+    (the reference a quantized model is checked against)."""
+    from llm_foundry.models.fast_decode import Linear
+
+    for name, q in [(n, m) for n, m in model.named_modules() if isinstance(m, QuantLinear)]:
+        lin = Linear(q.in_features, q.out_features, bias=q.bias is not None)
+        with torch.no_grad():
+            lin.weight.copy_(q.dequantized())
+            if q.bias is not None:
+                lin.bias.copy_(q.bias)
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent), attr, lin)
+    return model
+
+
+def quant_settings(model: nn.Module) -> dict | None:
+    """What a checkpoint records of a quantized model (None: no quantized layer)."""
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    if not layers:
+        return None
+    first = next(iter(layers.values()))
+    settings = {"scheme": first.scheme, "layers": list(layers)}
+    if isinstance(first, Int4Linear):
+        settings["group_size"] = first.group
+    return settings
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes a one-token forward reads for weights: every parameter and quantized buffer except
+    the embedding tables (a lookup reads one row)."""
+    total = 0
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            total += m.weight_bytes()
+            continue
+        if isinstance(m, nn.Embedding):
+            continue
+        total += sum(p.numel() * p.element_size() for p in m.parameters(recurse=False))
+    return total

@@ -1,0 +1,48 @@
+"""Quantized copies of checkpoints: any model ``rundir.load`` reads (a training run, one of our
+checkpoints, an HF directory) written as our checkpoint format with int8 or int4 projections
+(``models/quant.py``), its tokenizer and chat template alongside."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from llm_foundry.checkpoint import CONFIG_FILE, WEIGHTS_FILE, save_checkpoint
+from llm_foundry.models.quant import quantize_model, weight_bytes
+
+# files that travel with the weights: the tokenizer, its specials and the chat template
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+def quantize_checkpoint(
+    src: str | Path, out: str | Path, scheme: str, group_size: int = 64
+) -> dict:
+    """Write ``src`` quantized to ``scheme`` (int8 | int4 in groups of ``group_size``) into the
+    directory ``out``. Returns what was done: the settings recorded in config.json, and the
+    bytes a decoded token reads for weights and the weight file's bytes, before and after."""
+    from llm_foundry.rundir import load
+
+    model, _, info = load(src)
+    if info.config.get("quantization"):
+        raise ValueError(f"{info.checkpoint} is quantized already; quantize the full model")
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file; give a directory")
+    before = weight_bytes(model)
+    settings = quantize_model(model, scheme, group_size)
+    save_checkpoint(model, out)
+    for name in TOKENIZER_FILES:
+        if (info.checkpoint / name).is_file():
+            shutil.copyfile(info.checkpoint / name, out / name)
+    if info.eos_ids:  # an HF model's end-of-sequence ids live in its config.json: keep them
+        meta = json.loads((out / CONFIG_FILE).read_text())
+        meta["eos_token_id"] = sorted(info.eos_ids)
+        (out / CONFIG_FILE).write_text(json.dumps(meta, indent=2))
+    return {
+        "from": str(src),
+        "to": str(out),
+        **settings,
+        "weight_bytes_per_token": {"before": before, "after": weight_bytes(model)},
+        "file_bytes": (out / WEIGHTS_FILE).stat().st_size,
+    }
