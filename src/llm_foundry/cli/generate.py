@@ -8,6 +8,8 @@ import json
 import sys
 from pathlib import Path
 
+from llm_foundry.cli.options import add_quantize_flags
+
 
 def _parse_ids(text: str, vocab_size: int) -> list[int]:
     try:
@@ -234,6 +236,7 @@ def _main(argv: list[str]) -> int:
     )
     p.add_argument("--json", action="store_true", help="print a JSON line per prompt")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    add_quantize_flags(p)
     ns = p.parse_args(argv)
 
     if ns.prompt is not None and ns.prompt_ids is not None:
@@ -259,7 +262,7 @@ def _main(argv: list[str]) -> int:
 
     from llm_foundry.rundir import load
 
-    model, tok, info = load(ns.checkpoint, device)
+    model, tok, info = load(ns.checkpoint, device, quantize=ns.quantize, group_size=ns.group_size)
     eos_ids = set(info.eos_ids)
     if ns.ignore_eos:
         eos_ids = set()

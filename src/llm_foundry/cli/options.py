@@ -143,3 +143,12 @@ def flag_hint(message: str) -> str:
         return ""
     close = difflib.get_close_matches(m.group(2), field_names(m.group(1)), n=1)
     return f" (did you mean --{m.group(1)}.{close[0]}?)" if close and close[0] != m.group(2) else ""
+
+
+def add_quantize_flags(p) -> None:
+    """``--quantize int8|int4`` and ``--group-size``: quantize the loaded model's projections in
+    memory (``llm-foundry quantize`` writes such a copy once)."""
+    p.add_argument("--quantize", choices=["int8", "int4"], default=None,
+                   help="weight-only quantization of the projections at load (CPU decoding)")  # fmt: skip
+    p.add_argument("--group-size", type=int, choices=[32, 64, 128], default=64,
+                   help="--quantize int4: inputs per scale")  # fmt: skip

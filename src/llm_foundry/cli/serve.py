@@ -7,6 +7,8 @@ import argparse
 import threading
 import time
 
+from llm_foundry.cli.options import add_quantize_flags
+
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(
@@ -26,6 +28,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--compile", action="store_true", help="compile the one-row decode step (its fused "
                    "matvec streams weights faster; ~20 s at start)")  # fmt: skip
+    add_quantize_flags(p)
     ns = p.parse_args(argv)
     if not 0 < ns.port < 65536:
         raise ValueError(f"--port {ns.port} must be in 1..65535")
@@ -39,7 +42,7 @@ def main(argv: list[str]) -> int:
             f"serve needs FastAPI and uvicorn: pip install 'llm-foundry[serve]' ({e})"
         ) from None
     served = load_served(ns.checkpoint, ns.slots, ns.max_queue, ns.model_name, ns.device,
-                         ns.compile)  # fmt: skip
+                         ns.compile, ns.quantize, ns.group_size)  # fmt: skip
     if ns.compile:
         print("compiling the decode step ...", flush=True)
         served.engine.warm_up()

@@ -34,6 +34,7 @@ from llm_foundry.models.fast_decode import matvec
 
 GROUP_SIZES = (32, 64, 128)  # int4 groups the CPU kernel takes (it needs in % group == 0)
 INT4_ROWS = 16  # the int4 CPU kernel packs output rows in blocks of 16 (fewer are padded)
+INT8_COLS = 16  # _weight_int8pack_mm misreads inputs beyond the last multiple of 16 (torch 2.13)
 KERNEL_ROWS = 16  # from this many rows on, widening the weight once costs less than bf16 rounding
 
 
@@ -117,6 +118,7 @@ class Int8Linear(QuantLinear):
         super().__init__(in_features, out_features, bias)
         self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=torch.int8))
         self.register_buffer("scales", torch.ones(out_features))
+        self._padded: torch.Tensor | None = None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group: int | None = None) -> Int8Linear:
@@ -129,6 +131,19 @@ class Int8Linear(QuantLinear):
     def dequantized(self) -> torch.Tensor:
         return dequantize_int8(self.qweight, self.scales)
 
+    def _load_from_state_dict(self, *args, **kwargs):
+        self._padded = None
+        return super()._load_from_state_dict(*args, **kwargs)
+
+    def kernel_weight(self) -> torch.Tensor:
+        """``qweight`` with zero columns up to a multiple of 16 (itself when it is one)."""
+        pad = -self.in_features % INT8_COLS
+        if not pad:
+            return self.qweight
+        if self._padded is None:
+            self._padded = F.pad(self.qweight, (0, pad))
+        return self._padded
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[:-1].numel()
         if x.device.type != "cpu" or rows >= KERNEL_ROWS:
@@ -136,8 +151,9 @@ class Int8Linear(QuantLinear):
         if torch.compiler.is_compiling() and rows == 1:
             # compiled one-token step: one fused pass over the int8 bytes, fp32 activations
             return self._add_bias(matvec(x, self.qweight) * self.scales)
-        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
-        y = torch._weight_int8pack_mm(flat, self.qweight, self.scales.to(torch.bfloat16))
+        pad = -self.in_features % INT8_COLS  # zero columns: the kernel then reads only ours
+        flat = F.pad(x.reshape(-1, self.in_features).to(torch.bfloat16), (0, pad))
+        y = torch._weight_int8pack_mm(flat, self.kernel_weight(), self.scales.to(torch.bfloat16))
         return self._add_bias(y.to(x.dtype).reshape(*x.shape[:-1], self.out_features))
 
 

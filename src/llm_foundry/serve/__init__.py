@@ -7,7 +7,8 @@ from pathlib import Path
 
 
 def load_served(checkpoint: str | Path, slots: int = 8, max_queue: int = 64,
-                name: str | None = None, device: str = "cpu", compile: bool = False):  # fmt: skip
+                name: str | None = None, device: str = "cpu", compile: bool = False,
+                quantize: str | None = None, group_size: int = 64):  # fmt: skip
     """The model of ``checkpoint`` behind an engine, with its tokenizer and chat template, as
     ``app.Served`` (the engine not yet started)."""
     from llm_foundry.chat import BUILTIN_TEMPLATE, end_of_turn, load_chat_template
@@ -15,7 +16,7 @@ def load_served(checkpoint: str | Path, slots: int = 8, max_queue: int = 64,
     from llm_foundry.serve.app import Served
     from llm_foundry.serve.engine import Engine
 
-    model, tok, info = load(checkpoint, device)
+    model, tok, info = load(checkpoint, device, quantize=quantize, group_size=group_size)
     if tok is None:
         raise FileNotFoundError(f"{info.checkpoint} has no tokenizer.json: the server needs one")
     hf = getattr(tok, "kind", "") == "hf"

@@ -233,6 +233,12 @@ class Trainer:
         """Start from the weights in ``path``: one of our checkpoints (adapters merged) or an HF
         transformers directory; the model must be the one they were saved from."""
         meta = json.loads((path / "config.json").read_text())
+        if meta.get("quantization"):
+            raise ValueError(
+                f"train.init_from {path} holds {meta['quantization'].get('scheme')} weights, "
+                "which cannot be trained: start from the full-precision checkpoint (a LoRA "
+                "fine-tune can hold that base in int8: train.lora_base_dtype int8)"
+            )
         if meta.get("format") == "llm-foundry":
             source = load_checkpoint(path)
         else:
