@@ -1,4 +1,5 @@
-"""``llm-foundry convert``: HF transformers checkpoint directories to and from ours."""
+"""``llm-foundry convert``: HF transformers checkpoint directories to and from ours, and any
+checkpoint to one GGUF file that llama.cpp runs."""
 
 from __future__ import annotations
 
@@ -13,24 +14,46 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(
         prog="llm-foundry convert",
         description="Convert between HF transformers checkpoint directories (Llama, Mistral, "
-        "Qwen3, GPT-2, Mixtral, Qwen3-MoE families) and llm-foundry checkpoints.",
+        "Qwen3, GPT-2, Mixtral, Qwen3-MoE families) and llm-foundry checkpoints, or write a "
+        "checkpoint as a GGUF file for llama.cpp (Llama, Mistral, Qwen3, GPT-2 families).",
     )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--from-hf", metavar="DIR", help="HF directory (config.json + safetensors)")
     src.add_argument(
         "--to-hf", metavar="DIR", help="llm-foundry checkpoint or run directory (its latest)"
     )
-    p.add_argument("--out", required=True, help="directory to write")
+    src.add_argument(
+        "--to-gguf",
+        metavar="SRC",
+        help="run directory, llm-foundry checkpoint or HF directory to write as one GGUF file",
+    )
+    p.add_argument("--out", required=True, help="directory to write (--to-gguf: the .gguf file)")
     p.add_argument(
         "--family",
         choices=list(FAMILIES),
         default=None,
         help="HF architecture for --to-hf (default: inferred from the config)",
     )
+    p.add_argument(
+        "--outtype",
+        default="f32",
+        metavar="TYPE",
+        help="--to-gguf: type of the 2-D weights: f32 (default), f16, bf16, q8_0, q4_0 "
+        "(norms and biases stay f32)",
+    )
     p.add_argument("--json", action="store_true", help="print what was written as JSON")
     ns = p.parse_args(argv)
     from llm_foundry.rundir import checkpoint_dir, checkpoint_kind
 
+    if ns.to_gguf:
+        from llm_foundry.interop.gguf import convert_to_gguf
+
+        out = convert_to_gguf(ns.to_gguf, ns.out, ns.outtype)
+        what = {"from": ns.to_gguf, "to": str(out), "format": "gguf", "outtype": ns.outtype}
+        what["bytes"] = out.stat().st_size
+        text = f"wrote gguf {ns.outtype} file to {out} ({what['bytes'] / 2**20:.1f} MiB)"
+        print(json.dumps(what, indent=2) if ns.json else text)
+        return 0
     if ns.from_hf:
         out = convert_from_hf(ns.from_hf, ns.out)
         what = {"from": ns.from_hf, "to": str(out), "format": "llm-foundry"}
