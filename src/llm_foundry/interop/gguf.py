@@ -1,6 +1,7 @@
 """Export models to GGUF, llama.cpp's one-file format, so that llama.cpp computes what we compute.
 
-    export_gguf(model, tokenizer, out_path, outtype="f32", chat_template=None, name=None) -> Path
+    export_gguf(model, tokenizer, out_path, outtype="f32", chat_template=None, name=None,
+                token_ids=None) -> Path
     convert_to_gguf(src, out_path, outtype="f32") -> Path     (llm-foundry convert --to-gguf)
 
 The HF family ``interop.hf.choose_family`` finds for a config decides llama.cpp's architecture:
@@ -13,9 +14,14 @@ The HF family ``interop.hf.choose_family`` finds for a config decides llama.cpp'
 Every other family or setting is refused with an error naming the field, its value and what is
 supported. Tokenizers: our character tokenizer becomes a SentencePiece-style ("llama") vocabulary,
 our byte-level BPE and HF ByteLevel BPE ``tokenizer.json`` files a "gpt2" one with llama.cpp's
-"gpt-2" pre-tokenizer (the same regex). Outtypes f32, f16, bf16, q8_0, q4_0 apply to 2-D tensors;
-1-D ones (norms, biases) stay f32, and a q8_0/q4_0 tensor whose rows are not whole 32-value
-blocks falls back to f16 (logged).
+"gpt-2" pre-tokenizer (the same regex); other HF tokenizers are refused. Outtypes f32, f16, bf16,
+q8_0, q4_0 apply to 2-D tensors; 1-D ones (norms, biases) stay f32, and a q8_0/q4_0 tensor whose
+rows are not whole 32-value blocks falls back to f16 (logged).
+
+Known differences, both llama.cpp's: a vocabulary always has a BOS and an EOS id there, so one
+without (the character tokenizer) names its last token, after which llama.cpp stops generating;
+for "gpt-2" vocabularies its whole-text detokenize drops the space before , . ! ? 's (token
+pieces, as streamed, are exact).
 """
 
 from __future__ import annotations
@@ -609,9 +615,11 @@ def convert_to_gguf(src: str | Path, out_path: str | Path, outtype: str = "f32")
     ckpt = checkpoint_dir(src, "--to-gguf")
     kind, meta = checkpoint_kind(ckpt)
     if "quantization" in meta:
+        q = meta["quantization"]
+        scheme = q.get("scheme") if isinstance(q, dict) else q
         raise GGUFError(
-            f"{ckpt} holds a quantized model (config.json quantization="
-            f"{meta['quantization']!r}); export from the full-precision checkpoint"
+            f"{ckpt} holds a quantized model (config.json quantization scheme {scheme!r}); "
+            "export from the full-precision checkpoint"
         )
     model, tok, info = load(ckpt)
     hf_tokenizer = getattr(tok, "kind", "") == "hf"
