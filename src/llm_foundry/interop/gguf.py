@@ -6,17 +6,20 @@
 
 The HF family ``interop.hf.choose_family`` finds for a config decides llama.cpp's architecture:
 
-    llama    -> "llama"  q/k rows re-ordered per head: llama.cpp's llama rotates adjacent pairs
-    mistral  -> "llama"  only without a window shorter than max_seq_len (llama.cpp's has none)
-    qwen3    -> "qwen3"  QK-norm; llama.cpp runs NeoX RoPE for it (rotate-half, as ours)
-    gpt2     -> "gpt2"   q/k/v fused into attn_qkv; llama.cpp's GELU is the tanh one
+    llama     -> "llama"     q/k rows re-ordered per head: llama.cpp's llama rotates adjacent pairs
+    mistral   -> "llama"     only without a window shorter than max_seq_len (llama.cpp's has none)
+    qwen3     -> "qwen3"     QK-norm; llama.cpp runs NeoX RoPE for it (rotate-half, as ours)
+    gpt2      -> "gpt2"      q/k/v fused into attn_qkv; llama.cpp's GELU is the tanh one
+    mixtral   -> "llama"     experts stacked in ffn_*_exps, router in ffn_gate_inp
+    qwen3_moe -> "qwen3moe"  only with the top k renormalised (llama.cpp always does)
 
 Every other family or setting is refused with an error naming the field, its value and what is
 supported. Tokenizers: our character tokenizer becomes a SentencePiece-style ("llama") vocabulary,
 our byte-level BPE and HF ByteLevel BPE ``tokenizer.json`` files a "gpt2" one with llama.cpp's
 "gpt-2" pre-tokenizer (the same regex); other HF tokenizers are refused. Outtypes f32, f16, bf16,
-q8_0, q4_0 apply to 2-D tensors; 1-D ones (norms, biases) stay f32, and a q8_0/q4_0 tensor whose
-rows are not whole 32-value blocks falls back to f16 (logged).
+q8_0, q4_0 apply to 2-D and 3-D tensors; 1-D ones (norms, biases), routers and GPT-2's position
+table stay f32 (as llama.cpp's converter keeps them), and a q8_0/q4_0 tensor whose rows are not
+whole 32-value blocks falls back to f16 (logged).
 
 Known differences, both llama.cpp's: a vocabulary always has a BOS and an EOS id there, so one
 without (the character tokenizer) names its last token, after which llama.cpp stops generating;
@@ -64,6 +67,9 @@ OUTTYPES: dict[str, tuple[Any, Any]] = {
     "q4_0": (Q.Q4_0, gguf.LlamaFileType.MOSTLY_Q4_0),
 }
 QUANTIZED = {Q.Q8_0, Q.Q4_0}  # block formats: rows must be whole blocks
+# 2-D tensors kept in f32 at any outtype, as llama.cpp's converter keeps them: small, and a
+# router's rounding would change which experts run
+ALWAYS_F32 = ("ffn_gate_inp", "position_embd")
 
 
 def _outtype(outtype: str) -> tuple[Any, Any]:
@@ -72,10 +78,11 @@ def _outtype(outtype: str) -> tuple[Any, Any]:
     return OUTTYPES[outtype]
 
 
-def encode_tensor(data: np.ndarray, qtype: Any) -> tuple[np.ndarray, Any]:
-    """(the bytes or values GGUF stores, their type) of float32 ``data``: 1-D tensors in f32,
-    others in ``qtype``, or f16 where a row (the last axis) is not a whole number of blocks."""
-    if data.ndim == 1:
+def encode_tensor(name: str, data: np.ndarray, qtype: Any) -> tuple[np.ndarray, Any]:
+    """(the bytes or values GGUF stores, their type) of float32 tensor ``name``: 1-D tensors and
+    ALWAYS_F32 in f32, others in ``qtype``, or f16 where a row (the last axis) is not a whole
+    number of blocks."""
+    if data.ndim == 1 or any(k in name for k in ALWAYS_F32):
         return data, Q.F32
     if qtype in QUANTIZED and data.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0]:
         qtype = Q.F16
@@ -139,7 +146,11 @@ def _write_hparams(w: Any, cfg: ModelConfig) -> None:
     w.add_context_length(cfg.max_seq_len)
     w.add_embedding_length(cfg.dim)
     w.add_block_count(cfg.n_layers)
-    w.add_feed_forward_length(cfg.ffn_dim)
+    w.add_feed_forward_length(cfg.expert_ffn_dim if cfg.n_experts else cfg.ffn_dim)
+    if cfg.n_experts:  # llama.cpp's MoE graphs always renormalise the top k (checked: Arch.needs)
+        w.add_expert_count(cfg.n_experts)
+        w.add_expert_used_count(cfg.experts_per_token)
+        w.add_expert_feed_forward_length(cfg.expert_ffn_dim)
     w.add_head_count(cfg.n_heads)
     w.add_head_count_kv(cfg.kv_heads)
     w.add_vocab_size(cfg.vocab_size)
@@ -175,6 +186,22 @@ QWEN3_TENSORS: dict[str, tuple[str, ...]] = {
     "blk.{i}.attn_q_norm.weight": ("layers.{i}.attn.q_norm.weight",),
     "blk.{i}.attn_k_norm.weight": ("layers.{i}.attn.k_norm.weight",),
 }
+# experts stacked (E, out, in) as ours are: ggml's {in, out, E}
+EXPERT_TENSORS: dict[str, tuple[str, ...]] = {
+    "blk.{i}.ffn_gate_inp.weight": ("layers.{i}.mlp.router.weight",),
+    "blk.{i}.ffn_gate_exps.weight": ("layers.{i}.mlp.w1",),
+    "blk.{i}.ffn_up_exps.weight": ("layers.{i}.mlp.w3",),
+    "blk.{i}.ffn_down_exps.weight": ("layers.{i}.mlp.w2",),
+}
+DENSE_MLP = ("ffn_gate", "ffn_up", "ffn_down")
+MIXTRAL_TENSORS = {
+    **{k: v for k, v in LLAMA_TENSORS.items() if k.split(".")[-2] not in DENSE_MLP},
+    **EXPERT_TENSORS,
+}
+QWEN3_MOE_TENSORS = {
+    **{k: v for k, v in QWEN3_TENSORS.items() if k.split(".")[-2] not in DENSE_MLP},
+    **EXPERT_TENSORS,
+}
 GPT2_TENSORS: dict[str, tuple[str, ...]] = {
     "token_embd.weight": ("tok_emb.weight",),
     "position_embd.weight": ("pos.emb.weight",),
@@ -197,6 +224,16 @@ NO_WINDOW: Need = (
     lambda c: c.sliding_window is None or c.sliding_window >= c.max_seq_len,
     "None or >= max_seq_len (llama.cpp's llama and qwen3 archs attend to every position)",
 )
+NO_O_BIAS: Need = (
+    "attn_bias",
+    lambda c: not c.attn_bias,
+    "False (llama.cpp's qwen3 has no o bias)",
+)
+RENORMALIZED: Need = (
+    "moe_renormalize",
+    lambda c: c.moe_renormalize,
+    "True (llama.cpp's MoE graphs renormalise the top-k router weights)",
+)
 
 
 @dataclass(frozen=True)
@@ -213,15 +250,9 @@ class Arch:
 ARCHS: dict[str, Arch] = {
     "llama": Arch("llama", LLAMA_TENSORS, [SWIGLU], interleave_qk=True),
     "mistral": Arch("llama", LLAMA_TENSORS, [SWIGLU, NO_WINDOW], interleave_qk=True),
-    "qwen3": Arch(
-        "qwen3",
-        QWEN3_TENSORS,
-        [
-            SWIGLU,
-            NO_WINDOW,
-            ("attn_bias", lambda c: not c.attn_bias, "False (llama.cpp's qwen3 has no o bias)"),
-        ],
-    ),
+    "qwen3": Arch("qwen3", QWEN3_TENSORS, [SWIGLU, NO_WINDOW, NO_O_BIAS]),
+    "mixtral": Arch("llama", MIXTRAL_TENSORS, [NO_WINDOW], interleave_qk=True),
+    "qwen3_moe": Arch("qwen3moe", QWEN3_MOE_TENSORS, [NO_WINDOW, NO_O_BIAS, RENORMALIZED]),
     "gpt2": Arch(
         "gpt2",
         GPT2_TENSORS,
@@ -232,11 +263,7 @@ ARCHS: dict[str, Arch] = {
     ),
 }
 # families interop.hf can write that no GGUF arch here takes: the fields that make them so
-NOT_YET: dict[str, tuple[str, ...]] = {
-    "mixtral": ("n_experts",),
-    "qwen3_moe": ("n_experts",),
-    "falcon": ("norm", "parallel_block"),
-}
+NOT_YET: dict[str, tuple[str, ...]] = {"falcon": ("norm", "parallel_block")}
 
 
 def choose_arch(cfg: ModelConfig) -> Arch:
@@ -567,9 +594,9 @@ def export_gguf(
     vocab = build_vocab(tokenizer, cfg.vocab_size, token_ids)
     tensors, fell_back = [], []
     for key, data in gguf_tensors(model.state_dict(), cfg, arch):
-        stored, used = encode_tensor(data, qtype)
+        stored, used = encode_tensor(key, data, qtype)
         tensors.append((key, stored, used))
-        if used != qtype and data.ndim > 1:
+        if used == Q.F16 != qtype:
             fell_back.append(key)
     if fell_back:
         block = gguf.GGML_QUANT_SIZES[qtype][0]
