@@ -158,8 +158,26 @@ CASES = {
         attn_bias=True,
         mlp_bias=True,
     ),
+    "mixtral_top2_of_4": dict(GQA, hidden_dim=None, n_experts=4, experts_per_token=2),
+    "qwen3moe_top2_of_4_tied": dict(
+        GQA,
+        hidden_dim=None,
+        qk_norm=True,
+        n_experts=4,
+        experts_per_token=2,
+        expert_hidden_dim=64,
+        tie_embeddings=True,
+    ),
 }
-ARCH = {"llama": "llama", "mistral": "llama", "qwen3": "qwen3", "gpt2": "gpt2"}
+# the case's name starts with its family -> llama.cpp's architecture
+ARCH = {
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen3": "qwen3",
+    "gpt2": "gpt2",
+    "mixtral": "llama",
+    "qwen3moe": "qwen3moe",
+}
 # llama.cpp's GELU reads a table at fp16-rounded inputs: GPT-2 weights of std 0.05 keep that
 # rounding (3e-4) well inside TOL_F32, while q and k swapped in attn_qkv still move logits by 0.2
 STD = {"gpt2": 0.05}
@@ -175,7 +193,12 @@ def test_f32_logits_equal_ours(name, llama_cpp, char_tok, tmp_path):
     path = export_gguf(model, char_tok, tmp_path / f"{name}.gguf")
     assert _reader_fields(path)["general.architecture"] == ARCH[family]
     ids = char_tok.encode(PARAGRAPH[:60])
-    diff = _max_diff(_llama_logits(llama_cpp, path, ids), _ours(model, ids))
+    ours = _ours(model, ids)
+    for moe in model.moe_layers():  # no expert choice within rounding of the next one
+        k = cfg.experts_per_token
+        top = moe.router_logits.topk(k + 1, dim=-1).values
+        assert (top[:, k - 1] - top[:, k]).min() > 1e-4, "a routing choice hinges on rounding"
+    diff = _max_diff(_llama_logits(llama_cpp, path, ids), ours)
     print(f"\n{name}: llama.cpp f32 max|diff| = {diff:.2e}")
     assert diff <= TOL_F32
 
@@ -239,6 +262,25 @@ def test_metadata_and_tensor_types(char_tok, tmp_path):
     assert types["blk.1.attn_q.weight"] == gguf.GGMLQuantizationType.Q8_0
     assert types["blk.1.ffn_down.weight"] == gguf.GGMLQuantizationType.Q8_0  # rows of 96
     assert "output.weight" in types  # untied: llama.cpp reads it; tied models omit it
+
+
+def test_experts_routers_and_positions(char_tok, tmp_path):
+    """Stacked experts take the outtype; routers and GPT-2's position table stay f32, as
+    llama.cpp's own converter keeps them."""
+    cfg = ModelConfig(vocab_size=char_tok.vocab_size, **CASES["mixtral_top2_of_4"])
+    path = export_gguf(_random_model(cfg), char_tok, tmp_path / "moe.gguf", "q4_0")
+    f = _reader_fields(path)
+    assert (f["llama.expert_count"], f["llama.expert_used_count"]) == (4, 2)
+    assert f["llama.feed_forward_length"] == cfg.expert_ffn_dim
+    types = {t.name: t.tensor_type for t in gguf.GGUFReader(str(path)).tensors}
+    assert types["blk.0.ffn_gate_inp.weight"] == gguf.GGMLQuantizationType.F32
+    assert types["blk.0.ffn_gate_exps.weight"] == gguf.GGMLQuantizationType.Q4_0
+    assert types["blk.0.ffn_down_exps.weight"] == gguf.GGMLQuantizationType.F16  # rows of 341
+    cfg = ModelConfig(vocab_size=char_tok.vocab_size, **CASES["gpt2"])
+    path = export_gguf(_random_model(cfg), char_tok, tmp_path / "gpt2.gguf", "q8_0")
+    types = {t.name: t.tensor_type for t in gguf.GGUFReader(str(path)).tensors}
+    assert types["position_embd.weight"] == gguf.GGMLQuantizationType.F32
+    assert types["blk.0.attn_qkv.weight"] == gguf.GGMLQuantizationType.Q8_0
 
 
 def test_rows_that_are_not_whole_blocks_fall_back_to_f16(llama_cpp, char_tok, tmp_path, caplog):
@@ -567,7 +609,10 @@ BASE = dict(vocab_size=40, dim=64, n_layers=1, n_heads=4, max_seq_len=64)
         (dict(mlp="geglu"), ["mlp='geglu'", "'swiglu'"]),
         (dict(sliding_window=16), ["sliding_window=16", ">= max_seq_len"]),
         (dict(qk_norm=True, attn_bias=True), ["attn_bias=True", "qwen3"]),
-        (dict(n_experts=4), ["mixtral", "n_experts=4", "supported: llama, mistral"]),
+        (
+            dict(qk_norm=True, n_experts=4, moe_renormalize=False),
+            ["moe_renormalize=False", "renormalise"],
+        ),
         (dict(pos_encoding="alibi"), ["pos_encoding='alibi'", "'rope', 'learned'"]),
         (dict(norm="layernorm", mlp="gelu", parallel_block=True), ["falcon", "norm='layernorm'"]),
         (dict(norm_position="post"), ["norm_position='post'"]),
