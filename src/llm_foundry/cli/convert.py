@@ -15,7 +15,7 @@ def main(argv: list[str]) -> int:
         prog="llm-foundry convert",
         description="Convert between HF transformers checkpoint directories (Llama, Mistral, "
         "Qwen3, GPT-2, Mixtral, Qwen3-MoE families) and llm-foundry checkpoints, or write a "
-        "checkpoint as a GGUF file for llama.cpp (Llama, Mistral, Qwen3, GPT-2, Mixtral, Qwen3-MoE).",
+        "checkpoint of those families as one GGUF file for llama.cpp (--to-gguf).",
     )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--from-hf", metavar="DIR", help="HF directory (config.json + safetensors)")
