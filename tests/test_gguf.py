@@ -544,15 +544,23 @@ def _run_dir(root, model, tok):
 
 
 def test_chat_templates(llama_cpp, tmp_path):
-    """Our tokenizers get the built-in template our chat commands use; an HF directory its own
-    (tokenizer_config.json), with the special ids of its config.json."""
-    from llm_foundry.chat import BUILTIN_TEMPLATE
+    """Our tokenizers get the built-in template our chat commands use (llama-cpp-python's chat
+    formatter renders it as we do); an HF directory its own (tokenizer_config.json), with the
+    special ids of its config.json."""
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+    from llm_foundry.chat import BUILTIN_TEMPLATE, render_chat
     from llm_foundry.interop.hf import to_hf
 
     tok = BPETokenizer.train(TEXT, 400)
     model = _tiny_model(tok.vocab_size)
     path = convert_to_gguf(_run_dir(tmp_path / "run", model, tok), tmp_path / "ours.gguf")
-    assert _reader_fields(path)["tokenizer.chat_template"] == BUILTIN_TEMPLATE
+    stored = _reader_fields(path)["tokenizer.chat_template"]
+    assert stored == BUILTIN_TEMPLATE
+    chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    chat.append({"role": "user", "content": "Who art thou?"})
+    theirs = Jinja2ChatFormatter(stored, eos_token="<eos>", bos_token="<bos>")(messages=chat)
+    assert theirs.prompt == render_chat(BUILTIN_TEMPLATE, chat, add_generation_prompt=True)
 
     hf_tok = _hf_byte_level()
     template = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}"
