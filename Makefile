@@ -5,6 +5,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+LLAMA_STAMP := $(VENV)/.llama-cpp
 
 .PHONY: setup demo test test-fast test-slow lint format clean
 
@@ -15,19 +16,24 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e ".[dev]"
 	touch $(STAMP)
 
+# the tests also run GGUF exports in llama.cpp: its binding is built once per CPU (cached)
+$(LLAMA_STAMP): $(STAMP)
+	scripts/install_llama_cpp.sh $(BIN)/python
+	touch $(LLAMA_STAMP)
+
 setup: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/llm-foundry train
 
-test: $(STAMP)
+test: $(STAMP) $(LLAMA_STAMP)
 	$(BIN)/python -m pytest -q
 
 # the quick loop while developing (under a minute): everything but the `heavy` tests
-test-fast: $(STAMP)
+test-fast: $(STAMP) $(LLAMA_STAMP)
 	$(BIN)/python -m pytest -q -m "not slow and not heavy"
 
-test-slow: $(STAMP)
+test-slow: $(STAMP) $(LLAMA_STAMP)
 	$(BIN)/python -m pytest -q -m slow
 
 lint: $(STAMP)
