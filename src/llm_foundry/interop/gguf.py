@@ -57,7 +57,7 @@ class GGUFError(ValueError):
 
 
 # ----------------------------------------------------------------------------------------------
-# Outtypes: name -> (tensor type of 2-D weights, general.file_type)
+# Outtypes: name -> (tensor type of matrices and stacked experts, general.file_type)
 
 OUTTYPES: dict[str, tuple[Any, Any]] = {
     "f32": (Q.F32, gguf.LlamaFileType.ALL_F32),
