@@ -27,8 +27,9 @@ from llm_foundry.models.transformer import Transformer  # noqa: E402
 from llm_foundry.tokenizer import BPETokenizer, CharTokenizer  # noqa: E402
 
 LLAMA_CPP = (
-    "llama.cpp checks need llama-cpp-python: pip install llama-cpp-python (builds llama.cpp "
-    "from its sdist; or pip install --no-deps a wheel built from it, plus diskcache and jinja2)"
+    "llama.cpp checks need llama-cpp-python: scripts/install_llama_cpp.sh .venv/bin/python "
+    "(builds it from its sdist once per CPU, ~4 min; `make test` runs it), or pip install "
+    "llama-cpp-python"
 )
 F32 = 0  # GGML_TYPE_F32: llama.cpp's KV cache in f32, so only the weights' type differs
 PARAGRAPH = (
