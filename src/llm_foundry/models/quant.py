@@ -157,6 +157,10 @@ class Int8Linear(QuantLinear):
         return self._add_bias(y.to(x.dtype).reshape(*x.shape[:-1], self.out_features))
 
 
+def _pack_after_load(module: Int4Linear, incompatible_keys) -> None:
+    module.kernel_weights()
+
+
 class Int4Linear(QuantLinear):
     scheme = "int4"
 
@@ -170,6 +174,8 @@ class Int4Linear(QuantLinear):
         self.register_buffer("scales", torch.ones(out_features, groups, dtype=torch.bfloat16))
         self.register_buffer("zeros", torch.zeros(out_features, groups, dtype=torch.bfloat16))
         self._packed: tuple[torch.Tensor, torch.Tensor] | None = None
+        # packed as soon as codes arrive, so a compiled step reads the packing, never makes it
+        self.register_load_state_dict_post_hook(_pack_after_load)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group: int | None = 64) -> Int4Linear:
@@ -177,6 +183,7 @@ class Int4Linear(QuantLinear):
         m.qweight, m.scales, m.zeros = quantize_int4(linear.weight, group)
         if linear.bias is not None:
             m.bias.data.copy_(linear.bias.detach())
+        m.kernel_weights()
         return m
 
     def _load_from_state_dict(self, *args, **kwargs):
@@ -186,8 +193,11 @@ class Int4Linear(QuantLinear):
     def dequantized(self) -> torch.Tensor:
         return dequantize_int4(self.qweight, self.scales, self.zeros)
 
-    def kernel_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the CPU kernel's packed codes, scales-and-zeros (groups, out, 2) bf16), built once."""
+    def kernel_weights(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(the CPU kernel's packed codes, scales-and-zeros (groups, out, 2) bf16), built once
+        (None on devices other than the CPU: the widened weight is used there)."""
+        if self.qweight.device.type != "cpu":
+            return None
         if self._packed is None:
             pad = -self.out_features % INT4_ROWS  # zero rows: code 8, scale and zero 0
             codes = F.pad(unpack_int4(self.qweight), (0, 0, 0, pad), value=8)
