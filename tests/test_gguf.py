@@ -21,8 +21,9 @@ gguf = pytest.importorskip("gguf", reason="GGUF export needs the gguf package: p
 
 from llm_foundry.checkpoint import save_checkpoint  # noqa: E402
 from llm_foundry.config import ModelConfig  # noqa: E402
+from llm_foundry.export import convert_to_gguf  # noqa: E402
 from llm_foundry.interop import gguf as G  # noqa: E402
-from llm_foundry.interop.gguf import GGUFError, convert_to_gguf, export_gguf  # noqa: E402
+from llm_foundry.interop.gguf import GGUFError, export_gguf  # noqa: E402
 from llm_foundry.models.transformer import Transformer  # noqa: E402
 from llm_foundry.tokenizer import BPETokenizer, CharTokenizer  # noqa: E402
 

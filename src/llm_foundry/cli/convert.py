@@ -46,7 +46,7 @@ def main(argv: list[str]) -> int:
     from llm_foundry.rundir import checkpoint_dir, checkpoint_kind
 
     if ns.to_gguf:
-        from llm_foundry.interop.gguf import convert_to_gguf
+        from llm_foundry.export import convert_to_gguf
 
         out = convert_to_gguf(ns.to_gguf, ns.out, ns.outtype)
         what = {"from": ns.to_gguf, "to": str(out), "format": "gguf", "outtype": ns.outtype}

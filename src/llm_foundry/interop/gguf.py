@@ -2,7 +2,7 @@
 
     export_gguf(model, tokenizer, out_path, outtype="f32", chat_template=None, name=None,
                 token_ids=None) -> Path
-    convert_to_gguf(src, out_path, outtype="f32") -> Path     (llm-foundry convert --to-gguf)
+    (``llm_foundry.export.convert_to_gguf``: any checkpoint kind, for ``convert --to-gguf``)
 
 The HF family ``interop.hf.choose_family`` finds for a config decides llama.cpp's architecture:
 
@@ -72,7 +72,8 @@ QUANTIZED = {Q.Q8_0, Q.Q4_0}  # block formats: rows must be whole blocks
 ALWAYS_F32 = ("ffn_gate_inp", "position_embd")
 
 
-def _outtype(outtype: str) -> tuple[Any, Any]:
+def gguf_types(outtype: str) -> tuple[Any, Any]:
+    """(tensor type, file type) of an outtype name; an unknown one is refused naming the valid."""
     if outtype not in OUTTYPES:
         raise GGUFError(f"outtype={outtype!r} is not supported; supported: {', '.join(OUTTYPES)}")
     return OUTTYPES[outtype]
@@ -583,7 +584,7 @@ def export_gguf(
     """Write ``model`` (our ``Transformer``) with ``tokenizer`` as one GGUF file llama.cpp runs.
     ``outtype``: f32, f16, bf16, q8_0 or q4_0 for the 2-D weights; ``token_ids`` ("bos", "eos",
     "pad" -> id) adds special ids the tokenizer does not know (an HF config.json's)."""
-    qtype, file_type = _outtype(outtype)
+    qtype, file_type = gguf_types(outtype)
     model = unwrap(model)
     cfg = getattr(model, "cfg", None)
     if not isinstance(cfg, ModelConfig):
@@ -629,36 +630,3 @@ def export_gguf(
         partial.unlink(missing_ok=True)
         raise
     return out
-
-
-def convert_to_gguf(src: str | Path, out_path: str | Path, outtype: str = "f32") -> Path:
-    """``llm-foundry convert --to-gguf SRC --out OUT.gguf``: a run directory, one of our
-    checkpoints or an HF directory, with its tokenizer and chat template (the HF directory's
-    own, else the built-in one our chat commands use), as one GGUF file."""
-    from llm_foundry.chat import BUILTIN_TEMPLATE, load_chat_template
-    from llm_foundry.rundir import checkpoint_dir, checkpoint_kind, load
-
-    _outtype(outtype)
-    ckpt = checkpoint_dir(src, "--to-gguf")
-    kind, meta = checkpoint_kind(ckpt)
-    if "quantization" in meta:
-        q = meta["quantization"]
-        scheme = q.get("scheme") if isinstance(q, dict) else q
-        raise GGUFError(
-            f"{ckpt} holds a quantized model (config.json quantization scheme {scheme!r}); "
-            "export from the full-precision checkpoint"
-        )
-    model, tok, info = load(ckpt)
-    hf_tokenizer = getattr(tok, "kind", "") == "hf"
-    template = load_chat_template(info.checkpoint)[0] if hf_tokenizer else None
-    token_ids = {}
-    if kind == "hf":  # an HF config.json names the special ids
-        for key in ("bos", "eos", "pad"):
-            value = meta.get(f"{key}_token_id")
-            value = value[0] if isinstance(value, list) and value else value
-            if isinstance(value, int):
-                token_ids[key] = value
-    name = Path(src).resolve().name
-    return export_gguf(
-        model, tok, out_path, outtype, template or BUILTIN_TEMPLATE, name, token_ids=token_ids
-    )
