@@ -689,3 +689,13 @@ def test_an_hf_tokenizer_without_an_exact_counterpart_is_refused(tmp_path):
     bpe.hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
     message = _refusal(export_gguf, _tiny_model(bpe.vocab_size), bpe, tmp_path / "x.gguf")
     assert "add_prefix_space=True" in message
+
+
+def test_without_the_gguf_package_the_install_line_is_given(tmp_path, monkeypatch):
+    import sys
+
+    from llm_foundry.cli import main
+
+    monkeypatch.setitem(sys.modules, "gguf", None)
+    with pytest.raises(SystemExit, match=r"pip install 'llm-foundry\[gguf\]'"):
+        main(["convert", "--to-gguf", str(tmp_path), "--out", str(tmp_path / "x.gguf")])

@@ -46,6 +46,12 @@ def main(argv: list[str]) -> int:
     from llm_foundry.rundir import checkpoint_dir, checkpoint_kind
 
     if ns.to_gguf:
+        try:
+            import gguf  # noqa: F401
+        except ImportError:
+            raise SystemExit(
+                "convert --to-gguf needs the gguf package: pip install 'llm-foundry[gguf]'"
+            ) from None
         from llm_foundry.export import convert_to_gguf
 
         out = convert_to_gguf(ns.to_gguf, ns.out, ns.outtype)

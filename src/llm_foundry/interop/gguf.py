@@ -46,7 +46,9 @@ from llm_foundry.config import ModelConfig
 try:
     import gguf
 except ImportError as e:  # pragma: no cover - depends on the environment
-    raise ImportError("llm_foundry.interop.gguf needs the gguf package: pip install gguf") from e
+    raise ImportError(
+        "llm_foundry.interop.gguf needs the gguf package: pip install 'llm-foundry[gguf]'"
+    ) from e
 
 log = logging.getLogger(__name__)
 Q = gguf.GGMLQuantizationType
