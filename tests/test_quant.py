@@ -73,7 +73,7 @@ def test_int4_codes_are_two_per_byte_in_input_order():
 
 # 170 inputs: torch 2.13's int8 kernel reads garbage past the last multiple of 16 unless padded
 @pytest.mark.parametrize("cls, n_in", [(Int8Linear, 128), (Int8Linear, 170), (Int4Linear, 128)])
-@pytest.mark.parametrize("rows", [1, 3, KERNEL_ROWS, 40])
+@pytest.mark.parametrize("rows", [1, 3, 20, KERNEL_ROWS])
 def test_a_quantized_projection_computes_with_its_dequantized_weight(cls, n_in, rows):
     lin = _linear(n_in, 80, bias=True)  # 80 rows: int4 pads them to the kernel's block of 16
     q = cls.from_linear(lin, 32)
@@ -124,11 +124,11 @@ def test_a_quantized_model_computes_what_its_dequantized_weights_compute(scheme,
     assert all(isinstance(model.get_submodule(n), QuantLinear) for n in settings["layers"])
     ref = dequantize_model(copy.deepcopy(model))
     assert not any(isinstance(m, QuantLinear) for m in ref.modules())
-    idx = torch.randint(0, 50, (1, 40))
+    idx = torch.randint(0, 50, (2, 40))  # 80 rows: the prompt path widens the weights
     with torch.no_grad():
         want = ref(idx)[0]
         assert (model(idx)[0] - want).abs().max().item() <= 1e-5 * (1 + want.abs().max().item())
-        cache = model.new_cache(1, 64)
+        cache = model.new_cache(2, 64)
         model(idx[:, :20], cache=cache)
         steps = torch.cat([model(idx[:, t : t + 1], cache=cache)[0] for t in range(20, 40)], 1)
     err = (steps - want[:, 20:]).abs().max().item()
@@ -294,7 +294,7 @@ def test_an_hf_model_quantized_keeps_its_tokenizer_and_end_of_sequence(tmp_path,
     assert loaded.tokenizer.encode("w5 w7") == [5, 7]
     ref = dequantize_model(copy.deepcopy(loaded.model))
     hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
-    idx = torch.randint(0, 64, (1, 24))
+    idx = torch.randint(0, 64, (4, 24))  # 96 rows: the prompt path, fp32 activations
     with torch.no_grad():  # the quantized model is its dequantized weights, and near the original
         got, want, orig = loaded.model(idx)[0], ref(idx)[0], hf(idx).logits
     assert (got - want).abs().max() <= 1e-5 * (1 + want.abs().max())

@@ -35,7 +35,7 @@ from llm_foundry.models.fast_decode import matvec
 GROUP_SIZES = (32, 64, 128)  # int4 groups the CPU kernel takes (it needs in % group == 0)
 INT4_ROWS = 16  # the int4 CPU kernel packs output rows in blocks of 16 (fewer are padded)
 INT8_COLS = 16  # _weight_int8pack_mm misreads inputs beyond the last multiple of 16 (torch 2.13)
-KERNEL_ROWS = 16  # from this many rows on, widening the weight once costs less than bf16 rounding
+KERNEL_ROWS = 64  # from this many rows on, widening the weight once is as fast as the kernels
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
