@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import platform
 import statistics
 import sys
 import tempfile
@@ -38,6 +37,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 
+from llm_foundry.bench import cpu_model
 from llm_foundry.generate import generate
 from llm_foundry.interop.hf import from_hf
 from llm_foundry.models import Transformer
@@ -78,16 +78,6 @@ QWEN3_06B = dict(
 )
 
 
-def cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def bandwidth() -> dict:
     """Bytes/s of a streaming read (sum) and of gemv over weights that do not fit in cache."""
     x = torch.randn(256 * 1024 * 1024)  # 1 GiB fp32
@@ -109,20 +99,22 @@ def bandwidth() -> dict:
     return dict(sum_gb_s=round(read / 1e9, 1), gemv_gb_s=round(gemv / 1e9, 1))
 
 
-def contenders(hf, ours, idx, new):
-    def hf_generate():
-        return hf.generate(
-            idx,
-            attention_mask=torch.ones_like(idx),
-            max_new_tokens=new,
-            min_new_tokens=new,
-            do_sample=False,
-            pad_token_id=0,
-            eos_token_id=None,
-        )
+def hf_generate(hf, idx, new):
+    """HF ``generate`` of exactly ``new`` greedy tokens (no end-of-sequence stop)."""
+    return lambda: hf.generate(
+        idx,
+        attention_mask=torch.ones_like(idx),
+        max_new_tokens=new,
+        min_new_tokens=new,
+        do_sample=False,
+        pad_token_id=0,
+        eos_token_id=None,
+    )
 
+
+def contenders(hf, ours, idx, new):
     return {
-        "HF transformers generate": hf_generate,
+        "HF transformers generate": hf_generate(hf, idx, new),
         "llm-foundry generate (eager)": lambda: generate(ours, idx, new, temperature=0),
         "llm-foundry generate (compiled decode)": lambda: generate(
             ours, idx, new, temperature=0, compile=True
@@ -224,15 +216,7 @@ def bit_widths(size: str, hf_cls, hf_cfg: dict, new: int, rounds: int, read_gb_s
         quantize_model(models[scheme], scheme, 64)
     fns = {
         "HF transformers generate fp32": (
-            lambda: hf.generate(
-                idx,
-                attention_mask=torch.ones_like(idx),
-                max_new_tokens=new,
-                min_new_tokens=new,
-                do_sample=False,
-                pad_token_id=0,
-                eos_token_id=None,
-            ),  # fmt: skip
+            hf_generate(hf, idx, new),
             weight_bytes(ours) + kv,
         )
     }
@@ -338,7 +322,7 @@ def main() -> int:
         date=time.strftime("%Y-%m-%d"),
         command="python benchmarks/bench_generate.py " + " ".join(sys.argv[1:]),
         machine=dict(
-            cpu=cpu_name(),
+            cpu=cpu_model(),
             threads=torch.get_num_threads(),
             torch=torch.__version__,
             transformers=transformers.__version__,

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
@@ -25,21 +24,12 @@ import time
 import torch
 import torch.nn.functional as F
 
+from llm_foundry.bench import cpu_model
 from llm_foundry.models.fast_decode import matvec
 from llm_foundry.models.quant import Int4Linear, Int8Linear
 
 D, H, KV, V, LAYERS = 768, 2048, 256, 32000, 12
 SHAPES = [(D, D), (KV, D), (KV, D), (D, D), (H, D), (D, H), (H, D)] * LAYERS + [(V, D)]
-
-
-def cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def timed(fn, rounds: int) -> float:
@@ -152,7 +142,7 @@ def main() -> int:
     report = dict(
         date=time.strftime("%Y-%m-%d"),
         command="python benchmarks/bench_quant_kernels.py " + " ".join(sys.argv[1:]),
-        machine=dict(cpu=cpu_name(), threads=torch.get_num_threads(), torch=torch.__version__),
+        machine=dict(cpu=cpu_model(), threads=torch.get_num_threads(), torch=torch.__version__),
         results=results,
     )
     if args.json:

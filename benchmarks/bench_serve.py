@@ -31,6 +31,8 @@ from pathlib import Path
 import httpx
 import torch
 
+from llm_foundry.bench import cpu_model
+
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
 SIZES = {
@@ -171,7 +173,7 @@ def main() -> None:
     sizes = dict(list(SIZES.items())[:1]) if ns.quick else SIZES
     report = dict(
         date=time.strftime("%Y-%m-%d"), machine=platform.processor() or platform.machine(),
-        cpu=_cpu_model(), threads=torch.get_num_threads(), torch=torch.__version__,
+        cpu=cpu_model(), threads=torch.get_num_threads(), torch=torch.__version__,
         max_tokens=ns.max_tokens, requests=ns.requests, results={},
     )  # fmt: skip
     servers = ["ours", "ours-compiled"] + ([] if ns.no_transformers else ["transformers"])
@@ -210,16 +212,6 @@ def main() -> None:
                 if key.endswith(("_one_at_a_time", "_transformers")):
                     shown = ", ".join(f"{c}: {v:.2f}x" for c, v in ratios.items())
                     print(f"{name}: {key.replace('_', ' ')}: {shown}")
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import tempfile
 import time
@@ -29,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from llm_foundry.bench import cpu_model
 from llm_foundry.config import ModelConfig
 from llm_foundry.data import prepare
 from llm_foundry.evaluate import evaluate_tokens
@@ -159,18 +159,10 @@ def main() -> int:
             tok = load_any(source).tokenizer
             models.append(dict(name=name, source_kind=load_any(source).info.kind,
                                rows=score(source, val, tok, args.new)))  # fmt: skip
-    cpu = next(
-        (
-            ln.split(":", 1)[1].strip()
-            for ln in open("/proc/cpuinfo")
-            if ln.startswith("model name")
-        ),
-        platform.machine(),
-    )
     report = dict(
         date=time.strftime("%Y-%m-%d"),
         command="python benchmarks/quant_quality.py " + " ".join(sys.argv[1:]),
-        machine=dict(cpu=cpu, threads=torch.get_num_threads(), torch=torch.__version__),
+        machine=dict(cpu=cpu_model(), threads=torch.get_num_threads(), torch=torch.__version__),
         steps=args.steps,
         new_tokens=args.new,
         minutes=round((time.time() - start) / 60, 1),
