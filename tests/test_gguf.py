@@ -150,16 +150,6 @@ CASES = {
         mlp_bias=True,
         tie_embeddings=True,
     ),
-    "gpt2_untied": dict(
-        GQA,
-        n_kv_heads=None,
-        pos_encoding="learned",
-        norm="layernorm",
-        mlp="gelu",
-        gelu_approx="tanh",
-        attn_bias=True,
-        mlp_bias=True,
-    ),
     "mixtral_top2_of_4": dict(GQA, hidden_dim=None, n_experts=4, experts_per_token=2),
     "qwen3moe_top2_of_4_tied": dict(
         GQA,
@@ -171,6 +161,7 @@ CASES = {
         tie_embeddings=True,
     ),
 }
+CASES["gpt2_untied"] = dict(CASES["gpt2"], tie_embeddings=False)  # its own output head
 # the case's name starts with its family -> llama.cpp's architecture
 ARCH = {
     "llama": "llama",
