@@ -260,7 +260,9 @@ def test_quantize_command_writes_a_checkpoint_generate_reads(trained, tmp_path, 
     assert main(["generate", "--checkpoint", str(trained), "--quantize", "int8", *args]) == 0
     in_memory = json.loads(capsys.readouterr().out)
     assert from_file["tokens"] == in_memory["tokens"] and from_file["new_tokens"] == 20
-    # a quantized checkpoint is not quantized again, and not trained
+    # a quantized checkpoint is not exported to HF, not quantized again, and not trained
+    assert main(["convert", "--to-hf", str(out), "--out", str(tmp_path / "hf")]) == 2
+    assert "int8 weights, which HF transformers configs do not describe" in capsys.readouterr().err
     assert main(["quantize", "--checkpoint", str(out), "--to", "int4", "--out", str(tmp_path / "x")]) == 2  # fmt: skip
     assert "quantized already" in capsys.readouterr().err
 

@@ -369,3 +369,20 @@ def test_without_fastapi_the_install_line_is_given(checkpoint, monkeypatch):
     monkeypatch.delitem(sys.modules, "llm_foundry.serve.app")
     with pytest.raises(SystemExit, match=r"pip install 'llm-foundry\[serve\]'"):
         main(["serve", "--checkpoint", str(checkpoint)])
+
+
+def test_a_quantized_model_is_served_as_generate_decodes_it(checkpoint):
+    """`serve --quantize int8`: the engine holds int8 projections and a request's greedy text is
+    the library's greedy generation with the same quantized weights."""
+    from llm_foundry.models.quant import Int8Linear
+    from llm_foundry.rundir import load
+
+    model, tok, _ = load(checkpoint, quantize="int8")
+    ids = torch.tensor([tok.encode(PROMPTS[0])])
+    out = generate(model, ids, 16, temperature=0)
+    want = tok.decode(out[0, ids.shape[1] :].tolist())
+    with running(checkpoint, quantize="int8") as (url, served):
+        assert any(isinstance(m, Int8Linear) for m in served.engine.model.modules())
+        r = client(url).completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=16,
+                                           temperature=0)  # fmt: skip
+        assert r.choices[0].text == want

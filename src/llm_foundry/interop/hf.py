@@ -39,6 +39,7 @@ from llm_foundry.checkpoint import (
     check_layer_count,
     load_checkpoint,
     meta_transformer,
+    read_quantization,
     read_safetensors_header,
     save_checkpoint,
     unwrap,
@@ -1335,6 +1336,12 @@ def convert_to_hf(ckpt_dir: str | Path, out_dir: str | Path, family: str | None 
     """``llm-foundry convert --to-hf CKPT --out DIR``: our checkpoint directory to an HF one
     (``llm_foundry.rundir.checkpoint_dir`` finds a run directory's latest checkpoint)."""
     ckpt_dir = Path(ckpt_dir)
+    quant = read_quantization(ckpt_dir)
+    if quant:
+        raise ConversionError(
+            f"{ckpt_dir} holds {quant['scheme']} weights, which HF transformers configs do not "
+            "describe: export the full-precision checkpoint"
+        )
     out = to_hf(load_checkpoint(ckpt_dir), out_dir, family)
     _copy_tokenizer(ckpt_dir, out)
     _name_special_tokens(out)
