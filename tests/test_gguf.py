@@ -690,3 +690,12 @@ def test_without_the_gguf_package_the_install_line_is_given(tmp_path, monkeypatc
     monkeypatch.setitem(sys.modules, "gguf", None)
     with pytest.raises(SystemExit, match=r"pip install 'llm-foundry\[gguf\]'"):
         main(["convert", "--to-gguf", str(tmp_path), "--out", str(tmp_path / "x.gguf")])
+
+
+def test_an_out_that_is_a_directory_is_refused(tmp_path):
+    from llm_foundry.cli import main
+
+    (tmp_path / "dir").mkdir()
+    with pytest.raises(GGUFError, match="is a directory; give the .gguf file"):
+        convert_to_gguf(tmp_path, tmp_path / "dir")
+    assert main(["convert", "--to-gguf", str(tmp_path), "--out", str(tmp_path / "dir")]) == 2

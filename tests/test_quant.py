@@ -317,3 +317,24 @@ def test_compiled_int8_decoding_reads_fp32_activations(trained):
         assert_decisive(ref(want[:, :-1])[0][:, idx.shape[1] - 1 :], "dequantized reference")
     got = generate(model, idx, 24, temperature=0, compile=True)
     assert torch.equal(got, want)
+
+
+def test_misused_flags_are_refused_before_anything_is_written(trained, tmp_path, capsys):
+    """An --out that holds anything (the source itself, above all) is never written into, and a
+    flag that would be ignored is refused instead."""
+    before = {p: p.stat().st_mtime_ns for p in trained.rglob("*") if p.is_file()}
+    for argv, message in [
+        (["quantize", "--checkpoint", str(trained), "--to", "int8", "--out", str(trained)],
+         "is not empty; give a new directory"),
+        (["quantize", "--checkpoint", str(trained), "--to", "int8", "--group-size", "32",
+          "--out", str(tmp_path / "q")], "--group-size 32 applies to --to int4 only"),
+        (["generate", "--checkpoint", str(trained), "--group-size", "32", "--prompt", "R"],
+         "--group-size 32 applies to --quantize int4 only"),
+        (["convert", "--from-hf", str(trained), "--out", str(tmp_path / "x"), "--outtype", "q8_0"],
+         "--outtype q8_0 applies to --to-gguf only"),
+    ]:  # fmt: skip
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err
+    assert {p: p.stat().st_mtime_ns for p in trained.rglob("*") if p.is_file()} == before
+    assert not (tmp_path / "q").exists()

@@ -16,6 +16,8 @@ def convert_to_gguf(src: str | Path, out_path: str | Path, outtype: str = "f32")
     from llm_foundry.rundir import checkpoint_dir, checkpoint_kind, load
 
     gguf_types(outtype)  # a bad outtype is named before anything loads
+    if Path(out_path).is_dir():
+        raise GGUFError(f"--out {out_path} is a directory; give the .gguf file to write")
     ckpt = checkpoint_dir(src, "--to-gguf")
     kind, meta = checkpoint_kind(ckpt)
     if "quantization" in meta:

@@ -23,12 +23,14 @@ def quantize_checkpoint(
     bytes a decoded token reads for weights and the weight file's bytes, before and after."""
     from llm_foundry.rundir import load
 
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file; give a new directory")
+    if out.is_dir() and any(out.iterdir()):  # never over a checkpoint, least of all the source
+        raise ValueError(f"--out {out} is not empty; give a new directory")
     model, _, info = load(src)
     if info.config.get("quantization"):
         raise ValueError(f"{info.checkpoint} is quantized already; quantize the full model")
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out} is a file; give a directory")
     before = weight_bytes(model)
     settings = quantize_model(model, scheme, group_size)
     save_checkpoint(model, out)

@@ -36,13 +36,16 @@ def main(argv: list[str]) -> int:
     )
     p.add_argument(
         "--outtype",
-        default="f32",
+        default=None,
         metavar="TYPE",
         help="--to-gguf: type of the 2-D weights: f32 (default), f16, bf16, q8_0, q4_0 "
         "(norms and biases stay f32)",
     )
     p.add_argument("--json", action="store_true", help="print what was written as JSON")
     ns = p.parse_args(argv)
+    if ns.outtype is not None and not ns.to_gguf:
+        raise ValueError(f"--outtype {ns.outtype} applies to --to-gguf only")
+    ns.outtype = ns.outtype or "f32"
     from llm_foundry.rundir import checkpoint_dir, checkpoint_kind
 
     if ns.to_gguf:

@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from llm_foundry.cli.options import add_quantize_flags
+from llm_foundry.cli.options import add_quantize_flags, quantize_choice
 
 
 def _parse_ids(text: str, vocab_size: int) -> list[int]:
@@ -131,6 +131,7 @@ def _complete(model, tok, ids: list[int], ns, eos_ids: set[int], emit=None) -> d
         repetition_penalty=ns.repetition_penalty,
         seed=ns.seed,
         context=_context(model, len(ids), ns),
+        compile=ns.compile,
     )
     # the continuation is the decoded whole sequence past the decoded prompt: decoding the new
     # ids alone could drop a leading space (SentencePiece-style decoders) or split a character
@@ -236,6 +237,8 @@ def _main(argv: list[str]) -> int:
     )
     p.add_argument("--json", action="store_true", help="print a JSON line per prompt")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--compile", action="store_true", help="compile the one-token decode step "
+                   "(faster decoding on CPU after ~20 s of compilation)")  # fmt: skip
     add_quantize_flags(p)
     ns = p.parse_args(argv)
 
@@ -262,7 +265,8 @@ def _main(argv: list[str]) -> int:
 
     from llm_foundry.rundir import load
 
-    model, tok, info = load(ns.checkpoint, device, quantize=ns.quantize, group_size=ns.group_size)
+    scheme, group = quantize_choice(ns)
+    model, tok, info = load(ns.checkpoint, device, quantize=scheme, group_size=group)
     eos_ids = set(info.eos_ids)
     if ns.ignore_eos:
         eos_ids = set()

@@ -150,5 +150,13 @@ def add_quantize_flags(p) -> None:
     memory (``llm-foundry quantize`` writes such a copy once)."""
     p.add_argument("--quantize", choices=["int8", "int4"], default=None,
                    help="weight-only quantization of the projections at load (CPU decoding)")  # fmt: skip
-    p.add_argument("--group-size", type=int, choices=[32, 64, 128], default=64,
-                   help="--quantize int4: inputs per scale")  # fmt: skip
+    p.add_argument("--group-size", type=int, choices=[32, 64, 128], default=None,
+                   help="--quantize int4: inputs per scale and zero (default 64)")  # fmt: skip
+
+
+def quantize_choice(ns) -> tuple[str | None, int]:
+    """(scheme, int4 group size) of ``--quantize``/``--group-size``; a group size without int4
+    is refused rather than ignored."""
+    if ns.group_size is not None and ns.quantize != "int4":
+        raise ValueError(f"--group-size {ns.group_size} applies to --quantize int4 only")
+    return ns.quantize, ns.group_size or 64

@@ -19,13 +19,16 @@ def main(argv: list[str]) -> int:
         "--checkpoint", required=True, help="training run, llm-foundry checkpoint or HF directory"
     )
     p.add_argument("--to", required=True, choices=list(SCHEMES), help="weight format")
-    p.add_argument("--group-size", type=int, default=64, choices=GROUP_SIZES, help="int4 group")
+    p.add_argument("--group-size", type=int, default=None, choices=GROUP_SIZES,
+                   help="--to int4: inputs per scale and zero (default 64)")  # fmt: skip
     p.add_argument("--out", required=True, help="directory to write")
     p.add_argument("--json", action="store_true", help="print what was written as JSON")
     ns = p.parse_args(argv)
+    if ns.group_size is not None and ns.to != "int4":
+        raise ValueError(f"--group-size {ns.group_size} applies to --to int4 only")
     from llm_foundry.quantize import quantize_checkpoint
 
-    done = quantize_checkpoint(ns.checkpoint, ns.out, ns.to, ns.group_size)
+    done = quantize_checkpoint(ns.checkpoint, ns.out, ns.to, ns.group_size or 64)
     if ns.json:
         print(json.dumps(done, indent=2))
         return 0

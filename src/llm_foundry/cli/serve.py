@@ -7,7 +7,7 @@ import argparse
 import threading
 import time
 
-from llm_foundry.cli.options import add_quantize_flags
+from llm_foundry.cli.options import add_quantize_flags, quantize_choice
 
 
 def main(argv: list[str]) -> int:
@@ -41,8 +41,9 @@ def main(argv: list[str]) -> int:
         raise SystemExit(
             f"serve needs FastAPI and uvicorn: pip install 'llm-foundry[serve]' ({e})"
         ) from None
+    scheme, group = quantize_choice(ns)
     served = load_served(ns.checkpoint, ns.slots, ns.max_queue, ns.model_name, ns.device,
-                         ns.compile, ns.quantize, ns.group_size)  # fmt: skip
+                         ns.compile, scheme, group)  # fmt: skip
     if ns.compile:
         print("compiling the decode step ...", flush=True)
         served.engine.warm_up()
@@ -56,7 +57,9 @@ def main(argv: list[str]) -> int:
         time.sleep(0.05)
     if not thread.is_alive():
         raise OSError(f"could not serve on {ns.host}:{ns.port} (is the port in use?)")
-    print(f"serving {served.name} on http://{ns.host}:{ns.port}/v1 ({ns.slots} slots)", flush=True)
+    weights = f", {scheme} weights" if scheme else ""
+    print(f"serving {served.name} on http://{ns.host}:{ns.port}/v1 ({ns.slots} slots{weights})",
+          flush=True)  # fmt: skip
     watcher = threading.Thread(target=lambda: (thread.join(), served.engine.stop()), daemon=True)
     watcher.start()  # the HTTP server ending (e.g. on SIGTERM) ends the loop
     try:
