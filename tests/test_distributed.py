@@ -110,6 +110,19 @@ def test_two_ranks_give_the_losses_of_one_process(parallel, data_dir, reference,
     assert info["world_size"] == 2 and info["parallel"] == parallel
 
 
+def test_muon_on_two_ddp_ranks_gives_the_losses_of_one_process(data_dir, tmp_path):
+    """DDP hands Muon whole, averaged gradients: its updates are those of one process."""
+    ref = tmp_path / "one"
+    one_process(data_dir, ref, max_steps=10, optimizer="muon")
+    run = tmp_path / "ddp"
+    args = ["train", "--data", str(data_dir), "--out", str(run)]
+    args += _flags(**TRAIN, batch_size=GLOBAL_BATCH // 2, max_steps=10, parallel="ddp",
+                   optimizer="muon")  # fmt: skip
+    r = torchrun(args)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert_close(losses(run), losses(ref))
+
+
 def test_gradient_accumulation_with_ddp_matches_one_process(data_dir, reference, tmp_path):
     run = tmp_path / "accum"
     args = ["train", "--data", str(data_dir), "--out", str(run)]

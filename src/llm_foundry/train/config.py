@@ -12,6 +12,7 @@ from typing import Any
 from llm_foundry.config import ConfigError, one_of, suggest
 from llm_foundry.models.lora import BASE_DTYPES as LORA_BASE_DTYPES
 from llm_foundry.models.lora import TARGETS as LORA_TARGETS
+from llm_foundry.train.optim import OPTIMIZERS
 
 SCHEDULES = ("cosine", "linear", "constant", "wsd")
 DTYPES = ("fp32", "bf16", "fp16")
@@ -42,6 +43,10 @@ class TrainConfig:
     schedule: str = "cosine"  # cosine | linear | constant | wsd (warmup-stable-decay)
     decay_frac: float = 0.2  # wsd: fraction of max_steps spent decaying at the end
     weight_decay: float = 0.1  # AdamW decoupled decay on matrices only
+    optimizer: str = "adamw"  # adamw | muon (Muon on the blocks' 2-D weights, AdamW on the rest)
+    muon_lr: float = 0.02  # Muon's peak lr, on the same schedule as lr
+    muon_momentum: float = 0.95
+    muon_weight_decay: float = 0.0
     beta1: float = 0.9
     beta2: float = 0.99
     grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
@@ -115,6 +120,15 @@ class TrainConfig:
         one_of(p, "device", self.device, DEVICES)
         one_of(p, "on_nonfinite", self.on_nonfinite, ON_NONFINITE)
         one_of(p, "parallel", self.parallel, PARALLEL)
+        one_of(p, "optimizer", self.optimizer, OPTIMIZERS)
+        if self.optimizer == "muon" and self.parallel == "fsdp":
+            p.append(
+                "optimizer='muon' with parallel='fsdp': Muon orthogonalises whole matrices and "
+                "FSDP2 holds shards of them; use parallel=ddp (or optimizer=adamw)"
+            )
+        if self.optimizer == "muon" and self.dtype == "fp16":
+            p.append("optimizer='muon' with dtype='fp16': the fp16 grad scaler steps AdamW only; "
+                     "use dtype=bf16 or fp32")  # fmt: skip
         # (field, allowed range as a test, the range in words)
         ranges = (
             ("lr", lambda v: v > 0, "> 0"),
@@ -127,6 +141,9 @@ class TrainConfig:
             ("beta1", lambda v: 0 <= v < 1, "in [0, 1)"),
             ("beta2", lambda v: 0 <= v < 1, "in [0, 1)"),
             ("weight_decay", lambda v: v >= 0, ">= 0"),
+            ("muon_lr", lambda v: v > 0, "> 0"),
+            ("muon_momentum", lambda v: 0 <= v < 1, "in [0, 1)"),
+            ("muon_weight_decay", lambda v: v >= 0, ">= 0"),
             ("grad_clip", lambda v: v >= 0, ">= 0 (0 disables clipping)"),
             ("monitor_entropy_min", lambda v: 0 <= v < math.inf, "in [0, inf) nats"),
             ("monitor_rank_frac", lambda v: 0 <= v <= 1, "in [0, 1]"),

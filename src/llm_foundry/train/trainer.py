@@ -36,6 +36,7 @@ from llm_foundry.train import distributed as D
 from llm_foundry.train.config import TrainConfig
 from llm_foundry.train.metrics import MetricsLog
 from llm_foundry.train.monitor import ExpertLoad, Monitor, layer_grad_norms, rest_grad_norm
+from llm_foundry.train.optim import MuonWithAdamW, muon_groups
 from llm_foundry.train.schedule import lr_at
 from llm_foundry.train.state import (
     latest_checkpoint,
@@ -130,12 +131,24 @@ class Trainer:
         self.sharded = train_cfg.parallel == "fsdp" and self.world.distributed
         self.forward = torch.compile(self.wrapped) if train_cfg.compile else self.wrapped
         fused = self.device.type in ("cuda", "cpu") and not self.sharded
-        self.optimizer = torch.optim.AdamW(
-            self.model.param_groups(train_cfg.weight_decay),
-            lr=train_cfg.lr,
-            betas=(train_cfg.beta1, train_cfg.beta2),
-            fused=fused,
-        )
+        if train_cfg.optimizer == "muon":
+            self.optimizer = MuonWithAdamW(
+                muon_groups(
+                    self.model,
+                    train_cfg.weight_decay,
+                    train_cfg.muon_weight_decay,
+                    train_cfg.muon_momentum,
+                    (train_cfg.beta1, train_cfg.beta2),
+                    train_cfg.muon_lr / train_cfg.lr,
+                )  # fmt: skip
+            )
+        else:
+            self.optimizer = torch.optim.AdamW(
+                self.model.param_groups(train_cfg.weight_decay),
+                lr=train_cfg.lr,
+                betas=(train_cfg.beta1, train_cfg.beta2),
+                fused=fused,
+            )
         self.amp_dtype = AUTOCAST_DTYPES[train_cfg.dtype]
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=train_cfg.dtype == "fp16")
         self.train_data = load_split(self.data_dir, "train")
@@ -395,7 +408,7 @@ class Trainer:
         tc = self.tc
         lr = lr_at(self.step, tc)
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group.get("lr_scale", 1.0)  # Muon's peak lr on the same schedule
         loss_sum = torch.zeros((), device=self.device)
         aux_sum = torch.zeros((), device=self.device)
         batches = [
