@@ -80,7 +80,7 @@ def candidates() -> dict:
         "int8 widened to fp32, then F.linear": (
             each(lambda q: F.linear(x[q.in_features], q.dequantized()), q8), i8_bytes),
         "int8 _weight_int8pack_mm, fp32 activations": (
-            each(lambda q: torch._weight_int8pack_mm(x[q.in_features], q.kernel_weight(), q.scales), q8), i8_bytes),
+            each(lambda q: torch._weight_int8pack_mm(x[q.in_features], q.kernel_weights()[0], q.scales), q8), i8_bytes),
         "int8 _weight_int8pack_mm, bf16 activations": (each(lambda q: q(x[q.in_features]), q8), i8_bytes),
         "int8 compiled fused matvec (ours, fp32 activations)": (
             each(lambda q: fused8(x[q.in_features], q.qweight, q.scales), q8), i8_bytes),

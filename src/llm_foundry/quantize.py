@@ -19,8 +19,8 @@ def quantize_checkpoint(
     src: str | Path, out: str | Path, scheme: str, group_size: int = 64
 ) -> dict:
     """Write ``src`` quantized to ``scheme`` (int8 | int4 in groups of ``group_size``) into the
-    directory ``out``. Returns what was done: the settings recorded in config.json, and the
-    bytes a decoded token reads for weights and the weight file's bytes, before and after."""
+    directory ``out``. Returns what was done: the settings recorded in config.json, the bytes a
+    decoded token reads for weights before and after, and the weight file's bytes."""
     from llm_foundry.rundir import load
 
     out = Path(out)

@@ -154,6 +154,11 @@ def load(
     given = Path(path)
     ckpt = checkpoint_dir(given)
     kind, meta = checkpoint_kind(ckpt)
+    if quantize and meta.get("quantization"):
+        raise ValueError(
+            f"--quantize {quantize}: {ckpt} is quantized already "
+            f"({meta['quantization'].get('scheme')}); load it as it is"
+        )
     if kind == "llm-foundry":
         from llm_foundry.checkpoint import load_checkpoint
 
@@ -165,11 +170,6 @@ def load(
     if quantize:
         from llm_foundry.models.quant import quantize_model
 
-        if meta.get("quantization"):
-            raise ValueError(
-                f"--quantize {quantize}: {ckpt} is quantized already "
-                f"({meta['quantization'].get('scheme')}); load it as it is"
-            )
         quantize_model(model, quantize, group_size)
     value = meta.get("eos_token_id")  # HF's key; our quantized copies of HF models keep it
     hf_eos = [value] if isinstance(value, int) else [e for e in value or [] if isinstance(e, int)]

@@ -265,7 +265,7 @@ def _main(argv: list[str]) -> int:
 
     from llm_foundry.rundir import load
 
-    scheme, group = quantize_choice(ns)
+    scheme, group = quantize_choice(ns.quantize, ns.group_size)
     model, tok, info = load(ns.checkpoint, device, quantize=scheme, group_size=group)
     eos_ids = set(info.eos_ids)
     if ns.ignore_eos:

@@ -154,9 +154,9 @@ def add_quantize_flags(p) -> None:
                    help="--quantize int4: inputs per scale and zero (default 64)")  # fmt: skip
 
 
-def quantize_choice(ns) -> tuple[str | None, int]:
-    """(scheme, int4 group size) of ``--quantize``/``--group-size``; a group size without int4
-    is refused rather than ignored."""
-    if ns.group_size is not None and ns.quantize != "int4":
-        raise ValueError(f"--group-size {ns.group_size} applies to --quantize int4 only")
-    return ns.quantize, ns.group_size or 64
+def quantize_choice(scheme: str | None, group_size: int | None, flag: str = "--quantize"):
+    """(scheme, int4 group size) of ``flag``/``--group-size``; a group size without int4 is
+    refused rather than ignored."""
+    if group_size is not None and scheme != "int4":
+        raise ValueError(f"--group-size {group_size} applies to {flag} int4 only")
+    return scheme, group_size or 64

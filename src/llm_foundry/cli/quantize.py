@@ -24,11 +24,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--out", required=True, help="directory to write")
     p.add_argument("--json", action="store_true", help="print what was written as JSON")
     ns = p.parse_args(argv)
-    if ns.group_size is not None and ns.to != "int4":
-        raise ValueError(f"--group-size {ns.group_size} applies to --to int4 only")
+    from llm_foundry.cli.options import quantize_choice
     from llm_foundry.quantize import quantize_checkpoint
 
-    done = quantize_checkpoint(ns.checkpoint, ns.out, ns.to, ns.group_size or 64)
+    scheme, group = quantize_choice(ns.to, ns.group_size, "--to")
+    done = quantize_checkpoint(ns.checkpoint, ns.out, scheme, group)
     if ns.json:
         print(json.dumps(done, indent=2))
         return 0

@@ -41,7 +41,7 @@ def main(argv: list[str]) -> int:
         raise SystemExit(
             f"serve needs FastAPI and uvicorn: pip install 'llm-foundry[serve]' ({e})"
         ) from None
-    scheme, group = quantize_choice(ns)
+    scheme, group = quantize_choice(ns.quantize, ns.group_size)
     served = load_served(ns.checkpoint, ns.slots, ns.max_queue, ns.model_name, ns.device,
                          ns.compile, scheme, group)  # fmt: skip
     if ns.compile:

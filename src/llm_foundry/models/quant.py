@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from llm_foundry.models.fast_decode import matvec
+from llm_foundry.models.fast_decode import Linear, matvec
 
 GROUP_SIZES = (32, 64, 128)  # int4 groups the CPU kernel takes (it needs in % group == 0)
 INT4_ROWS = 16  # the int4 CPU kernel packs output rows in blocks of 16 (fewer are padded)
@@ -92,9 +92,24 @@ class QuantLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
+        self._kernel: tuple[torch.Tensor, torch.Tensor] | None = None
+        # the kernel's layout is made as soon as codes arrive, so a compiled step only reads it
+        self.register_load_state_dict_post_hook(_prepare_after_load)
 
     def dequantized(self) -> torch.Tensor:
         """The fp32 weight (out, in) this layer computes with."""
+        raise NotImplementedError
+
+    def kernel_weights(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The stored codes and scales in the CPU kernel's layout, built once (None off the CPU:
+        the widened weight is used there)."""
+        if self.qweight.device.type != "cpu":
+            return None
+        if self._kernel is None:
+            self._kernel = self._kernel_layout()
+        return self._kernel
+
+    def _kernel_layout(self) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
     def flops_per_token(self) -> int:
@@ -111,6 +126,11 @@ class QuantLinear(nn.Module):
         return f"{self.scheme}, in={self.in_features}, out={self.out_features}"
 
 
+def _prepare_after_load(module: QuantLinear, incompatible_keys) -> None:
+    module._kernel = None  # new codes: a new kernel layout
+    module.kernel_weights()
+
+
 class Int8Linear(QuantLinear):
     scheme = "int8"
 
@@ -118,7 +138,6 @@ class Int8Linear(QuantLinear):
         super().__init__(in_features, out_features, bias)
         self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=torch.int8))
         self.register_buffer("scales", torch.ones(out_features))
-        self._padded: torch.Tensor | None = None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group: int | None = None) -> Int8Linear:
@@ -126,23 +145,15 @@ class Int8Linear(QuantLinear):
         m.qweight, m.scales = quantize_int8(linear.weight)
         if linear.bias is not None:
             m.bias.data.copy_(linear.bias.detach())
+        m.kernel_weights()
         return m
 
     def dequantized(self) -> torch.Tensor:
         return dequantize_int8(self.qweight, self.scales)
 
-    def _load_from_state_dict(self, *args, **kwargs):
-        self._padded = None
-        return super()._load_from_state_dict(*args, **kwargs)
-
-    def kernel_weight(self) -> torch.Tensor:
-        """``qweight`` with zero columns up to a multiple of 16 (itself when it is one)."""
-        pad = -self.in_features % INT8_COLS
-        if not pad:
-            return self.qweight
-        if self._padded is None:
-            self._padded = F.pad(self.qweight, (0, pad))
-        return self._padded
+    def _kernel_layout(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(``qweight`` with zero columns up to a multiple of 16, the scales in bf16)."""
+        return F.pad(self.qweight, (0, -self.in_features % INT8_COLS)), self.scales.bfloat16()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[:-1].numel()
@@ -151,14 +162,11 @@ class Int8Linear(QuantLinear):
         if torch.compiler.is_compiling() and rows == 1:
             # compiled one-token step: one fused pass over the int8 bytes, fp32 activations
             return self._add_bias(matvec(x, self.qweight) * self.scales)
-        pad = -self.in_features % INT8_COLS  # zero columns: the kernel then reads only ours
-        flat = F.pad(x.reshape(-1, self.in_features).to(torch.bfloat16), (0, pad))
-        y = torch._weight_int8pack_mm(flat, self.kernel_weight(), self.scales.to(torch.bfloat16))
+        q, scales = self.kernel_weights()
+        # zero columns against the padded ones: the kernel then reads only ours
+        flat = F.pad(x.reshape(-1, self.in_features).bfloat16(), (0, q.shape[1] - self.in_features))
+        y = torch._weight_int8pack_mm(flat, q, scales)
         return self._add_bias(y.to(x.dtype).reshape(*x.shape[:-1], self.out_features))
-
-
-def _pack_after_load(module: Int4Linear, incompatible_keys) -> None:
-    module.kernel_weights()
 
 
 class Int4Linear(QuantLinear):
@@ -173,9 +181,6 @@ class Int4Linear(QuantLinear):
         )
         self.register_buffer("scales", torch.ones(out_features, groups, dtype=torch.bfloat16))
         self.register_buffer("zeros", torch.zeros(out_features, groups, dtype=torch.bfloat16))
-        self._packed: tuple[torch.Tensor, torch.Tensor] | None = None
-        # packed as soon as codes arrive, so a compiled step reads the packing, never makes it
-        self.register_load_state_dict_post_hook(_pack_after_load)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group: int | None = 64) -> Int4Linear:
@@ -186,26 +191,16 @@ class Int4Linear(QuantLinear):
         m.kernel_weights()
         return m
 
-    def _load_from_state_dict(self, *args, **kwargs):
-        self._packed = None  # new codes: the kernel's layout is rebuilt at the next forward
-        return super()._load_from_state_dict(*args, **kwargs)
-
     def dequantized(self) -> torch.Tensor:
         return dequantize_int4(self.qweight, self.scales, self.zeros)
 
-    def kernel_weights(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(the CPU kernel's packed codes, scales-and-zeros (groups, out, 2) bf16), built once
-        (None on devices other than the CPU: the widened weight is used there)."""
-        if self.qweight.device.type != "cpu":
-            return None
-        if self._packed is None:
-            pad = -self.out_features % INT4_ROWS  # zero rows: code 8, scale and zero 0
-            codes = F.pad(unpack_int4(self.qweight), (0, 0, 0, pad), value=8)
-            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2)
-            sz = torch.stack((self.scales, self.zeros), dim=-1)  # (out, groups, 2)
-            sz = F.pad(sz, (0, 0, 0, 0, 0, pad)).transpose(0, 1).contiguous()
-            self._packed = (packed, sz)
-        return self._packed
+    def _kernel_layout(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the CPU kernel's packed codes, scales-and-zeros (groups, out, 2) bf16)."""
+        pad = -self.out_features % INT4_ROWS  # zero rows: code 8, scale and zero 0
+        codes = F.pad(unpack_int4(self.qweight), (0, 0, 0, pad), value=8)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2)
+        sz = torch.stack((self.scales, self.zeros), dim=-1)  # (out, groups, 2)
+        return packed, F.pad(sz, (0, 0, 0, 0, 0, pad)).transpose(0, 1).contiguous()
 
     def weight_bytes(self) -> int:
         return self.qweight.numel() + 2 * self.scales.numel() * self.scales.element_size()
@@ -261,6 +256,7 @@ def quantize_model(model: nn.Module, scheme: str, group: int = 64) -> dict:
         raise ValueError("; ".join(problems))
     if any(isinstance(m, QuantLinear) for m in model.modules()):
         raise ValueError("the model is quantized already")
+    # by name: models/lora.py imports this module (its int8 base), not the other way round
     if any(type(m).__name__ == "LoRALinear" for m in model.modules()):
         raise ValueError("the model has unmerged LoRA adapters: merge them before quantizing")
     cls = SCHEMES[scheme]
@@ -314,8 +310,6 @@ def read_settings(meta: dict, file) -> dict | None:
 def dequantize_model(model: nn.Module) -> nn.Module:
     """Replace quantized layers by fp32 ``Linear`` layers holding the weights they compute with
     (the reference a quantized model is checked against)."""
-    from llm_foundry.models.fast_decode import Linear
-
     for name, q in [(n, m) for n, m in model.named_modules() if isinstance(m, QuantLinear)]:
         lin = Linear(q.in_features, q.out_features, bias=q.bias is not None)
         with torch.no_grad():
