@@ -98,6 +98,50 @@ def test_compare_previous_judges_each_row_against_the_one_before():
     assert round(first[2]["delta_val"], 3) == -0.495
 
 
+def test_first_crossing_is_the_first_evaluation_at_or_below_the_target():
+    curve = [(25, 2.5, 1.0), (50, 1.9, 2.0), (75, 1.886, 3.0), (100, 1.7, 4.0), (125, 1.95, 5.0)]
+    assert ablation.first_crossing(curve, 1.886) == (75, 1.886, 3.0)  # equal counts as reached
+    assert ablation.first_crossing(curve, 2.0)[0] == 50
+    assert ablation.first_crossing(curve, 1.5) is None
+    assert ablation.first_crossing([], 1.886) is None
+    assert ablation.first_crossing([(10, None), (20, 1.0)], 1.5) == (20, 1.0)
+    # each step's own time is tokens_per_step / tokens_per_s; the sum skips nothing else
+    records = [dict(step=i, tokens_per_s=768 / dt) for i, dt in [(1, 0.5), (2, 0.1), (3, 0.2)]]
+    secs = ablation.training_seconds(records, 768)
+    assert list(secs) == [1, 2, 3]
+    assert [round(v, 9) for v in secs.values()] == [0.5, 0.6, 0.8]
+
+
+def test_target_loss_reports_steps_tokens_and_training_seconds_per_seed():
+    def run(curve, times):
+        return dict(val_loss=curve[-1][1], train_loss=1.0, params=1, train_ms_per_iter=50.0,
+                    peak_mem_bytes=1, decode_tokens_per_s=1.0, kv_bytes_per_token=1,
+                    val_curve=curve, val_curve_train_s=times)  # fmt: skip
+
+    vs = [Variant("adamw"), Variant("muon")]
+    runs = {
+        "adamw": [run([(25, 2.2), (50, 1.9), (75, 1.8)], [1.0, 2.0, 3.0]),
+                  run([(25, 2.1), (50, 1.95), (75, 1.89)], [1.1, 2.1, 3.1])],
+        "muon": [run([(25, 1.95), (50, 1.85), (75, 1.7)], [1.2, 2.4, 3.6]),
+                 run([(25, 1.88), (50, 1.8), (75, 1.7)], [1.3, 2.5, 3.7])],
+    }  # fmt: skip
+    rows = ablation.summarise(vs, runs, {"adamw": 40.0, "muon": 48.0}, 768, target_loss=1.886)
+    a, m = (r["to_target"] for r in rows)
+    assert a["steps"] == [75, None] and a["reached"] == 1 and a["mean_steps"] is None
+    assert a["tokens"] == [75 * 768, None] and a["train_s"] == [3.0, None]
+    assert a["projected_s"] is None  # not every seed got there
+    assert m["steps"] == [50, 25] and m["train_s"] == [2.4, 1.3] and m["reached"] == 2
+    assert m["mean_steps"] == 37.5 and m["projected_s"] == pytest.approx(37.5 * 48.0 / 1e3)
+    # a run saved before training seconds were recorded still gives its step
+    del runs["muon"][0]["val_curve_train_s"]
+    again = ablation.summarise(vs, runs, {}, 768, target_loss=1.886)[1]["to_target"]
+    assert again["steps"] == [50, 25] and again["train_s"] == [None, 1.3]
+    assert "to_target" not in ablation.summarise(vs, runs, {}, 768)[0]
+    for bad in (0, -1.0, "1.9", True):
+        with pytest.raises(ValueError, match="target_loss"):
+            tiny_study(target_loss=bad)
+
+
 def test_every_builtin_recipe_loads_and_its_variants_are_valid():
     assert len(recipe_names()) >= 6
     for name in recipe_names():
@@ -156,6 +200,28 @@ def test_study_trains_every_variant_and_seed_then_resumes_without_retraining(
     monkeypatch.setattr("llm_foundry.train.trainer.Trainer.run", boom)
     again = ablation.run_study(study, data_dir, tmp_path)
     assert again["rows"][0]["val_loss"] == report["rows"][0]["val_loss"]
+
+
+@pytest.mark.heavy
+def test_a_study_with_a_target_tables_when_each_run_reached_it(data_dir, tmp_path):
+    study = tiny_study(
+        variants=[Variant("base"), Variant("mqa", {"n_kv_heads": 1})], target_loss=100.0
+    )  # reached at the first evaluation
+    report = ablation.run_study(study, data_dir, tmp_path)
+    run, row = report["runs"]["base"][0], report["rows"][0]
+    first_eval = TINY_TRAIN["eval_interval"]
+    assert [s for s, _ in run["val_curve"]] == [first_eval, 2 * first_eval]
+    times = run["val_curve_train_s"]
+    assert 0 < times[0] < times[1] <= run["train_wall_s"]
+    t = row["to_target"]
+    assert t["steps"] == [first_eval] and t["train_s"] == [times[0]] and t["reached"] == 1
+    assert t["tokens"] == [first_eval * TINY_TRAIN["batch_size"] * TINY_TRAIN["block_size"]]
+    md = (tmp_path / "results.md").read_text()
+    assert "## Steps and training time to val loss <= 100" in md
+    assert f"| base | 1/1 | {first_eval} |" in md
+    never = ablation.summarise(expand(study), report["runs"], {}, 64, target_loss=1e-3)
+    assert never[0]["to_target"]["steps"] == [None]
+    assert "not reached" in ablation.markdown(dict(report, rows=never))
 
 
 def test_changed_settings_refuse_to_reuse_a_finished_run(data_dir, tmp_path):

@@ -12,7 +12,14 @@ from its latest checkpoint); ``results.json``, ``results.md``, ``val_loss.png`` 
 ``extrapolation.png``, probe files) rebuilt from the runs at the end.
 """
 
-from llm_foundry.ablation.report import markdown, summarise, verdict, write_report
+from llm_foundry.ablation.report import (
+    first_crossing,
+    markdown,
+    summarise,
+    training_seconds,
+    verdict,
+    write_report,
+)
 from llm_foundry.ablation.runner import (
     PROBE_FUNCS,
     probe_init_grad_norms,
@@ -40,6 +47,7 @@ __all__ = [
     "Variant",
     "configs",
     "expand",
+    "first_crossing",
     "load_study",
     "markdown",
     "parse_assignment",
@@ -49,6 +57,7 @@ __all__ = [
     "run_one",
     "run_study",
     "summarise",
+    "training_seconds",
     "verdict",
     "write_report",
 ]

@@ -12,6 +12,23 @@ import numpy as np
 from llm_foundry.ablation.spec import Study, configs, expand
 
 
+def first_crossing(curve, target: float):
+    """The first point of ``curve`` (tuples or lists whose second item is a validation loss,
+    in step order) at or below ``target``, or None if no point gets there."""
+    return next((p for p in curve if p[1] is not None and p[1] <= target), None)
+
+
+def training_seconds(train_records: list[dict], tokens_per_step: int) -> dict[int, float]:
+    """step -> seconds spent in training steps up to and including it, from a run's
+    metrics.jsonl train records (each step's own time is tokens_per_step / tokens_per_s, so the
+    sum leaves out evaluation, checkpoints and logging)."""
+    out, total = {}, 0.0
+    for r in train_records:
+        total += tokens_per_step / r["tokens_per_s"]
+        out[r["step"]] = total
+    return out
+
+
 def _mean_std(values: list[float]) -> tuple[float, float | None]:
     values = [v for v in values if v is not None]
     if not values:
@@ -19,9 +36,12 @@ def _mean_std(values: list[float]) -> tuple[float, float | None]:
     return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else None
 
 
-def summarise(variants, runs, speed, tokens_per_step, compare: str = "first") -> list[dict]:
+def summarise(
+    variants, runs, speed, tokens_per_step, compare: str = "first", target_loss=None
+) -> list[dict]:
     """One row per variant: means (and std over seeds) and the verdict against the first
-    variant, or against the row before it (``compare="previous"``)."""
+    variant, or against the row before it (``compare="previous"``); with ``target_loss``, also
+    each seed's first evaluation at or below it (``to_target``)."""
     rows = []
     for v in variants:
         rs = runs[v.name]
@@ -47,12 +67,39 @@ def summarise(variants, runs, speed, tokens_per_step, compare: str = "first") ->
         )
         if "extrapolation" in rs[0]:
             row["extrapolation"] = _mean_extrapolation(rs)
+        if target_loss is not None:
+            row["to_target"] = to_target(rs, target_loss, tokens_per_step, ms)
         rows.append(row)
     for i, row in enumerate(rows):
         ref = rows[max(i - 1, 0)] if compare == "previous" else rows[0]
         row["delta_val"] = row["val_loss"] - ref["val_loss"]
         row["verdict"] = verdict(row, ref)
     return rows
+
+
+def to_target(rs: list[dict], target: float, tokens_per_step: int, ms_per_iter: float) -> dict:
+    """When each run's validation loss first reached ``target``: per seed the evaluation's step,
+    tokens and training seconds (None: not reached, or a run saved before training seconds
+    were recorded), and the mean step times the variant's ms/iter (a time that does not depend
+    on what else the machine ran during training)."""
+    steps, secs = [], []
+    for r in rs:
+        times = r.get("val_curve_train_s") or [None] * len(r["val_curve"])
+        hit = first_crossing([(s, v, t) for (s, v), t in zip(r["val_curve"], times, strict=True)],
+                             target)  # fmt: skip
+        steps.append(hit[0] if hit else None)
+        secs.append(hit[2] if hit else None)
+    reached = [s for s in steps if s is not None]
+    mean_steps = statistics.fmean(reached) if len(reached) == len(rs) else None
+    return dict(
+        target=target,
+        steps=steps,
+        tokens=[None if s is None else s * tokens_per_step for s in steps],
+        train_s=secs,
+        reached=len(reached),
+        mean_steps=mean_steps,
+        projected_s=None if mean_steps is None else mean_steps * ms_per_iter / 1e3,
+    )
 
 
 def _mean_or_none(values: list) -> float | None:
@@ -145,11 +192,13 @@ def markdown(report: dict) -> str:
         "",
         "Train loss: mean of the last 5% of steps; val loss: the final evaluation; ± is the "
         "standard deviation over seeds. ms/iter and tokens/s: one training step (forward, backward, "
-        "clip, AdamW) of every variant timed round-robin on one batch after training (median of "
+        "clip, the variant's optimizer) of every variant timed round-robin on one batch after training (median of "
         f"{st['speed_rounds']} rounds). Peak memory: CUDA allocator peak on a GPU; on CPU the "
         "counted bytes of weights, gradients, AdamW moments and saved activations of one step. "
         "Decode: batch-1 greedy with the KV cache, eager. KV bytes per token in fp32.",
     ]
+    if "to_target" in rows[0]:
+        lines += _target_table(rows, st["seeds"])
     if "extrapolation" in rows[0]:
         lines += ["", "## Loss past the training context", ""]
         ex0 = rows[0]["extrapolation"]
@@ -194,6 +243,37 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _target_table(rows: list[dict], seeds: int) -> list[str]:
+    target = rows[0]["to_target"]["target"]
+
+    def cells(values, fmt):
+        return " / ".join("not reached" if v is None else fmt.format(v) for v in values)
+
+    lines = [
+        "",
+        f"## Steps and training time to val loss <= {target:g}",
+        "",
+        "| variant | seeds reaching it | step (per seed) | tokens (per seed) | training s (per seed) "
+        "| mean steps x ms/iter |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        t = r["to_target"]
+        proj = "n/a" if t["projected_s"] is None else f"{t['projected_s']:.1f} s"
+        lines.append(
+            f"| {r['variant']} | {t['reached']}/{r['seeds']} | {cells(t['steps'], '{}')} | "
+            f"{cells(t['tokens'], '{:,}')} | {cells(t['train_s'], '{:.1f}')} | {proj} |"
+        )
+    return lines + [
+        "",
+        "Step: the first evaluation at or below the target (so the resolution is "
+        "train.eval_interval). Training s: the sum of that run's step times up to it, "
+        "evaluation and checkpoints excluded; it depends on whatever else ran on the machine "
+        "meanwhile. The last column multiplies the mean step by the ms/iter of the table above "
+        "(all variants timed round-robin), which is the steadier time comparison.",
+    ]
+
+
 def write_report(report: dict, out: Path) -> None:
     (out / "results.json").write_text(json.dumps(report, indent=1))
     (out / "results.md").write_text(markdown(report))
@@ -233,6 +313,9 @@ def plot_val_curves(report: dict, png: Path) -> None:
     ax.set_xlabel("step")
     ax.set_ylabel("validation loss (nats/token)")
     ax.set_title(f"{report['study']['name']}: validation loss ({report['study']['seeds']} seed(s))")
+    target = report["study"].get("target_loss")
+    if target is not None:
+        ax.axhline(target, color="black", lw=0.8, ls=":", label=f"target {target:g}")
     lows = [r["val_loss"] for r in report["rows"]]
     ax.set_ylim(min(lows) - 0.1, max(lows) + 0.6)  # zoom on the part where variants differ
     ax.grid(alpha=0.3)

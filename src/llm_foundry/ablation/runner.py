@@ -16,7 +16,7 @@ import torch
 
 import llm_foundry
 from llm_foundry import lock
-from llm_foundry.ablation.report import summarise, write_report
+from llm_foundry.ablation.report import summarise, training_seconds, write_report
 from llm_foundry.ablation.spec import Study, Variant, configs, expand
 from llm_foundry.data import data_fingerprint, load_split
 from llm_foundry.models.transformer import Transformer
@@ -67,17 +67,21 @@ def decode_tokens_per_s(model: Transformer, n_tokens: int | None = None, repeats
     return n / statistics.median(times)
 
 
-def step_times_ms(models: dict[str, Transformer], tc: TrainConfig, rounds: int) -> dict[str, float]:
-    """ms per training step (forward, backward, clip, AdamW) of every model on the same batch,
-    timed round-robin so machine noise hits all alike; median over rounds of 10 steps."""
+def step_times_ms(
+    models: dict[str, Transformer],
+    tc: TrainConfig,
+    rounds: int,
+    train_cfgs: dict[str, TrainConfig] | None = None,
+) -> dict[str, float]:
+    """ms per training step (forward, backward, clip, optimizer) of every model on the same
+    batch, timed round-robin so machine noise hits all alike; median over rounds of 10 steps.
+    Each model steps the optimizer its ``train_cfgs`` entry names, built as the trainer builds
+    it (AdamW without one)."""
     g = torch.Generator().manual_seed(0)
     vocab = min(m.cfg.vocab_size for m in models.values())
     device = next(next(iter(models.values())).parameters()).device
     x, y = torch.randint(0, vocab, (2, tc.batch_size, tc.block_size), generator=g).to(device)
-    opts = {
-        k: torch.optim.AdamW(m.param_groups(0.1), lr=1e-4, fused=device.type in ("cpu", "cuda"))
-        for k, m in models.items()
-    }
+    opts = {k: _optimizer(m, (train_cfgs or {}).get(k), device) for k, m in models.items()}
 
     def step(name: str) -> None:
         m = models[name]
@@ -99,6 +103,20 @@ def step_times_ms(models: dict[str, Transformer], tc: TrainConfig, rounds: int) 
                 step(name)
             samples[name].append((time.perf_counter() - t) / 10 * 1e3)
     return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def _optimizer(model: Transformer, tc: TrainConfig | None, device) -> torch.optim.Optimizer:
+    """The optimizer ``tc`` names, with the trainer's parameter groups, at a small lr."""
+    if tc is not None and tc.optimizer == "muon":
+        from llm_foundry.train.optim import MuonWithAdamW, muon_groups
+
+        groups = muon_groups(model, tc.weight_decay, tc.muon_weight_decay, tc.muon_momentum,
+                             (tc.beta1, tc.beta2), tc.muon_lr / tc.lr)  # fmt: skip
+        opt = MuonWithAdamW(groups)
+        for group in opt.param_groups:
+            group["lr"] = 1e-4 * group["lr_scale"]
+        return opt
+    return torch.optim.AdamW(model.param_groups(0.1), lr=1e-4, fused=device.type in ("cpu", "cuda"))
 
 
 def extrapolation(model: Transformer, tokens: np.ndarray, block: int, factors, n_tokens: int):
@@ -162,6 +180,7 @@ def run_one(study: Study, variant: Variant, seed_index: int, data: Path, run_dir
     train, evals = read_metrics(run_dir / "metrics.jsonl")
     tail = [r["loss"] for r in train[-max(1, len(train) // 20) :]]
     dts = [tc.tokens_per_step / r["tokens_per_s"] for r in train[min(10, len(train) - 1) :]]
+    seconds = training_seconds(train, tc.tokens_per_step)
     x, y = trainer.sampler.next()
     out = dict(
         variant=variant.name,
@@ -173,6 +192,8 @@ def run_one(study: Study, variant: Variant, seed_index: int, data: Path, run_dir
         train_loss=statistics.fmean(tail),  # mean of the last 5% of steps
         val_loss=evals[-1]["val_loss"] if evals else None,
         val_curve=[(r["step"], r["val_loss"]) for r in evals],
+        # seconds of training steps (evaluation and checkpoints excluded) up to each evaluation
+        val_curve_train_s=[seconds.get(r["step"]) for r in evals],
         train_ms_per_iter=statistics.median(dts) * 1e3,
         train_wall_s=time.perf_counter() - t0,
         peak_mem_bytes=training_memory_bytes(
@@ -225,8 +246,9 @@ def _run_study(study: Study, data: Path, out: Path) -> dict:
     log.info("=== timing every variant's training step, interleaved")
     models = {v.name: Transformer(configs(study, v, 0)[0]) for v in variants}
     tc0 = configs(study, variants[0], 0)[1]
-    speed = step_times_ms(models, tc0, study.speed_rounds) if study.speed_rounds else {}
-    rows = summarise(variants, runs, speed, tc0.tokens_per_step, study.compare)
+    tcs = {v.name: configs(study, v, 0)[1] for v in variants}
+    speed = step_times_ms(models, tc0, study.speed_rounds, tcs) if study.speed_rounds else {}
+    rows = summarise(variants, runs, speed, tc0.tokens_per_step, study.compare, study.target_loss)
     report = dict(study=study.to_dict(), rows=rows, runs=runs, machine=machine())
     for probe in study.probes:
         log.info(f"=== probe {probe}")

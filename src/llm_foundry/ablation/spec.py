@@ -45,6 +45,9 @@ class Study:
     probes: list[str] = field(default_factory=list)
     speed_rounds: int = 5  # interleaved timing rounds of every variant's training step
     compare: str = "first"  # verdicts against the first variant, or "previous" (one change a step)
+    # a validation loss to reach: the report gives each run's first evaluation at or below it
+    # (step, tokens, training seconds); None leaves that table out
+    target_loss: float | None = None
 
     @classmethod
     def from_dict(cls, d: dict) -> Study:
@@ -64,6 +67,11 @@ class Study:
             raise ValueError(f"compare={study.compare!r}: valid values are 'first', 'previous'")
         if not isinstance(study.seeds, int) or study.seeds < 1:
             raise ValueError(f"seeds={study.seeds!r} must be a positive integer")
+        t = study.target_loss
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or t <= 0):
+            raise ValueError(
+                f"target_loss={t!r} must be a positive number (a validation loss) or null"
+            )
         return study
 
     def to_dict(self) -> dict:
