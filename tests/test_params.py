@@ -5,7 +5,15 @@ import json
 import pytest
 import torch
 
-from llm_foundry.accounting import param_report
+from llm_foundry.accounting import (
+    STRATEGIES,
+    GiB,
+    activation_bytes,
+    layer_activation_bytes,
+    memory_report,
+    meta_model,
+    param_report,
+)
 from llm_foundry.cli import main
 from llm_foundry.presets import get_preset
 
@@ -224,3 +232,192 @@ def test_cli_params_table_and_errors(capsys):
     assert "unknown preset 'gpt5'" in capsys.readouterr().err
     assert main(["params", "--preset", "gpt2", "--model.n_kv_heads", "5"]) == 2
     assert "n_heads=12 is not divisible by n_kv_heads=5" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------------
+# Memory per device: DDP, FSDP, TP, FSDP+TP
+
+LLAMA2_7B = 6_738_415_616
+
+
+def _numel(cfg, keep) -> int:
+    """An independent count: the meta model's parameters whose name ``keep`` accepts."""
+    return sum(p.numel() for n, p in meta_model(cfg).named_parameters() if keep(n))
+
+
+def _readme_memory_rows() -> list[str]:
+    """The README's table rows, recomputed: 8 devices, AdamW, fp32, 1 x 4096 tokens, fsdp+tp 2x4."""
+    rows = []
+    parts = {
+        "model states": ("weights", "working_weights", "gradients", "optimizer"),
+        "activations": ("activations",),
+        "total": ("total",),
+    }
+    for name, tp in (("llama2-7b", 4), ("mistral-7b", 4), ("qwen3-8b", 4), ("falcon-7b", 1)):
+        rep = memory_report(get_preset(name), 8, tp, seq_len=4096)
+        for label, keys in parts.items():
+            cells = []
+            for s in STRATEGIES:
+                row = rep["strategies"].get(s)
+                if row is None or (s == "fsdp+tp" and tp == 1):  # 8x1 would only repeat fsdp
+                    cells.append("—")
+                else:
+                    cells.append(f"{sum(row[k] for k in keys) / GiB:.1f}")
+            rows.append(f"| {name} | {label} | " + " | ".join(cells) + " |")
+    return rows
+
+
+def test_readme_memory_table_is_what_memory_report_computes():
+    from pathlib import Path
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    header = "| preset | GiB per device | DDP | FSDP | TP | FSDP+TP |\n|---|---|---|---|---|---|\n"
+    assert header in readme
+    shown = readme.split(header, 1)[1].split("\n\n", 1)[0].splitlines()
+    assert shown == _readme_memory_rows()
+    for name, tp in (("llama2-7b", 4), ("mistral-7b", 4), ("qwen3-8b", 4), ("falcon-7b", 1)):
+        assert f"llm-foundry params --preset {name} --memory 8 --tp {tp} --seq-len 4096" in readme
+
+
+def test_ddp_holds_weights_gradients_and_adamw_state_whole():
+    cfg = get_preset("llama2-7b")
+    ddp = memory_report(cfg, 8, 4)["strategies"]["ddp"]
+    assert _numel(cfg, lambda n: True) == LLAMA2_7B
+    assert ddp["weights"] == ddp["gradients"] == 4 * LLAMA2_7B
+    assert ddp["optimizer"] == 8 * LLAMA2_7B and ddp["working_weights"] == 0  # fp32: no copies
+    assert (ddp["data"], ddp["tensor"]) == (8, 1)
+
+
+def test_fsdp_is_ddp_states_over_n_plus_the_gathered_root_and_one_block():
+    cfg = get_preset("llama2-7b")
+    rep = memory_report(cfg, 8, 4)
+    ddp, fsdp = rep["strategies"]["ddp"], rep["strategies"]["fsdp"]
+    for key in ("weights", "gradients", "optimizer"):
+        assert fsdp[key] * 8 == ddp[key]  # every llama2-7b dim 0 divides by 8: no padding
+    # FSDP2 keeps the root (embedding, final norm, head) gathered from forward to backward
+    gathered = _numel(cfg, lambda n: not n.startswith("layers.") or n.startswith("layers.0."))
+    assert gathered == 2 * 32000 * 4096 + 4096 + rep["params"]["per_block"]
+    assert fsdp["working_weights"] == 4 * gathered
+    states = ddp["weights"] + ddp["gradients"] + ddp["optimizer"]
+    assert fsdp["total"] == states // 8 + 4 * gathered + fsdp["activations"]
+    assert fsdp["activations"] == ddp["activations"]  # data parallelism splits no activation
+    bf16 = memory_report(cfg, 8, 4, dtype="bf16")["strategies"]
+    assert bf16["fsdp"]["working_weights"] == 2 * gathered  # FSDP's bf16 all-gather
+    assert bf16["fsdp"]["weights"] == fsdp["weights"]  # autocast: fp32 master weights
+    # DDP under autocast: bf16 copies of every matmul weight (all 2-D ones but the embedding)
+    matmul = _numel(cfg, lambda n: n != "tok_emb.weight" and "norm" not in n)
+    assert bf16["ddp"]["working_weights"] == 2 * matmul
+
+
+def test_tp_splits_projections_and_vocabulary_and_replicates_norms():
+    cfg = get_preset("llama2-7b")
+    rep = memory_report(cfg, 8, 4)
+    projections = (
+        "wq.weight",
+        "wk.weight",
+        "wv.weight",
+        "wo.weight",
+        "w1.weight",
+        "w2.weight",
+        "w3.weight",
+    )
+    split = _numel(
+        cfg, lambda n: n.endswith(projections) or n in ("tok_emb.weight", "lm_head.weight")
+    )
+    replicated = _numel(cfg, lambda n: "norm" in n)
+    assert (rep["params"]["tp_split"], rep["params"]["tp_replicated"]) == (split, replicated)
+    assert replicated == (2 * 32 + 1) * 4096 and split + replicated == LLAMA2_7B
+    tp = rep["strategies"]["tp"]  # one TP group of all 8 devices
+    assert (tp["data"], tp["tensor"]) == (1, 8)
+    assert tp["weights"] * 8 == 4 * split + 4 * replicated * 8
+    assert tp["optimizer"] * 8 == 8 * split + 8 * replicated * 8
+    both = rep["strategies"]["fsdp+tp"]  # 2 x 4: FSDP over 2, TP over 4
+    assert (both["data"], both["tensor"]) == (2, 4)
+    assert both["weights"] * 8 == 4 * split + 4 * replicated * 4
+    # the gathered copies under fsdp+tp are TP shards: the root and one block, split 4 ways
+    root_and_block = _numel(cfg, lambda n: not n.startswith("layers.") or n.startswith("layers.0."))
+    norms_gathered = 4096 + 2 * 4096  # final norm and block 0's two norms stay whole
+    assert both["working_weights"] == 4 * ((root_and_block - norms_gathered) // 4 + norms_gathered)
+
+
+def test_mqa_keeps_one_kv_head_whole_and_moe_gets_no_tensor_parallelism():
+    cfg = get_preset("llama2-7b", n_kv_heads=1)  # MQA: K/V cannot split, so every rank holds them
+    rep = memory_report(cfg, 8, 8)
+    kv = 32 * 2 * 4096 * 128
+    assert rep["params"]["tp_replicated"] == (2 * 32 + 1) * 4096 + kv
+    split = rep["params"]["tp_split"]
+    assert rep["strategies"]["tp"]["weights"] * 8 == 4 * split + 4 * 8 * (65 * 4096 + kv)
+    moe = memory_report(get_preset("mixtral-8x7b"), 8, 2, seq_len=1024)
+    assert set(moe["strategies"]) == {"ddp", "fsdp"}
+    assert "expert banks" in moe["unavailable"]["tp"] and "fsdp+tp" in moe["unavailable"]
+    assert moe["strategies"]["ddp"]["weights"] == 4 * PUBLISHED["mixtral-8x7b"]
+
+
+def test_muon_state_is_adamw_state_less_the_hidden_matrices_second_moment():
+    cfg = get_preset("llama2-7b")
+    adamw = memory_report(cfg, 8, 4)["strategies"]["ddp"]["optimizer"]
+    rep = memory_report(cfg, 8, 4, optimizer="muon")
+    hidden = 32 * (4 * 4096 * 4096 + 3 * 4096 * 11008)  # the blocks' 2-D weights
+    assert rep["params"]["muon"] == hidden
+    assert rep["strategies"]["ddp"]["optimizer"] == adamw - 4 * hidden
+    # the momentum is sharded like the weights (each update matrix is gathered only in turn)
+    assert rep["strategies"]["fsdp"]["optimizer"] * 8 == adamw - 4 * hidden
+
+
+@pytest.mark.parametrize("name", ["llama2-7b", "gpt2", "falcon-7b", "moe-shakespeare-char"])
+def test_memory_report_gives_muon_what_the_trainer_does(name):
+    from llm_foundry.train.optim import muon_groups
+
+    cfg = get_preset(name)
+    muon = muon_groups(meta_model(cfg), 0.1, 0.0, 0.95, (0.9, 0.99), 1.0)[0]["params"]
+    expected = sum(p.numel() for p in muon)
+    assert memory_report(cfg, 1, 1, optimizer="muon")["params"]["muon"] == expected > 0
+
+
+def test_activation_formula_against_korthikanti():
+    """Korthikanti et al. 2022: 34*s*b*h bytes per GPT layer in 16-bit (flash attention: no s^2
+    term), of which 2*s*b*h are dropout masks this model has not. TP with sequence parallelism:
+    the norm inputs (4) and the rest (24) split t ways, the projections' gathered inputs (4) not."""
+    cfg = get_preset("gpt2")
+    s, b, h = 1024, 2, 768
+    assert layer_activation_bytes(cfg, 1, b, s, 2, 2) == 32 * s * b * h
+    assert layer_activation_bytes(cfg, 4, b, s, 2, 2) == s * b * h * (4 + 28 // 4)
+    full = activation_bytes(cfg, 1, b, s, "bf16")
+    ckpt = activation_bytes(cfg, 1, b, s, "bf16", activation_checkpointing=True)
+    layer = layer_activation_bytes(cfg, 1, b, s, 2, 4)  # bf16 tensors, fp32 residual stream
+    head = s * b * (4 * h + 2 * h + 50257 * (2 + 4))  # norm and head inputs, logits + log-probs
+    assert full == 12 * layer + head
+    assert ckpt == 12 * s * b * 4 * h + layer + head  # block inputs plus one recomputed block
+
+
+def test_invalid_tp_degree_names_the_fields(capsys):
+    with pytest.raises(
+        ValueError, match="n_heads=32 and n_kv_heads=8 must divide by the TP degree 3"
+    ):
+        memory_report(get_preset("mistral-7b"), 6, 3)
+    with pytest.raises(ValueError, match="devices=8 is not a multiple of the TP degree 3"):
+        memory_report(get_preset("llama2-7b"), 8, 3)
+    with pytest.raises(
+        ValueError, match=r"n_heads=71 must divide by the TP degree 2 \(n_kv_heads=1"
+    ):
+        memory_report(get_preset("falcon-7b"), 8, 2)
+    falcon = memory_report(get_preset("falcon-7b"), 8, 1)  # DDP and FSDP still apply
+    assert "n_heads=71" in falcon["unavailable"]["tp"] and "fsdp" in falcon["strategies"]
+    assert main(["params", "--preset", "mistral-7b", "--memory", "6", "--tp", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "n_heads=32 and n_kv_heads=8 must divide by the TP degree 3" in err
+    assert len(err.strip().splitlines()) == 1
+    assert main(["params", "--preset", "gpt2", "--tp", "2"]) == 2
+    assert "--tp needs --memory" in capsys.readouterr().err
+
+
+def test_cli_params_memory_table_and_json(capsys):
+    argv = ["params", "--preset", "llama2-7b", "--memory", "8", "--tp", "4", "--seq-len", "4096"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    rep = memory_report(get_preset("llama2-7b"), 8, 4, seq_len=4096)
+    assert "8 devices, AdamW, fp32, batch 1 x 4096 tokens" in out
+    total = "".join(f"{rep['strategies'][s]['total'] / GiB:>10.2f}" for s in STRATEGIES)
+    assert f"{'total':<18}{total}" in out and "2x4" in out
+    assert main([*argv, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["memory"] == rep

@@ -188,3 +188,276 @@ def format_lora(rep: dict) -> str:
         f"{human(rep['adamw_bytes_full'], 'B')}"
     )
     return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# Memory per device under each kind of parallelism
+
+STRATEGIES = ("ddp", "fsdp", "tp", "fsdp+tp")
+# tensor-parallel placement by parameter name: the dimension split across the TP group
+_TP_COLUMN = ("attn.wq.", "attn.wk.", "attn.wv.", "mlp.w1.", "mlp.w3.")  # out features, dim 0
+_TP_ROW = ("attn.wo.weight", "mlp.w2.weight")  # in features, dim 1 (their biases stay whole)
+_TP_VOCAB = ("tok_emb.weight", "lm_head.weight")  # vocabulary rows, dim 0
+
+
+def check_tp_degree(cfg: ModelConfig, t: int) -> None:
+    """Raise ValueError unless the heads split ``t`` ways: every TP rank owns n_heads / t query
+    heads and n_kv_heads / t key/value heads (a single K/V head, MQA, is replicated instead)."""
+    if t < 1:
+        raise ValueError(f"the TP degree must be at least 1, got {t}")
+    kv = cfg.kv_heads
+    if cfg.n_heads % t == 0 and (kv == 1 or kv % t == 0):
+        return
+    if kv == 1:
+        raise ValueError(
+            f"n_heads={cfg.n_heads} must divide by the TP degree {t} "
+            "(n_kv_heads=1: K/V stay replicated)"
+        )
+    raise ValueError(f"n_heads={cfg.n_heads} and n_kv_heads={kv} must divide by the TP degree {t}")
+
+
+def tp_dim(cfg: ModelConfig, name: str) -> int | None:
+    """The dimension of parameter ``name`` that tensor parallelism splits, or None (replicated).
+
+    Column-wise: q/k/v and the MLP input projections (weights and biases, dim 0); row-wise: the
+    attention and MLP output projections (dim 1); the token embedding and lm_head split their
+    vocabulary rows. Norms (q/k norms too), positions and a single MQA K/V head stay whole on
+    every TP rank.
+    """
+    local = name.split(".", 2)[2] if name.startswith("layers.") else name
+    if cfg.kv_heads == 1 and local.startswith(("attn.wk.", "attn.wv.")):
+        return None
+    if local.startswith(_TP_COLUMN) or local in _TP_VOCAB:
+        return 0
+    return 1 if local in _TP_ROW else None
+
+
+def _local_numel(shape: torch.Size, split: int | None, t: int, d: int) -> int:
+    """Elements one rank holds: ``split`` cut t ways by TP, then dim 0 cut d ways by FSDP2
+    (both pad the last shard, so a rank holds the ceiling)."""
+    dims = list(shape)
+    if split is not None:
+        dims[split] = -(-dims[split] // t)
+    if d > 1:
+        dims[0] = -(-dims[0] // d)
+    n = 1
+    for x in dims:
+        n *= x
+    return n
+
+
+def layer_activation_bytes(
+    cfg: ModelConfig, t: int, batch_size: int, seq_len: int, act_bytes: int, residual_bytes: int
+) -> int:
+    """Bytes one block keeps for backward on one TP rank, for one (batch_size, seq_len) micro-batch.
+
+    Korthikanti et al. 2022 (arXiv:2205.05198, section 4.1) count s*b*h*(34 + 5*a*s/h) bytes per
+    layer in 16-bit for GPT; this recounts the same tensors for this model's blocks, in units of
+    s*b elements: the norm inputs (the residual stream: ``residual_bytes``, fp32 under autocast),
+    the attention and MLP input projections' inputs (h each), Q and the attention output
+    (n_heads*head_dim each), K and V (n_kv_heads*head_dim each), and the MLP's hidden tensors (a
+    gated MLP keeps 4 of width hidden_dim: w1's output, its activation, w3's output and their
+    product; a plain one keeps 2; a MoE layer k + n_shared experts' worth). No s x s term: the
+    attention is PyTorch's SDPA, whose fused kernels keep no attention matrix; no dropout masks
+    (dropout 0). So a GPT-2 block in 16-bit is 32*s*b*h: Korthikanti's 34 less its two masks.
+
+    TP as ``llm_foundry.train.tensor_parallel`` plans it: sequence parallelism between blocks
+    (the norm inputs split t ways along the sequence), Q, K, V, the attention output and the MLP's
+    hidden tensors split t ways by head / hidden unit; the projections' inputs are gathered whole
+    and kept whole for backward (Megatron's sequence parallelism keeps them split and gathers them
+    again in backward: Korthikanti's 34/t). A single MQA K/V head stays whole. Per-head q/k norms,
+    RoPE and biases are not counted.
+    """
+    h, q, kv = cfg.dim, cfg.n_heads * cfg.head_size, cfg.kv_heads * cfg.head_size
+    kv_t = 1 if cfg.kv_heads == 1 else t  # one K/V head is replicated, not split
+    norms = 1 if cfg.parallel_block else 2  # a parallel block's norms all read the same input
+    inputs = cfg.parallel_norms if cfg.parallel_block else 2  # one normed tensor feeds q/k/v too
+    hidden = 4 if cfg.gated else 2
+    if cfg.n_experts:  # routed tokens run k experts (and the shared ones); TP refuses MoE
+        mlp = hidden * (cfg.experts_per_token + cfg.n_shared_experts) * cfg.expert_ffn_dim
+    else:
+        mlp = hidden * -(-cfg.ffn_dim // t)
+    split = (2 * q) // t + (2 * kv) // kv_t + mlp
+    stream = residual_bytes * norms * -(-h // t)  # sequence-split: 1/t of the positions
+    return batch_size * seq_len * (stream + act_bytes * (inputs * h + split))
+
+
+def activation_bytes(
+    cfg: ModelConfig,
+    t: int,
+    batch_size: int,
+    seq_len: int,
+    dtype: str = "fp32",
+    activation_checkpointing: bool = False,
+) -> int:
+    """Activation bytes on one TP rank for one micro-batch: every block's (see
+    ``layer_activation_bytes``) or, with activation checkpointing, each block's input (split t
+    ways along the sequence) plus one block's recomputed activations; and the head's: the final
+    norm's input (sequence-split), lm_head's input (gathered whole) and the logits,
+    s*b*V/t*(act_bytes + 4) (the logits plus cross-entropy's fp32 log-probabilities, both split by
+    vocabulary: TP computes the loss on vocabulary shards)."""
+    act = 2 if dtype == "bf16" else 4  # bf16 autocast computes matmuls in bf16
+    res = 4  # the residual stream (embedding output plus fp32 additions) stays fp32
+    layer = layer_activation_bytes(cfg, t, batch_size, seq_len, act, res)
+    tokens = batch_size * seq_len
+    if activation_checkpointing:
+        blocks = cfg.n_layers * tokens * res * -(-cfg.dim // t) + layer
+    else:
+        blocks = cfg.n_layers * layer
+    head = tokens * (res * -(-cfg.dim // t) + act * cfg.dim + -(-cfg.vocab_size // t) * (act + 4))
+    return blocks + head
+
+
+def memory_report(
+    cfg: ModelConfig,
+    devices: int,
+    tp: int,
+    optimizer: str = "adamw",
+    dtype: str = "fp32",
+    batch_size: int = 1,
+    seq_len: int | None = None,
+    activation_checkpointing: bool = False,
+) -> dict:
+    """Training memory per device, in bytes, for DDP, FSDP, TP and FSDP+TP on ``devices`` devices.
+
+    Meshes (data x tensor): ddp devices x 1 (every rank whole); fsdp devices x 1 (FSDP2 splits
+    every tensor's dim 0 ``devices`` ways); tp 1 x devices (one TP group of every device, split
+    as ``tp_dim`` says); fsdp+tp (devices/tp) x tp (TP inside, FSDP2 over the TP shards).
+
+    Per device, with P the parameters a rank holds after the splits:
+    - weights 4P and gradients 4P: fp32 in both dtypes (``bf16`` is autocast: weights,
+      gradients and optimizer state stay fp32, matmuls and their saved activations are bf16);
+    - optimizer: AdamW 8 bytes per parameter (two fp32 moments); Muon 4 (one momentum) on the
+      parameters ``llm_foundry.train.optim.muon_groups`` gives it (the blocks' 2-D weights) and
+      AdamW's 8 on the rest, its momentum sharded like the weights (the whole update matrix each
+      rank gathers for Newton-Schulz, one at a time, and step counters are not counted);
+    - working weights: FSDP's unsharded copies while they are in use: the root (embeddings,
+      final norm, head: FSDP2 keeps the root gathered from forward to backward) plus one block,
+      4 bytes a parameter (2 in bf16, FSDP's bf16 all-gather); under DDP and TP in bf16, the bf16
+      copies autocast makes of the matmul weights (kept for backward); prefetching a second block,
+      DDP's gradient buckets and unsharded gradients before the reduce-scatter are not counted;
+    - activations: ``activation_bytes`` with this strategy's TP degree.
+
+    MoE and ALiBi models get no tp or fsdp+tp (tensor parallelism refuses them).
+    Returns ``strategies`` (name -> mesh and bytes), ``unavailable`` (name -> why) and ``params``
+    (totals the test checks: all, TP-split, TP-replicated, Muon's, per block, outside blocks).
+    """
+    if devices < 1:
+        raise ValueError(f"devices must be at least 1, got {devices}")
+    if tp < 1 or devices % tp:
+        raise ValueError(f"devices={devices} is not a multiple of the TP degree {tp}")
+    check_tp_degree(cfg, tp)
+    if optimizer not in ("adamw", "muon"):
+        raise ValueError(f"optimizer={optimizer!r} is not one of adamw, muon")
+    if dtype not in ("fp32", "bf16"):
+        raise ValueError(f"dtype={dtype!r} is not one of fp32, bf16")
+    if batch_size < 1 or (seq_len is not None and seq_len < 1):
+        raise ValueError(f"batch_size={batch_size} and seq_len={seq_len} must be at least 1")
+    seq_len = seq_len or cfg.max_seq_len
+    model = meta_model(cfg)
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    # muon_groups' rule (tests/test_params.py checks they agree): 2-D, not embedding nor head
+    muon_ids = {id(p) for p in model.parameters() if p.dim() == 2 and id(p) not in embeddings} - {
+        id(model.lm_head.weight)
+    }
+    tied = cfg.tie_embeddings  # the token embedding is then also the head's matmul weight
+    params = [
+        dict(
+            shape=p.shape,
+            split=tp_dim(cfg, name),
+            block=name.startswith("layers."),
+            # what FSDP gathers at once: the root (never resharded in a step) and one block
+            root_or_first=not name.startswith("layers.") or name.startswith("layers.0."),
+            muon=optimizer == "muon" and id(p) in muon_ids,
+            matmul=p.dim() >= 2 and (id(p) not in embeddings or (tied and "tok_emb" in name)),
+        )
+        for name, p in model.named_parameters()
+    ]
+    meshes = dict(ddp=(devices, 1, False), fsdp=(devices, 1, True), tp=(1, devices, False))
+    meshes["fsdp+tp"] = (devices // tp, tp, True)
+    unavailable = {}
+    try:
+        check_tp_degree(cfg, devices)
+    except ValueError as e:
+        unavailable["tp"] = str(e)
+    if cfg.n_experts or cfg.pos_encoding == "alibi":  # tensor_parallel refuses both
+        why = "expert banks are" if cfg.n_experts else "ALiBi's per-head bias is"
+        for s in ("tp", "fsdp+tp"):
+            unavailable[s] = f"{why} not split by tensor parallelism"
+    gather = 2 if dtype == "bf16" else 4
+    strategies = {}
+    for name, (d, t, sharded) in meshes.items():
+        if name in unavailable:
+            continue
+        fsdp_d = d if sharded else 1
+        for p in params:
+            p["held"] = _local_numel(p["shape"], p["split"], t, fsdp_d)
+            p["whole"] = _local_numel(p["shape"], p["split"], t, 1)  # after TP only
+        if sharded and d > 1:
+            working = gather * sum(p["whole"] for p in params if p["root_or_first"])
+        elif dtype == "bf16":
+            working = 2 * sum(p["whole"] for p in params if p["matmul"])
+        else:
+            working = 0
+        held = sum(p["held"] for p in params)
+        row = dict(
+            data=d,
+            tensor=t,
+            weights=4 * held,
+            working_weights=working,
+            gradients=4 * held,
+            optimizer=sum((4 if p["muon"] else 8) * p["held"] for p in params),
+            activations=activation_bytes(
+                cfg, t, batch_size, seq_len, dtype, activation_checkpointing
+            ),
+        )
+        row["total"] = sum(row[k] for k in MEMORY_ROWS)
+        strategies[name] = row
+
+    def count(keep) -> int:
+        return sum(p["shape"].numel() for p in params if keep(p))
+
+    return dict(
+        devices=devices,
+        tp=tp,
+        optimizer=optimizer,
+        dtype=dtype,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        activation_checkpointing=activation_checkpointing,
+        strategies=strategies,
+        unavailable=unavailable,
+        params=dict(
+            total=count(lambda p: True),
+            tp_split=count(lambda p: p["split"] is not None),
+            tp_replicated=count(lambda p: p["split"] is None),
+            muon=count(lambda p: p["muon"]),
+            per_block=count(lambda p: p["root_or_first"] and p["block"]),
+            outside_blocks=count(lambda p: not p["block"]),
+        ),
+    )
+
+
+MEMORY_ROWS = ("weights", "working_weights", "gradients", "optimizer", "activations")
+GiB = 1024**3
+
+
+def format_memory(rep: dict) -> str:
+    """The memory report as a table of GiB per device, one column per strategy."""
+    names = list(rep["strategies"])
+    opt = {"adamw": "AdamW", "muon": "Muon"}[rep["optimizer"]]
+    ckpt = ", activation checkpointing" if rep["activation_checkpointing"] else ""
+    lines = [
+        f"memory per device, GiB: {rep['devices']} devices, {opt}, {rep['dtype']}, "
+        f"batch {rep['batch_size']} x {rep['seq_len']} tokens{ckpt}",
+        f"{'':<18}" + "".join(f"{n:>10}" for n in names),
+    ]
+    s = rep["strategies"]
+    mesh = [f"{s[n]['data']}x{s[n]['tensor']}" for n in names]
+    lines.append(f"{'mesh (data x tp)':<18}" + "".join(f"{m:>10}" for m in mesh))
+    for key in (*MEMORY_ROWS, "total"):
+        label = key.replace("_", " ")
+        lines.append(f"{label:<18}" + "".join(f"{s[n][key] / GiB:>10.2f}" for n in names))
+    for n, why in rep["unavailable"].items():
+        lines.append(f"{n}: not available: {why}")
+    return "\n".join(lines)
