@@ -15,7 +15,7 @@ from llm_foundry.models.lora import TARGETS as LORA_TARGETS
 from llm_foundry.train.optim import OPTIMIZERS
 
 SCHEDULES = ("cosine", "linear", "constant", "wsd")
-DTYPES = ("fp32", "bf16", "fp16")
+DTYPES = ("fp32", "bf16", "fp16", "auto")
 DEVICES = ("auto", "cpu", "cuda", "mps")
 ON_NONFINITE = ("stop", "skip")
 PARALLEL = ("none", "ddp", "fsdp")
@@ -55,7 +55,7 @@ class TrainConfig:
     checkpoint_interval: int = 500  # steps between checkpoints (and one at the end)
     keep_last: int = 2  # checkpoints kept besides the best-by-validation one
     seed: int = 1337
-    dtype: str = "fp32"  # fp32 | bf16 (autocast) | fp16 (autocast + grad scaler)
+    dtype: str = "fp32"  # fp32 | bf16 (autocast) | fp16 (autocast + scaler) | auto: bf16 if fast
     compile: bool = False  # torch.compile the model
     parallel: str = (
         "none"  # with torchrun: ddp (replicas) | fsdp (FSDP2 shards); batch_size is per rank
@@ -126,6 +126,9 @@ class TrainConfig:
                 "optimizer='muon' with parallel='fsdp': Muon orthogonalises whole matrices and "
                 "FSDP2 holds shards of them; use parallel=ddp (or optimizer=adamw)"
             )
+        if self.dtype == "auto" and self.parallel == "fsdp":
+            p.append("dtype='auto' with parallel='fsdp': FSDP2's mixed precision is fixed when the "
+                     "model is sharded, before auto is resolved; use dtype=bf16 or fp32")  # fmt: skip
         if self.optimizer == "muon" and self.dtype == "fp16":
             p.append("optimizer='muon' with dtype='fp16': the fp16 grad scaler steps AdamW only; "
                      "use dtype=bf16 or fp32")  # fmt: skip

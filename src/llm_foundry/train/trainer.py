@@ -37,6 +37,7 @@ from llm_foundry.train.config import TrainConfig
 from llm_foundry.train.metrics import MetricsLog
 from llm_foundry.train.monitor import ExpertLoad, Monitor, layer_grad_norms, rest_grad_norm
 from llm_foundry.train.optim import MuonWithAdamW, muon_groups
+from llm_foundry.train.precision import recorded_dtype, resolve_dtype
 from llm_foundry.train.schedule import lr_at
 from llm_foundry.train.state import (
     latest_checkpoint,
@@ -149,8 +150,13 @@ class Trainer:
                 betas=(train_cfg.beta1, train_cfg.beta2),
                 fused=fused,
             )
-        self.amp_dtype = AUTOCAST_DTYPES[train_cfg.dtype]
-        self.scaler = torch.amp.GradScaler(self.device.type, enabled=train_cfg.dtype == "fp16")
+        # auto becomes bf16 or fp32 once, here; a resumed run keeps the dtype it started with
+        recorded = recorded_dtype(self.out) if resume else None
+        self.dtype, self.dtype_reason = resolve_dtype(train_cfg.dtype, self.device, recorded)
+        if train_cfg.dtype == "auto" and self.world.main:
+            log.info(self.dtype_reason)
+        self.amp_dtype = AUTOCAST_DTYPES[self.dtype]
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.dtype == "fp16")
         self.train_data = load_split(self.data_dir, "train")
         self.val_data = load_split(self.data_dir, "val")
         self.sft = self.meta.get("kind") == "sft"  # whole examples with masked prompts
@@ -336,6 +342,8 @@ class Trainer:
             parallel=self.tc.parallel if self.world.distributed else "none",
             argv=sys.argv,
             params=self.model.num_params(),
+            dtype=self.dtype,  # train.dtype resolved (auto -> bf16 | fp32); a resume keeps it
+            dtype_reason=self.dtype_reason,
             resumed_from=str(self.resumed_from) if self.resumed_from else None,
         )
         write_json_atomic(self.out / "run.json", info)
