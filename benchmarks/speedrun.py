@@ -249,7 +249,7 @@ def _result(e, seed, curve, steps, max_steps, train_s, wall_s, ms, params) -> di
         wall_s=round(wall_s, 2),
         median_ms_per_step=round(ms, 2),
         target_step=hit[0] if hit else None,
-        target_tokens=hit[0] * BATCH * BLOCK if hit else None,
+        target_tokens={s: n for s, n, _, _ in curve}[hit[0]] if hit else None,
         target_train_s=round(hit[2], 3) if hit else None,
         final_val_loss=round(curve[-1][3], 4) if curve else None,
         curve=[

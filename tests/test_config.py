@@ -120,3 +120,28 @@ def test_one_config_file_serves_every_command(tmp_path, capsys):
         inspect_main(["lr", "--config", str(cfg), "--out", str(tmp_path / "lr.png"), "--json"]) == 0
     )
     assert json.loads(capsys.readouterr().out)["train"]["max_steps"] == 5
+
+
+def test_tensor_parallel_refusals_name_the_field_and_the_way_out():
+    from llm_foundry.train.config import TrainConfig
+
+    with pytest.raises(ConfigError) as e:
+        TrainConfig(parallel="tp", dtype="fp16", lora_r=4, monitor_interval=5)
+    msg = str(e.value)
+    assert "dtype='fp16' with parallel='tp'" in msg and "use bf16 or fp32" in msg
+    assert "lora_r=4 with parallel='tp'" in msg and "monitor_interval=5 with parallel='tp'" in msg
+    assert TrainConfig(parallel="fsdp+tp", tp_size=2, optimizer="muon").tp_size == 2
+
+
+def test_the_tensor_parallel_degree_follows_the_world():
+    from llm_foundry.train.distributed import tp_degree
+
+    assert tp_degree("ddp", 0, 4) == 1 and tp_degree("tp", 0, 1) == 1
+    assert tp_degree("tp", 0, 4) == 4 and tp_degree("fsdp+tp", 0, 4) == 2
+    assert tp_degree("fsdp+tp", 4, 8) == 4
+    with pytest.raises(ValueError, match="plain tp uses every rank"):
+        tp_degree("tp", 2, 4)
+    with pytest.raises(ValueError, match="at least 2 groups of tp_size ranks"):
+        tp_degree("fsdp+tp", 2, 2)
+    with pytest.raises(ValueError, match="at least 2 groups of tp_size ranks"):
+        tp_degree("fsdp+tp", 3, 4)

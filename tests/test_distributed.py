@@ -76,6 +76,11 @@ def losses(run: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in recs if "loss" in r}
 
 
+def grad_norms(run: Path) -> dict[int, float]:
+    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["grad_norm"] for r in recs if "grad_norm" in r}
+
+
 def val_losses(run: Path) -> dict[int, float]:
     recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r["val_loss"] for r in recs if "val_loss" in r}
@@ -110,14 +115,16 @@ def test_two_ranks_give_the_losses_of_one_process(parallel, data_dir, reference,
     assert info["world_size"] == 2 and info["parallel"] == parallel
 
 
-def test_muon_on_two_ddp_ranks_gives_the_losses_of_one_process(data_dir, tmp_path):
-    """DDP hands Muon whole, averaged gradients: its updates are those of one process."""
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp", "tp"])
+def test_muon_on_two_ranks_gives_the_losses_of_one_process(parallel, data_dir, tmp_path):
+    """DDP hands Muon whole, averaged gradients; under FSDP2 and tensor parallelism each rank
+    gathers the whole momentum matrix to orthogonalise it: the updates are one process's."""
     ref = tmp_path / "one"
     one_process(data_dir, ref, max_steps=10, optimizer="muon")
-    run = tmp_path / "ddp"
+    run = tmp_path / parallel
+    batch = GLOBAL_BATCH if parallel == "tp" else GLOBAL_BATCH // 2  # a tp pair shares a batch
     args = ["train", "--data", str(data_dir), "--out", str(run)]
-    args += _flags(**TRAIN, batch_size=GLOBAL_BATCH // 2, max_steps=10, parallel="ddp",
-                   optimizer="muon")  # fmt: skip
+    args += _flags(**TRAIN, batch_size=batch, max_steps=10, parallel=parallel, optimizer="muon")
     r = torchrun(args)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert_close(losses(run), losses(ref))
@@ -193,7 +200,8 @@ def test_more_than_one_process_needs_a_parallel_mode(data_dir, tmp_path):
     args = ["train", "--data", str(data_dir), "--out", str(tmp_path / "run")]
     r = torchrun(args + _flags(**TRAIN, batch_size=4, max_steps=2))
     assert r.returncode != 0
-    assert "train.parallel='none' with 2 processes: choose 'ddp' or 'fsdp'" in r.stdout + r.stderr
+    msg = "train.parallel='none' with 2 processes: choose one of ddp, fsdp, tp, fsdp+tp"
+    assert msg in r.stdout + r.stderr
 
 
 EXPERTS = dict(n_experts=4, experts_per_token=2, expert_hidden_dim=32, moe_aux_loss_coef=0.0)
@@ -264,3 +272,130 @@ def test_sft_on_two_ddp_ranks_gives_the_losses_of_one_process(lora, sft_dir, tmp
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert_close(losses(run), losses(one), tol=1e-5 * max(losses(one).values()))
     assert_close(val_losses(run), val_losses(one), tol=1e-5 * max(val_losses(one).values()))
+
+
+# ----------------------------------------------------------------------------------------------
+# Tensor parallelism: each matrix split over the ranks of a group (tp), and FSDP2 across groups
+# (fsdp+tp, a 2-D mesh on 4 processes). MODEL is MQA (n_heads=2, n_kv_heads=1): K/V replicated.
+
+GRADS_SCRIPT = """
+import json, sys
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from llm_foundry.presets import get_preset
+from llm_foundry.models import Transformer
+from llm_foundry.train import distributed as D
+from llm_foundry.train import tensor_parallel as TP
+
+parallel = sys.argv[1]
+small = dict(vocab_size=65, dim=32, n_layers=2, n_heads=4, hidden_dim=64, max_seq_len=16)
+variants = {
+    "llama-gqa-qknorm": ("llama-shakespeare-char", dict(n_kv_heads=2, qk_norm=True)),
+    "llama-mqa-tied": ("llama-shakespeare-char", dict(n_kv_heads=1, tie_embeddings=True)),
+    "gpt2-learned-pos": ("gpt2-shakespeare-char", {}),
+    "falcon-parallel-block": ("llama-shakespeare-char", dict(parallel_block=True, n_kv_heads=1)),
+    "post-norm-sliding-window": ("llama-shakespeare-char", dict(norm_position="post", sliding_window=5)),
+}
+world = None
+out = {}
+for name, (preset, kw) in variants.items():
+    torch.manual_seed(0)
+    cfg = get_preset(preset, **small, **kw)
+    model, one = Transformer(cfg), Transformer(cfg)
+    one.load_state_dict(model.state_dict())
+    x, y = torch.randint(0, 65, (4, 16)), torch.randint(0, 65, (4, 16))
+    one(x, y)[1].backward()  # the reference: one process, the whole batch
+    if world is None:
+        world, _ = D.init_world(torch.device("cpu"), parallel, 2)
+    wrapped = D.wrap(model, parallel, world, torch.device("cpu"), "fp32")
+    rows = slice(world.dp_rank * 4 // world.dp_size, (world.dp_rank + 1) * 4 // world.dp_size)
+    with TP.loss_context():
+        loss = TP.local(wrapped(x[rows], y[rows])[1])
+        loss.backward()
+    TP.settle_grads(model)
+    worst = 0.0
+    for (n, p), (_, q) in zip(model.named_parameters(), one.named_parameters(), strict=True):
+        g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        worst = max(worst, ((g - q.grad).abs().max() / q.grad.abs().max()).item())
+    out[name] = dict(loss=D.mean(loss.detach(), world).item(), one_loss=one(x, y)[1].item(),
+                     worst=worst, split=[n for n, p in model.named_parameters()
+                                         if isinstance(p, DTensor) and p.to_local().numel() < p.numel()])
+if world.main:
+    print("RESULT " + json.dumps(out))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("parallel,nproc", [("tp", 2), ("fsdp+tp", 4)])
+def test_tensor_parallel_gives_the_loss_and_gradients_of_one_process(parallel, nproc, tmp_path):
+    """Every parameter's gradient, gathered, equals one process's on the whole batch (fp32
+    tolerance), for GQA with QK-norm, MQA with tied embeddings, GPT-2's learned positions,
+    Falcon's parallel block and post-norm with a sliding window."""
+    script = tmp_path / "grads.py"
+    script.write_text(GRADS_SCRIPT)
+    r = torchrun([parallel], nproc=nproc, script=str(script), timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    results = json.loads(r.stdout.split("RESULT ", 1)[1].splitlines()[0])
+    assert len(results) == 5
+    for name, res in results.items():
+        assert abs(res["loss"] - res["one_loss"]) < 1e-5, (name, res)
+        assert res["worst"] < 1e-5, (name, res["worst"])
+        # the matrices really are split: attention and MLP projections, vocab rows
+        for split in ("layers.0.attn.wq.weight", "layers.1.mlp.w2.weight", "tok_emb.weight"):
+            assert split in res["split"], (name, res["split"])
+
+
+@pytest.mark.parametrize("parallel,nproc", [("tp", 2), ("fsdp+tp", 4)])
+def test_tensor_parallel_trains_as_one_process(parallel, nproc, data_dir, reference, tmp_path):
+    """10 steps: losses, gradient norms and validation losses of one process at the same global
+    batch (tp: both ranks read the same 8 rows; fsdp+tp: 2 groups of 4)."""
+    run = tmp_path / parallel
+    groups = nproc // 2
+    args = ["train", "--data", str(data_dir), "--out", str(run)]
+    args += _flags(**TRAIN, batch_size=GLOBAL_BATCH // groups, max_steps=10, parallel=parallel)
+    r = torchrun(args, nproc=nproc, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert_close(losses(run), losses(reference))
+    assert_close(grad_norms(run), grad_norms(reference))
+    assert_close(val_losses(run), val_losses(reference))
+    assert f"x {groups} data-parallel group(s) = {GLOBAL_BATCH} sequences" in r.stdout
+    assert "(2-way tensor parallel in each group)" in r.stdout
+    info = json.loads((run / "run.json").read_text())
+    assert info["world_size"] == nproc and info["tensor_parallel"] == 2
+
+
+@pytest.mark.parametrize("parallel,nproc", [("tp", 2), ("fsdp+tp", 4)])
+def test_save_under_tensor_parallelism_resume_with_one_process(parallel, nproc, data_dir, tmp_path):
+    full = tmp_path / "full"
+    one_process(data_dir, full, max_steps=10)
+    run = tmp_path / "run"
+    args = ["train", "--data", str(data_dir), "--out", str(run)]
+    batch = GLOBAL_BATCH // (nproc // 2)
+    r = torchrun(args + _flags(**TRAIN, batch_size=batch, max_steps=5, parallel=parallel),
+                 nproc=nproc, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    one_process(data_dir, run, resume=True, max_steps=10)
+    assert_close(losses(run), losses(full))
+
+
+def test_save_with_one_process_resume_with_tensor_parallelism(data_dir, tmp_path):
+    full = tmp_path / "full"
+    one_process(data_dir, full, max_steps=10)
+    run = tmp_path / "run"
+    one_process(data_dir, run, max_steps=5)
+    args = ["train", "--data", str(data_dir), "--out", str(run), "--resume"]
+    r = torchrun(args + _flags(**TRAIN, batch_size=GLOBAL_BATCH, max_steps=10, parallel="tp"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert_close(losses(run), losses(full))
+
+
+def test_tensor_parallelism_refuses_heads_that_do_not_split(data_dir, tmp_path):
+    args = ["train", "--data", str(data_dir), "--out", str(tmp_path / "run")]
+    args += _flags(**TRAIN, batch_size=4, max_steps=2, parallel="tp") + ["--model.n_heads=3"]
+    args += ["--model.dim=48", "--model.n_kv_heads=3"]
+    r = torchrun(args)
+    assert r.returncode != 0
+    err = r.stdout + r.stderr
+    assert "model.n_heads=3 must divide by the tensor-parallel degree 2" in err
+    assert "model.n_kv_heads=3 must divide by the tensor-parallel degree 2" in err

@@ -105,7 +105,5 @@ def test_bad_optimizer_settings_are_named():
         TrainConfig(optimizer="sgd")
     with pytest.raises(ConfigError, match="muon_lr=0 must be a number > 0"):
         TrainConfig(optimizer="muon", muon_lr=0)
-    with pytest.raises(ConfigError, match="optimizer='muon' with parallel='fsdp'"):
-        TrainConfig(optimizer="muon", parallel="fsdp")
     with pytest.raises(ConfigError, match="optimizer='muon' with dtype='fp16'"):
         TrainConfig(optimizer="muon", dtype="fp16")

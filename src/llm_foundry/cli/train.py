@@ -188,7 +188,7 @@ def train_and_report(model_cfg, train_cfg, data: Path, out: Path, resume: bool =
     w = trainer.world
     n = trainer.model.num_params()
     if w.main:
-        per_step = train_cfg.batch_size * train_cfg.grad_accum * w.world_size
+        per_step = train_cfg.batch_size * train_cfg.grad_accum * w.dp_size
         if train_cfg.lora_r:  # the base is frozen: say how much trains, and what memory it takes
             from llm_foundry.models.lora import frozen_base_bytes
 
@@ -203,10 +203,12 @@ def train_and_report(model_cfg, train_cfg, data: Path, out: Path, resume: bool =
         print(
             f"model: {n:,} parameters ({trainer.model.num_params(non_embedding=True):,} "
             f"non-embedding) | device {trainer.device} | run dir {out}\n"
-            f"global batch: {train_cfg.batch_size} per rank x {train_cfg.grad_accum} accumulation "
-            f"x {w.world_size} rank(s) = {per_step} sequences = "
+            f"global batch: {train_cfg.batch_size} per {'group' if w.tp > 1 else 'rank'} x "
+            f"{train_cfg.grad_accum} accumulation x {w.dp_size} "
+            f"{'data-parallel group(s)' if w.tp > 1 else 'rank(s)'} = {per_step} sequences = "
             f"{per_step * train_cfg.block_size:,} tokens/step"
             + (f" | parallel {train_cfg.parallel}" if w.distributed else "")
+            + (f" ({w.tp}-way tensor parallel in each group)" if w.tp > 1 else "")
         )
     result = trainer.run()
     if not w.main:  # rank 0 alone plots, samples and summarises

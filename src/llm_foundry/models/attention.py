@@ -144,9 +144,10 @@ class Attention(nn.Module):
         """x: (B, T, D) -> (B, T, D) and the weights (B, H, T, S) when ``need_weights``.
         ``kv`` = (cache, layer index) stores this step's keys/values and reads the earlier ones."""
         B, T, _ = x.shape
-        q = self.wq(x).view(B, T, self.n_heads, self.head_dim)
-        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)
-        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)
+        # heads counted from the projections: under tensor parallelism a rank holds some of them
+        q = self.wq(x).view(B, T, -1, self.head_dim)
+        k = self.wk(x).view(B, T, -1, self.head_dim)
+        v = self.wv(x).view(B, T, -1, self.head_dim)
         q, k = self.q_norm(q).transpose(1, 2), self.k_norm(k).transpose(1, 2)  # (B, H|K, T, hd)
         q, k = pos.rotate(q, k, start, kv[0].pad if kv is not None else None)
         v = v.transpose(1, 2)
@@ -155,5 +156,5 @@ class Attention(nn.Module):
             k, v = cache.update(layer, k, v, start)  # (B, K, S, hd)
         impl = manual_attention if need_weights else self.impl
         out, weights = impl(q, k, v, mask, self.dropout if self.training else 0.0)
-        out = out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
+        out = out.transpose(1, 2).reshape(B, T, -1)
         return self.wo(out), weights

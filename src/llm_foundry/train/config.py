@@ -18,7 +18,7 @@ SCHEDULES = ("cosine", "linear", "constant", "wsd")
 DTYPES = ("fp32", "bf16", "fp16", "auto")
 DEVICES = ("auto", "cpu", "cuda", "mps")
 ON_NONFINITE = ("stop", "skip")
-PARALLEL = ("none", "ddp", "fsdp")
+PARALLEL = ("none", "ddp", "fsdp", "tp", "fsdp+tp")
 
 
 def _is_int(v: Any) -> bool:
@@ -57,9 +57,11 @@ class TrainConfig:
     seed: int = 1337
     dtype: str = "fp32"  # fp32 | bf16 (autocast) | fp16 (autocast + scaler) | auto: bf16 if fast
     compile: bool = False  # torch.compile the model
-    parallel: str = (
-        "none"  # with torchrun: ddp (replicas) | fsdp (FSDP2 shards); batch_size is per rank
-    )
+    # with torchrun: ddp (replicas) | fsdp (FSDP2 shards) | tp (each matrix split over all
+    # ranks) | fsdp+tp (FSDP2 across groups of tp_size tensor-parallel ranks); batch_size is per
+    # data-parallel rank (a tensor-parallel group shares its batch)
+    parallel: str = "none"
+    tp_size: int = 0  # ranks per tensor-parallel group; 0: every rank (tp), 2 (fsdp+tp)
     activation_checkpointing: bool = False  # recompute each block's activations in backward
     device: str = "auto"  # auto | cpu | cuda | mps
     on_nonfinite: str = "stop"  # stop (with a message) | skip the step and count it
@@ -101,6 +103,7 @@ class TrainConfig:
             "sample_tokens",
             "seed",
             "lora_r",
+            "tp_size",
         ):
             v = getattr(self, name)
             if not _is_int(v) or v < 0:
@@ -121,13 +124,21 @@ class TrainConfig:
         one_of(p, "on_nonfinite", self.on_nonfinite, ON_NONFINITE)
         one_of(p, "parallel", self.parallel, PARALLEL)
         one_of(p, "optimizer", self.optimizer, OPTIMIZERS)
-        if self.optimizer == "muon" and self.parallel == "fsdp":
-            p.append(
-                "optimizer='muon' with parallel='fsdp': Muon orthogonalises whole matrices and "
-                "FSDP2 holds shards of them; use parallel=ddp (or optimizer=adamw)"
-            )
-        if self.dtype == "auto" and self.parallel == "fsdp":
-            p.append("dtype='auto' with parallel='fsdp': FSDP2's mixed precision is fixed when the "
+        if "tp" in self.parallel:  # tensor parallelism holds DTensor shards of each matrix
+            lora = _is_int(self.lora_r) and self.lora_r > 0
+            monitor = _is_int(self.monitor_interval) and self.monitor_interval > 0
+            for name, bad, why in (
+                ("dtype", self.dtype == "fp16", "the fp16 grad scaler does not take DTensor "
+                 "shards; use bf16 or fp32"),
+                ("lora_r", lora, "adapters are not split across tensor-parallel ranks; use ddp "
+                 "or fsdp"),
+                ("monitor_interval", monitor, "the monitors read whole weights; use ddp or none"),
+            ):  # fmt: skip
+                if bad:
+                    p.append(f"{name}={getattr(self, name)!r} with parallel={self.parallel!r}: "
+                             f"{why}")  # fmt: skip
+        if self.dtype == "auto" and self.parallel in ("fsdp", "fsdp+tp"):
+            p.append(f"dtype='auto' with parallel={self.parallel!r}: FSDP2's mixed precision is fixed when the "
                      "model is sharded, before auto is resolved; use dtype=bf16 or fp32")  # fmt: skip
         if self.optimizer == "muon" and self.dtype == "fp16":
             p.append("optimizer='muon' with dtype='fp16': the fp16 grad scaler steps AdamW only; "

@@ -1,11 +1,11 @@
-"""More than one process: torch.distributed set-up, DDP / FSDP2 wrapping, and full-state
-checkpoints that any number of ranks can write and read.
+"""More than one process: torch.distributed set-up, DDP / FSDP2 / tensor-parallel wrapping, and
+full-state checkpoints that any number of ranks can write and read.
 
 Launched by ``torchrun`` (which sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT); a plain
 ``python`` run is world size 1 and none of this does anything. Backend: nccl on GPUs, gloo on CPU.
 Checkpoints stay in the single-process format (full tensors, parameter ids in optimizer order):
-FSDP2 gathers them to rank 0 to save and every rank reshards them on load, so a run saved with N
-ranks resumes with M.
+FSDP2 and tensor parallelism gather them to rank 0 to save and every rank reshards them on load,
+so a run saved with N ranks (in any layout) resumes with M.
 """
 
 from __future__ import annotations
@@ -22,9 +22,13 @@ from torch import nn
 
 @dataclass(frozen=True)
 class World:
+    """This process's place: ``tp`` consecutive ranks form a tensor-parallel group (they see the
+    same batches); the groups are the data-parallel replicas (or FSDP shards)."""
+
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    tp: int = 1
 
     @property
     def main(self) -> bool:
@@ -34,14 +38,47 @@ class World:
     def distributed(self) -> bool:
         return self.world_size > 1
 
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.tp
 
-def init_world(device: torch.device) -> tuple[World, torch.device]:
+    @property
+    def dp_size(self) -> int:
+        return self.world_size // self.tp
+
+
+SHARDED = ("fsdp", "tp", "fsdp+tp")  # parallel choices whose parameters are DTensor shards
+
+
+def tp_degree(parallel: str, tp_size: int, world_size: int) -> int:
+    """Ranks per tensor-parallel group: all of them for ``tp``, ``tp_size`` for ``fsdp+tp``, 1
+    otherwise. A one-line error when the world does not split that way."""
+    if world_size == 1 or "tp" not in parallel:
+        return 1
+    t = tp_size or (world_size if parallel == "tp" else 2)
+    if parallel == "tp" and t != world_size:
+        raise ValueError(
+            f"train.parallel='tp' with train.tp_size={tp_size} on {world_size} processes: plain "
+            f"tp uses every rank (tp_size 0 or {world_size}); for fewer use parallel='fsdp+tp'"
+        )
+    if world_size % t or world_size == t and parallel == "fsdp+tp":
+        raise ValueError(
+            f"train.parallel='fsdp+tp' with train.tp_size={t} on {world_size} processes: the "
+            "world must split into at least 2 groups of tp_size ranks"
+        )
+    return t
+
+
+def init_world(
+    device: torch.device, parallel: str = "none", tp_size: int = 0
+) -> tuple[World, torch.device]:
     """Join the process group torchrun describes (if any); returns the world and this rank's
     device (cuda:LOCAL_RANK on GPUs)."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size == 1:
         return World(), device
-    world = World(int(os.environ["RANK"]), world_size, int(os.environ.get("LOCAL_RANK", "0")))
+    tp = tp_degree(parallel, tp_size, world_size)
+    world = World(int(os.environ["RANK"]), world_size, int(os.environ.get("LOCAL_RANK", "0")), tp)
     if device.type == "cuda":
         torch.cuda.set_device(world.local_rank)
         device = torch.device("cuda", world.local_rank)
@@ -53,31 +90,42 @@ def init_world(device: torch.device) -> tuple[World, torch.device]:
 
 
 def wrap(model: nn.Module, parallel: str, world: World, device: torch.device, dtype: str):
-    """``model`` as DDP or FSDP2 (each block sharded, then the root), or unchanged."""
+    """``model`` as DDP, FSDP2 (each block sharded, then the root), tensor-parallel, or FSDP2
+    over tensor-parallel groups (a 2-D mesh: dp x tp); unchanged for one process."""
     if not world.distributed:
         return model
     if parallel == "ddp":
         ids = [device.index] if device.type == "cuda" else None
         return nn.parallel.DistributedDataParallel(model, device_ids=ids)
-    if parallel == "fsdp":
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    if parallel not in SHARDED:
+        raise ValueError(
+            f"train.parallel={parallel!r} with {world.world_size} processes: choose one of "
+            f"ddp, {', '.join(SHARDED)}"
+        )
+    from torch.distributed.device_mesh import init_device_mesh
 
-        mp = MixedPrecisionPolicy()
-        if dtype == "bf16":  # bf16 compute and all-gathers, fp32 gradient reduction
-            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        for block in model.layers:
-            fully_shard(block, mp_policy=mp)
-        return fully_shard(model, mp_policy=mp)
-    raise ValueError(
-        f"train.parallel={parallel!r} with {world.world_size} processes: choose 'ddp' or 'fsdp'"
-    )
+    from llm_foundry.train.tensor_parallel import parallelize
+
+    mesh = init_device_mesh(device.type, (world.dp_size, world.tp), mesh_dim_names=("dp", "tp"))
+    if world.tp > 1:
+        parallelize(model, mesh["tp"])
+    if parallel == "tp":
+        return model
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy()
+    if dtype == "bf16":  # bf16 compute and all-gathers, fp32 gradient reduction
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.layers:
+        fully_shard(block, mesh=mesh["dp"], mp_policy=mp)
+    return fully_shard(model, mesh=mesh["dp"], mp_policy=mp)
 
 
 def sync_gradients(model: nn.Module, parallel: str, last_micro_step: bool):
     """Context for one micro-step's backward: gradient all-reduce only on the last one."""
     if parallel == "ddp" and not last_micro_step and hasattr(model, "no_sync"):
         return model.no_sync()
-    if parallel == "fsdp" and hasattr(model, "set_requires_gradient_sync"):
+    if parallel in ("fsdp", "fsdp+tp") and hasattr(model, "set_requires_gradient_sync"):
         model.set_requires_gradient_sync(last_micro_step)
     return contextlib.nullcontext()
 
@@ -105,7 +153,7 @@ def any_rank(flag: bool, world: World, device: torch.device) -> bool:
 
 
 def _sharded(parallel: str, world: World) -> bool:
-    return parallel == "fsdp" and world.distributed
+    return parallel in SHARDED and world.distributed
 
 
 def full_model_state(model: nn.Module, parallel: str, world: World) -> dict[str, torch.Tensor]:

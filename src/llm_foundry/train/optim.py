@@ -11,7 +11,17 @@ group in one ``state_dict``, so checkpoints, resume and the trainer see one opti
 from __future__ import annotations
 
 import torch
-from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS, EPS, muon
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.optim._muon import (
+    DEFAULT_A,
+    DEFAULT_B,
+    DEFAULT_C,
+    DEFAULT_NS_STEPS,
+    EPS,
+    _adjust_lr,
+    _zeropower_via_newtonschulz,
+    muon,
+)
 from torch.optim.adamw import adamw
 
 OPTIMIZERS = ("adamw", "muon")  # the values ``TrainConfig.optimizer`` accepts
@@ -45,6 +55,10 @@ class MuonWithAdamW(torch.optim.Optimizer):
                 continue
             if g["kind"] == "muon":
                 bufs = [self._state(p, momentum_buffer=torch.zeros_like) for p in params]
+                if isinstance(params[0], DTensor):  # FSDP2 / tensor-parallel shards
+                    for p, grad, b in zip(params, grads, bufs, strict=True):
+                        sharded_muon(p, grad, b["momentum_buffer"], g)
+                    continue
                 muon(params, grads, [b["momentum_buffer"] for b in bufs], lr=g["lr"],
                      weight_decay=g["weight_decay"], momentum=g["momentum"],
                      nesterov=g["nesterov"], ns_coefficients=(DEFAULT_A, DEFAULT_B, DEFAULT_C),
@@ -73,6 +87,23 @@ class MuonWithAdamW(torch.optim.Optimizer):
             if name not in state:
                 state[name] = make(p)
         return state
+
+
+@torch.no_grad()
+def sharded_muon(p: DTensor, grad: DTensor, buf: DTensor, group: dict) -> None:
+    """Muon's update (torch's, step for step) for a parameter split over ranks: the momentum
+    stays sharded like ``p``; the Newton-Schulz iteration needs the whole matrix, so every rank
+    gathers it, orthogonalises it (the same result everywhere) and keeps its own part."""
+    momentum, lr = group["momentum"], group["lr"]
+    buf.lerp_(grad, 1 - momentum)
+    update = grad.lerp(buf, momentum) if group["nesterov"] else buf
+    whole = _zeropower_via_newtonschulz(
+        update.full_tensor(), (DEFAULT_A, DEFAULT_B, DEFAULT_C), DEFAULT_NS_STEPS, EPS
+    )
+    # every rank holds the same whole matrix: cut out this rank's part without communication
+    update = distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None)
+    p.mul_(1 - lr * group["weight_decay"])
+    p.add_(update, alpha=-_adjust_lr(lr, None, p.shape))
 
 
 def muon_groups(model: torch.nn.Module, weight_decay: float, muon_weight_decay: float,

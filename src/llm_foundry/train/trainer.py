@@ -33,6 +33,7 @@ from llm_foundry.data.sft import IGNORE, SFTSampler
 from llm_foundry.models import Transformer
 from llm_foundry.models.lora import add_lora, apply_lora_settings, lora_settings
 from llm_foundry.train import distributed as D
+from llm_foundry.train import tensor_parallel as TP
 from llm_foundry.train.config import TrainConfig
 from llm_foundry.train.metrics import MetricsLog
 from llm_foundry.train.monitor import ExpertLoad, Monitor, layer_grad_norms, rest_grad_norm
@@ -110,7 +111,9 @@ class Trainer:
             )
             model_cfg = model_cfg.replace(vocab_size=self.meta["vocab_size"])
         self.mc = model_cfg
-        self.world, self.device = D.init_world(resolve_device(train_cfg.device))
+        self.world, self.device = D.init_world(
+            resolve_device(train_cfg.device), train_cfg.parallel, train_cfg.tp_size
+        )
         torch.manual_seed(train_cfg.seed)  # every rank builds the same initial weights
         self.model = Transformer(model_cfg).to(self.device)
         if train_cfg.init_from and not resume:  # a resumed run's weights come from its checkpoint
@@ -129,7 +132,9 @@ class Trainer:
         self.wrapped = D.wrap(
             self.model, train_cfg.parallel, self.world, self.device, train_cfg.dtype
         )
-        self.sharded = train_cfg.parallel == "fsdp" and self.world.distributed
+        self.sharded = train_cfg.parallel in D.SHARDED and self.world.distributed
+        # tensor parallelism: the loss is computed on vocabulary shards, forward and backward
+        self.loss_context = TP.loss_context if self.world.tp > 1 else contextlib.nullcontext
         self.forward = torch.compile(self.wrapped) if train_cfg.compile else self.wrapped
         fused = self.device.type in ("cuda", "cpu") and not self.sharded
         if train_cfg.optimizer == "muon":
@@ -222,7 +227,9 @@ class Trainer:
         self._check_resumable(read_state(path), path)
         if self.sharded:  # every rank reads the full tensors and keeps its shard
             model_sd, optim_sd, state = read_train_checkpoint(path)
-            D.load_full_state(self.model, self.optimizer, model_sd, optim_sd, "fsdp", self.world)
+            D.load_full_state(
+                self.model, self.optimizer, model_sd, optim_sd, self.tc.parallel, self.world
+            )
         else:
             state = load_train_checkpoint(path, self.model, self.optimizer)
         self.sampler.load_state_dict(state["sampler"])
@@ -243,10 +250,10 @@ class Trainer:
         tc, w = self.tc, self.world
         if self.sft:
             return SFTSampler(self.data_dir, split, tc.block_size, tc.batch_size, seed,
-                              rank=w.rank, world_size=w.world_size, pack=tc.sft_packing)  # fmt: skip
+                              rank=w.dp_rank, world_size=w.dp_size, pack=tc.sft_packing)  # fmt: skip
         data = self.train_data if split == "train" else self.val_data
         return BatchSampler(data, tc.block_size, tc.batch_size, seed,
-                            rank=w.rank, world_size=w.world_size)  # fmt: skip
+                            rank=w.dp_rank, world_size=w.dp_size)  # fmt: skip
 
     def _load_initial_weights(self, path: Path) -> None:
         """Start from the weights in ``path``: one of our checkpoints (adapters merged) or an HF
@@ -340,6 +347,7 @@ class Trainer:
             threads=torch.get_num_threads(),
             world_size=self.world.world_size,
             parallel=self.tc.parallel if self.world.distributed else "none",
+            tensor_parallel=self.world.tp,  # ranks per tensor-parallel group
             argv=sys.argv,
             params=self.model.num_params(),
             dtype=self.dtype,  # train.dtype resolved (auto -> bf16 | fp32); a resume keeps it
@@ -365,8 +373,9 @@ class Trainer:
         for _ in range(self.tc.eval_batches):
             x, y, *doc = (t.to(self.device) for t in sampler.next())
             share = self._target_shares([y])[0] if self.sft else 1
-            with self._autocast():
-                total += self.forward(x, y, doc=doc[0] if doc else None)[1].float() * share
+            with self.loss_context(), self._autocast():
+                loss = TP.local(self.forward(x, y, doc=doc[0] if doc else None)[1])
+                total += loss.float() * share
         self.model.train()
         return D.mean(total, w).item() / self.tc.eval_batches
 
@@ -426,8 +435,9 @@ class Trainer:
         shares = self._target_shares([b[1] for b in batches]) if self.sft else None
         for micro, (x, y, *doc) in enumerate(batches):
             last = micro == tc.grad_accum - 1
-            with D.sync_gradients(self.wrapped, tc.parallel, last), self._autocast():
-                loss = self.forward(x, y, doc=doc[0] if doc else None)[1]
+            sync = D.sync_gradients(self.wrapped, tc.parallel, last)
+            with sync, self.loss_context(), self._autocast():
+                loss = TP.local(self.forward(x, y, doc=doc[0] if doc else None)[1])
                 loss = loss / tc.grad_accum if shares is None else loss * shares[micro]
                 aux = self.model.aux_loss()  # experts' balancing losses (None: dense)
                 total = loss if aux is None else loss + aux / tc.grad_accum
@@ -439,6 +449,7 @@ class Trainer:
         loss_sum = D.mean(loss_sum, self.world)  # the global batch's loss on every rank
         self.last_aux = D.mean(aux_sum, self.world) if self.experts.layers else None
         self.scaler.unscale_(self.optimizer)
+        TP.settle_grads(self.model)  # partial sums left by tensor parallelism, reduced once
         norms = None
         if layer_norms:
             norms = layer_grad_norms(self.model), rest_grad_norm(self.model)
@@ -484,7 +495,7 @@ class Trainer:
         )
         say = bar.write if main else (lambda msg: None)  # only rank 0 prints
         flops_per_token = self.model.flops_per_token(tc.block_size)
-        tokens_per_step = tc.tokens_per_step * self.world.world_size
+        tokens_per_step = tc.tokens_per_step * self.world.dp_size
         t_start = time.perf_counter()
         self.model.train()
         try:
