@@ -13,7 +13,7 @@ from conftest import make_trainer
 
 from llm_foundry.config import ConfigError
 from llm_foundry.train.config import TrainConfig
-from llm_foundry.train.optim import MuonWithAdamW, muon_groups
+from llm_foundry.train.optim import MuonWithAdamW, muon_groups, newton_schulz
 
 
 def _steps(params, step, n=5):
@@ -44,6 +44,16 @@ def test_each_group_is_updated_as_pytorchs_muon_and_adamw_update_it():
     _steps(ref, lambda: (m.step(), a.step()))
     assert torch.equal(ours[0], ref[0]) and torch.equal(ours[1], ref[1])
     assert not torch.equal(ours[0], start[0])
+    # the fp32 iteration: PyTorch's steps to bf16's rounding of each update (lr 0.02 x 5 steps)
+    fp32 = copy.deepcopy(start)
+    _steps(fp32, MuonWithAdamW([{"params": [fp32[0]], "kind": "muon", "lr": 0.02,
+                                 "weight_decay": 0.01, "ns_dtype": "fp32"}]).step)  # fmt: skip
+    # bf16 rounds each of the iteration's 15 products to 8 bits: at 16 x 8 the two paths' updates
+    # differ by a few percent, in the same direction
+    a, b = (fp32[0] - start[0]).flatten(), (ref[0] - start[0]).flatten()
+    assert (a - b).norm() < 0.15 * b.norm() and torch.cosine_similarity(a, b, dim=0) > 0.99
+    with pytest.raises(ValueError, match="ns_dtype 'fp16' is not one of bf16, fp32"):
+        MuonWithAdamW([{"params": [fp32[0]], "kind": "muon", "ns_dtype": "fp16"}])
     # its state dict round-trips into a fresh optimizer that continues identically
     again = copy.deepcopy(ours)
     opt2 = MuonWithAdamW([{"params": [again[0]], "kind": "muon", "lr": 0.02, "weight_decay": 0.01},
@@ -71,22 +81,51 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_rest(tiny_config):
         MuonWithAdamW([{"params": rest["params"], "kind": "muon"}])
 
 
-def test_training_with_muon_learns_and_resumes_exactly(char_data, tmp_path):
-    """A crash after step 4, resumed: the same losses as the uninterrupted run."""
+def test_newton_schulz_in_bf16_is_pytorchs_and_in_fp32_the_same_to_bf16_rounding():
+    from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS, _zeropower_via_newtonschulz
+
+    g = torch.randn(48, 16, generator=torch.Generator().manual_seed(0))
+    bf16 = newton_schulz(g, torch.bfloat16)
+    assert torch.equal(
+        bf16, _zeropower_via_newtonschulz(g, (DEFAULT_A, DEFAULT_B, DEFAULT_C), 5, EPS)
+    )
+    for m in (g, g.T):  # tall and wide
+        fp32 = newton_schulz(m, torch.float32)
+        assert fp32.dtype == torch.float32 and fp32.shape == m.shape
+        ref = newton_schulz(m, torch.bfloat16).float()
+        assert (fp32 - ref).norm() / ref.norm() < 0.02  # bf16 keeps 8 bits: ~0.4% per product
+        # both orthogonalise: every singular value pulled from g's spread towards 1
+        s = torch.linalg.svdvals(fp32)
+        assert 0.5 < s.min() and s.max() < 1.5, s
+    assert torch.linalg.svdvals(g).max() / torch.linalg.svdvals(g).min() > 3
+
+
+@pytest.mark.parametrize("ns_dtype", ["bf16", "fp32"])
+def test_training_with_muon_learns_and_resumes_exactly(char_data, tmp_path, monkeypatch, ns_dtype):
+    """A crash after step 4, resumed: the same losses as the uninterrupted run, with the
+    Newton-Schulz iteration in bf16 (a CPU with native bf16) or fp32 (one without)."""
     import shutil
 
+    from llm_foundry.train import trainer
+    from llm_foundry.train.precision import Bf16Support
     from llm_foundry.train.state import write_json_atomic
 
+    monkeypatch.setattr(trainer, "bf16_support", lambda d: Bf16Support(ns_dtype == "bf16", "test"))
     data = char_data(50_000)
     muon = dict(optimizer="muon", muon_lr=0.02, max_steps=8, checkpoint_interval=4)
     whole = make_trainer(data, tmp_path / "whole", **muon)
     whole.run()
     assert isinstance(whole.optimizer, MuonWithAdamW)
+    assert json.loads((tmp_path / "whole" / "run.json").read_text())["muon_ns_dtype"] == ns_dtype
     cut = tmp_path / "cut"
     shutil.copytree(tmp_path / "whole", cut)
     shutil.rmtree(cut / "checkpoints" / "step_000008")
     write_json_atomic(cut / "checkpoints" / "latest.json", {"step": 4, "path": "step_000004"})
+    # resumed on a machine that would choose the other precision: the checkpoint's is kept
+    other = Bf16Support(ns_dtype != "bf16", "test")
+    monkeypatch.setattr(trainer, "bf16_support", lambda d: other)
     make_trainer(data, cut, resume=True, **muon).run()
+    assert json.loads((cut / "run.json").read_text())["muon_ns_dtype"] == ns_dtype
 
     def losses(run):
         lines = (run / "metrics.jsonl").read_text().splitlines()
@@ -94,6 +133,8 @@ def test_training_with_muon_learns_and_resumes_exactly(char_data, tmp_path):
 
     assert losses(cut) == losses(tmp_path / "whole") and len(losses(cut)) == 8
     assert losses(cut)[-1] < losses(cut)[0]
+    if ns_dtype == "fp32":
+        return
     # and Muon moved the hidden matrices differently from AdamW
     adamw = make_trainer(data, tmp_path / "adamw", max_steps=8, checkpoint_interval=4)
     adamw.run()

@@ -3,9 +3,13 @@
 Muon (Jordan et al. 2024) replaces each 2-D hidden weight's momentum update by its nearest
 semi-orthogonal matrix (five Newton-Schulz iterations), which the nanoGPT speedruns found to
 reach a given loss in fewer steps than AdamW. Embeddings, the output head, norms, biases and
-MoE expert banks (3-D) keep AdamW. Both updates are PyTorch's own (``torch.optim.Muon``'s
-``muon`` and ``torch.optim.adamw.adamw``); this class only holds the two kinds of parameter
+MoE expert banks (3-D) keep AdamW. Both updates are PyTorch's (``torch.optim.Muon``'s step and
+Newton-Schulz iteration, ``torch.optim.adamw.adamw``); this class holds the two kinds of parameter
 group in one ``state_dict``, so checkpoints, resume and the trainer see one optimizer.
+
+PyTorch runs the Newton-Schulz iteration in bf16. A CPU without native bf16 (AVX2 only) runs those
+products ~20-100x slower than fp32, which makes Muon's step several times AdamW's, so a group may
+ask for the same iteration in fp32 (``ns_dtype``); the trainer picks fp32 where bf16 is slow.
 """
 
 from __future__ import annotations
@@ -20,27 +24,29 @@ from torch.optim._muon import (
     EPS,
     _adjust_lr,
     _zeropower_via_newtonschulz,
-    muon,
 )
 from torch.optim.adamw import adamw
 
 OPTIMIZERS = ("adamw", "muon")  # the values ``TrainConfig.optimizer`` accepts
+NS_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}  # Newton-Schulz precision per group
 
 
 class MuonWithAdamW(torch.optim.Optimizer):
-    """Parameter groups with ``kind`` "muon" (2-D, lr, momentum, weight_decay) or "adamw"
-    (lr, betas, weight_decay). ``lr_scale`` in a group multiplies the scheduled lr (the trainer
+    """Parameter groups with ``kind`` "muon" (2-D, lr, momentum, weight_decay, ``ns_dtype`` "bf16"
+    as PyTorch or "fp32") or "adamw" (lr, betas, weight_decay). ``lr_scale`` in a group multiplies the scheduled lr (the trainer
     sets ``lr = schedule * lr_scale``), so Muon keeps its own peak lr on AdamW's schedule."""
 
     def __init__(self, groups: list[dict]):
         defaults = dict(lr=1e-3, weight_decay=0.0, betas=(0.9, 0.99), eps=1e-8, momentum=0.95,
-                        nesterov=True, kind="adamw", lr_scale=1.0)  # fmt: skip
+                        nesterov=True, kind="adamw", lr_scale=1.0, ns_dtype="bf16")  # fmt: skip
         super().__init__(groups, defaults)
         for g in self.param_groups:
             if g["kind"] not in OPTIMIZERS:
                 raise ValueError(f"parameter group kind {g['kind']!r} is not one of {OPTIMIZERS}")
             if g["kind"] == "muon" and any(p.dim() != 2 for p in g["params"]):
                 raise ValueError("Muon updates 2-D matrices only")
+            if g["ns_dtype"] not in NS_DTYPES:
+                raise ValueError(f"ns_dtype {g['ns_dtype']!r} is not one of {', '.join(NS_DTYPES)}")
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -54,16 +60,9 @@ class MuonWithAdamW(torch.optim.Optimizer):
             if not params:
                 continue
             if g["kind"] == "muon":
-                bufs = [self._state(p, momentum_buffer=torch.zeros_like) for p in params]
-                if isinstance(params[0], DTensor):  # FSDP2 / tensor-parallel shards
-                    for p, grad, b in zip(params, grads, bufs, strict=True):
-                        sharded_muon(p, grad, b["momentum_buffer"], g)
-                    continue
-                muon(params, grads, [b["momentum_buffer"] for b in bufs], lr=g["lr"],
-                     weight_decay=g["weight_decay"], momentum=g["momentum"],
-                     nesterov=g["nesterov"], ns_coefficients=(DEFAULT_A, DEFAULT_B, DEFAULT_C),
-                     eps=EPS, ns_steps=DEFAULT_NS_STEPS, adjust_lr_fn=None,
-                     has_complex=False)  # fmt: skip
+                for p, grad in zip(params, grads, strict=True):
+                    buf = self._state(p, momentum_buffer=torch.zeros_like)["momentum_buffer"]
+                    muon_update(p, grad, buf, g)
                 continue
             states = [
                 self._state(
@@ -89,25 +88,48 @@ class MuonWithAdamW(torch.optim.Optimizer):
         return state
 
 
+def newton_schulz(g: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """PyTorch Muon's quintic Newton-Schulz orthogonalisation of ``g`` (m, n) -> (m, n), its
+    coefficients and 5 steps, computed in ``dtype``: bf16 is PyTorch's own function; fp32 the same
+    iteration in fp32. Either leaves the singular values near 1, not at 1 (Jordan et al. 2024)."""
+    if dtype == torch.bfloat16:
+        return _zeropower_via_newtonschulz(
+            g, (DEFAULT_A, DEFAULT_B, DEFAULT_C), DEFAULT_NS_STEPS, EPS
+        )
+    x = g.to(dtype)
+    wide = x.size(0) > x.size(1)
+    x = x.T if wide else x  # iterate on the (short, long) side: the Gram matrix is the small one
+    x = x / x.norm().clamp(min=EPS)  # Frobenius norm >= spectral norm: singular values <= 1
+    for _ in range(DEFAULT_NS_STEPS):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=DEFAULT_B, alpha=DEFAULT_C), x,
+                        beta=DEFAULT_A)  # fmt: skip
+    return x.T if wide else x
+
+
 @torch.no_grad()
-def sharded_muon(p: DTensor, grad: DTensor, buf: DTensor, group: dict) -> None:
-    """Muon's update (torch's, step for step) for a parameter split over ranks: the momentum
-    stays sharded like ``p``; the Newton-Schulz iteration needs the whole matrix, so every rank
-    gathers it, orthogonalises it (the same result everywhere) and keeps its own part."""
+def muon_update(p: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor, group: dict) -> None:
+    """One Muon step on ``p`` (PyTorch's, step for step: Nesterov momentum, Newton-Schulz,
+    decoupled weight decay, its shape-adjusted lr). A ``DTensor`` (FSDP2 or tensor-parallel
+    shards) keeps its momentum sharded like ``p``; the iteration needs the whole matrix, so every
+    rank gathers it, orthogonalises it (the same result everywhere) and keeps its own part."""
     momentum, lr = group["momentum"], group["lr"]
     buf.lerp_(grad, 1 - momentum)
     update = grad.lerp(buf, momentum) if group["nesterov"] else buf
-    whole = _zeropower_via_newtonschulz(
-        update.full_tensor(), (DEFAULT_A, DEFAULT_B, DEFAULT_C), DEFAULT_NS_STEPS, EPS
-    )
-    # every rank holds the same whole matrix: cut out this rank's part without communication
-    update = distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None)
+    dtype = NS_DTYPES[group["ns_dtype"]]
+    if isinstance(p, DTensor):
+        whole = newton_schulz(update.full_tensor(), dtype)
+        # every rank holds the same whole matrix: cut out this rank's part without communication
+        update = distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None)
+    else:
+        update = newton_schulz(update, dtype)
     p.mul_(1 - lr * group["weight_decay"])
     p.add_(update, alpha=-_adjust_lr(lr, None, p.shape))
 
 
 def muon_groups(model: torch.nn.Module, weight_decay: float, muon_weight_decay: float,
-                momentum: float, betas: tuple[float, float], lr_scale: float) -> list[dict]:  # fmt: skip
+                momentum: float, betas: tuple[float, float], lr_scale: float,
+                ns_dtype: str = "bf16") -> list[dict]:  # fmt: skip
     """The model's trainable parameters in Muon and AdamW groups: Muon takes the 2-D weights of
     the blocks (attention, MLP, router projections); AdamW decays the other matrices (embeddings,
     output head, 3-D expert banks) and leaves norms and biases undecayed."""
@@ -126,7 +148,7 @@ def muon_groups(model: torch.nn.Module, weight_decay: float, muon_weight_decay: 
             rest.append(p)
     return [
         {"params": hidden, "kind": "muon", "weight_decay": muon_weight_decay,
-         "momentum": momentum, "lr_scale": lr_scale},
+         "momentum": momentum, "lr_scale": lr_scale, "ns_dtype": ns_dtype},
         {"params": matrices, "kind": "adamw", "weight_decay": weight_decay, "betas": betas},
         {"params": rest, "kind": "adamw", "weight_decay": 0.0, "betas": betas},
     ]  # fmt: skip

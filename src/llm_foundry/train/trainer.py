@@ -38,7 +38,7 @@ from llm_foundry.train.config import TrainConfig
 from llm_foundry.train.metrics import MetricsLog
 from llm_foundry.train.monitor import ExpertLoad, Monitor, layer_grad_norms, rest_grad_norm
 from llm_foundry.train.optim import MuonWithAdamW, muon_groups
-from llm_foundry.train.precision import recorded_dtype, resolve_dtype
+from llm_foundry.train.precision import bf16_support, recorded_dtype, resolve_dtype
 from llm_foundry.train.schedule import lr_at
 from llm_foundry.train.state import (
     latest_checkpoint,
@@ -146,8 +146,13 @@ class Trainer:
                     train_cfg.muon_momentum,
                     (train_cfg.beta1, train_cfg.beta2),
                     train_cfg.muon_lr / train_cfg.lr,
+                    # PyTorch's Newton-Schulz runs in bf16: fp32 where bf16 is slow (AVX2 CPUs)
+                    ns_dtype="bf16" if bf16_support(self.device).fast else "fp32",
                 )  # fmt: skip
             )
+            if self.world.main:
+                log.info(f"muon: Newton-Schulz in {self.muon_ns_dtype()} "
+                         f"({bf16_support(self.device).reason})")  # fmt: skip
         else:
             self.optimizer = torch.optim.AdamW(
                 self.model.param_groups(train_cfg.weight_decay),
@@ -332,6 +337,11 @@ class Trainer:
         if diff and self.world.main:
             log.info("resuming with changed training settings: " + ", ".join(diff))
 
+    def muon_ns_dtype(self) -> str | None:
+        """The precision of Muon's Newton-Schulz iteration ("bf16" or "fp32"); None without Muon."""
+        kinds = {g.get("kind"): g.get("ns_dtype", "bf16") for g in self.optimizer.param_groups}
+        return kinds.get("muon")
+
     def _write_run_info(self) -> None:
         info = dict(
             model=self.mc.to_dict(),
@@ -352,6 +362,7 @@ class Trainer:
             params=self.model.num_params(),
             dtype=self.dtype,  # train.dtype resolved (auto -> bf16 | fp32); a resume keeps it
             dtype_reason=self.dtype_reason,
+            muon_ns_dtype=self.muon_ns_dtype(),  # a resumed run keeps its optimizer state's
             resumed_from=str(self.resumed_from) if self.resumed_from else None,
         )
         write_json_atomic(self.out / "run.json", info)
