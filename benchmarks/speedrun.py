@@ -101,6 +101,23 @@ ENTRANTS = [
         note="Muon 0.04 on the blocks' matrices, AdamW 4e-3 on embeddings/head/norms; 20 warmup, "
         "held, linear decay to 0 over the second half (recipe adamw-vs-muon)",
     ),
+    Entrant(
+        "llama+QK-norm Muon batch 24",
+        "llama-shakespeare-char",
+        model=dict(qk_norm=True),
+        train=dict(
+            optimizer="muon",
+            muon_lr=0.03,
+            lr=3e-3,
+            min_lr=0.0,
+            warmup_steps=15,
+            max_steps=250,
+            schedule="cosine",
+            batch_size=24,
+        ),
+        note="RMSNorm on each head's q and k; batch 24 x 64; Muon 0.03 on the blocks' matrices, "
+        "AdamW 3e-3 on the rest; 15 warmup, cosine to 0 over 250 steps",
+    ),
 ]
 
 
