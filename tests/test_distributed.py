@@ -141,25 +141,34 @@ def test_gradient_accumulation_with_ddp_matches_one_process(data_dir, reference,
     assert_close(losses(run), losses(reference))
 
 
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
-def test_save_with_two_ranks_resume_with_one(parallel, data_dir, tmp_path):
+def _per_rank_batch(parallel: str, nproc: int) -> int:
+    """The per-rank batch that keeps GLOBAL_BATCH: tensor-parallel groups of 2 share theirs."""
+    return GLOBAL_BATCH // (nproc // (2 if parallel in ("tp", "fsdp+tp") else 1))
+
+
+@pytest.mark.parametrize("parallel,nproc", [("ddp", 2), ("fsdp", 2), ("tp", 2), ("fsdp+tp", 4)])
+def test_save_with_many_ranks_resume_with_one(parallel, nproc, data_dir, tmp_path):
     full = tmp_path / "full"
     one_process(data_dir, full, max_steps=10)
     run = tmp_path / "run"
     args = ["train", "--data", str(data_dir), "--out", str(run)]
-    r = torchrun(args + _flags(**TRAIN, batch_size=4, max_steps=5, parallel=parallel))
+    batch = _per_rank_batch(parallel, nproc)
+    r = torchrun(args + _flags(**TRAIN, batch_size=batch, max_steps=5, parallel=parallel),
+                 nproc=nproc, timeout=300)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     one_process(data_dir, run, resume=True, max_steps=10)
     assert_close(losses(run), losses(full))
 
 
-def test_save_with_one_process_resume_with_two_fsdp_ranks(data_dir, tmp_path):
+@pytest.mark.parametrize("parallel", ["fsdp", "tp"])
+def test_save_with_one_process_resume_with_two_ranks(parallel, data_dir, tmp_path):
     full = tmp_path / "full"
     one_process(data_dir, full, max_steps=10)
     run = tmp_path / "run"
     one_process(data_dir, run, max_steps=5)
     args = ["train", "--data", str(data_dir), "--out", str(run), "--resume"]
-    r = torchrun(args + _flags(**TRAIN, batch_size=4, max_steps=10, parallel="fsdp"))
+    batch = _per_rank_batch(parallel, 2)
+    r = torchrun(args + _flags(**TRAIN, batch_size=batch, max_steps=10, parallel=parallel))
     assert r.returncode == 0, r.stderr[-3000:]
     assert_close(losses(run), losses(full))
 
@@ -363,31 +372,6 @@ def test_tensor_parallel_trains_as_one_process(parallel, nproc, data_dir, refere
     assert "(2-way tensor parallel in each group)" in r.stdout
     info = json.loads((run / "run.json").read_text())
     assert info["world_size"] == nproc and info["tensor_parallel"] == 2
-
-
-@pytest.mark.parametrize("parallel,nproc", [("tp", 2), ("fsdp+tp", 4)])
-def test_save_under_tensor_parallelism_resume_with_one_process(parallel, nproc, data_dir, tmp_path):
-    full = tmp_path / "full"
-    one_process(data_dir, full, max_steps=10)
-    run = tmp_path / "run"
-    args = ["train", "--data", str(data_dir), "--out", str(run)]
-    batch = GLOBAL_BATCH // (nproc // 2)
-    r = torchrun(args + _flags(**TRAIN, batch_size=batch, max_steps=5, parallel=parallel),
-                 nproc=nproc, timeout=300)  # fmt: skip
-    assert r.returncode == 0, r.stderr[-3000:]
-    one_process(data_dir, run, resume=True, max_steps=10)
-    assert_close(losses(run), losses(full))
-
-
-def test_save_with_one_process_resume_with_tensor_parallelism(data_dir, tmp_path):
-    full = tmp_path / "full"
-    one_process(data_dir, full, max_steps=10)
-    run = tmp_path / "run"
-    one_process(data_dir, run, max_steps=5)
-    args = ["train", "--data", str(data_dir), "--out", str(run), "--resume"]
-    r = torchrun(args + _flags(**TRAIN, batch_size=GLOBAL_BATCH, max_steps=10, parallel="tp"))
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert_close(losses(run), losses(full))
 
 
 def test_tensor_parallelism_refuses_heads_that_do_not_split(data_dir, tmp_path):

@@ -364,13 +364,21 @@ def _as_llama_cpp_computes(model: Transformer, qtype) -> Transformer:
     return ref
 
 
-# outtype -> max |llama.cpp - ours fp32| allowed. Measured on the trained model (max |logit|
-# ~8): f16 3e-3, bf16 2.6e-2, q8_0 4e-2 .. 7e-2, q4_0 0.75 .. 0.86 (models trained apart);
+# outtype -> max |llama.cpp - ours fp32| allowed, relative to 1 + max |logit|: errors scale with
+# the logits. Measured on the model trained on tiny Shakespeare (max |logit| ~8): f16 3e-3,
+# bf16 2.6e-2, q8_0 4e-2 .. 7e-2, q4_0 0.75 .. 0.86 (models trained apart); on the filler
+# corpus (no shared data, max |logit| 17.9): f16 8e-3, bf16 5.9e-2, q8_0 0.19, q4_0 3.4.
 # llama.cpp also rounds each matrix product's input to the weights' kind (f16, bf16, q8_0)
-TOL_VS_FP32 = {"f16": 1e-2, "bf16": 0.1, "q8_0": 0.25, "q4_0": 2.0}
-# max |llama.cpp - _as_llama_cpp_computes| (measured 2.9e-6 for q8_0, 8.7e-3 for q4_0, whose
-# kernels scale activations in another order: a few values round to the next step)
-TOL_EMULATED = 0.05
+TOL_VS_FP32 = {"f16": 1e-3, "bf16": 1e-2, "q8_0": 3e-2, "q4_0": 0.25}
+# max |llama.cpp - _as_llama_cpp_computes|, relative as above (measured 2.9e-6 for q8_0 and
+# 8.7e-3 for q4_0 on the Shakespeare model, 5.3e-2 and 2.1e-2 on the filler one: llama.cpp's
+# kernels scale activations in another order, so a few values round to the next step)
+TOL_EMULATED = 5e-3
+
+
+def _scale(logits: torch.Tensor) -> float:
+    """1 + max |logit|: what a tolerance relative to the logits multiplies."""
+    return 1 + logits.abs().max().item()
 
 
 @pytest.mark.heavy
@@ -379,9 +387,12 @@ def test_float_outtypes(outtype, trained, llama_cpp, tmp_path):
     model, tok = trained
     path = export_gguf(model, tok, tmp_path / f"m-{outtype}.gguf", outtype)
     ids = _greedy(model, tok.encode(PROMPT), NEW)
-    diff = _max_diff(_llama_logits(llama_cpp, path, ids), _ours(model, ids))
-    print(f"\n{outtype}: max|llama.cpp - ours fp32| = {diff:.2e}")
-    assert diff <= TOL_VS_FP32[outtype]
+    ours = _ours(model, ids)
+    diff = _max_diff(_llama_logits(llama_cpp, path, ids), ours)
+    print(
+        f"\n{outtype}: max|llama.cpp - ours fp32| = {diff:.2e}, max |logit| {_scale(ours) - 1:.1f}"
+    )
+    assert diff <= TOL_VS_FP32[outtype] * _scale(ours)
 
 
 @pytest.mark.heavy
@@ -390,7 +401,7 @@ def test_quantized_outtypes_keep_greedy_tokens(outtype, trained, llama_cpp, tmp_
     """Greedy tokens are compared with what llama.cpp computes in exact arithmetic from the
     file (``_as_llama_cpp_computes``): the fp32 model's choices may differ from any q4_0
     model's where its top two logits are closer than quantization moves them, which says
-    nothing about the export. Each reference choice wins by more than 2 x TOL_EMULATED, so
+    nothing about the export. Each reference choice wins by more than twice the tolerance, so
     llama.cpp (within it) must make the same 32 choices on any CPU: no rounding luck."""
     model, tok = trained
     path = export_gguf(model, tok, tmp_path / f"m-{outtype}.gguf", outtype)
@@ -398,14 +409,17 @@ def test_quantized_outtypes_keep_greedy_tokens(outtype, trained, llama_cpp, tmp_
     prompt = tok.encode(PROMPT)
     ids = _greedy(ref, prompt, NEW)
     theirs, want = _llama_logits(llama_cpp, path, ids), _ours(ref, ids)
-    diff_ref, diff_fp32 = _max_diff(theirs, want), _max_diff(theirs, _ours(model, ids))
-    print(f"\n{outtype}: max|llama.cpp - emulated| {diff_ref:.2e}, - ours fp32 {diff_fp32:.2e}")
-    assert diff_ref <= TOL_EMULATED
-    assert diff_fp32 <= TOL_VS_FP32[outtype]
+    fp32 = _ours(model, ids)
+    diff_ref, diff_fp32 = _max_diff(theirs, want), _max_diff(theirs, fp32)
+    print(f"\n{outtype}: max|llama.cpp - emulated| {diff_ref:.2e}, - ours fp32 {diff_fp32:.2e}, "
+          f"max |logit| {_scale(fp32) - 1:.1f}")  # fmt: skip
+    tol = TOL_EMULATED * _scale(want)
+    assert diff_ref <= tol
+    assert diff_fp32 <= TOL_VS_FP32[outtype] * _scale(fp32)
     steps = slice(len(prompt) - 1, len(ids) - 1)  # the logits each greedy choice was read from
     top = want[steps].topk(2, dim=-1).values
     gap = (top[:, 0] - top[:, 1]).min().item()
-    assert gap > 2 * TOL_EMULATED, f"a reference choice is won by {gap:.3f} only"
+    assert gap > 2 * tol, f"a reference choice is won by {gap:.3f} only"
     assert theirs[steps].argmax(-1).tolist() == ids[len(prompt) :]
     print(f"{outtype}: 32 greedy tokens equal, each won by >= {gap:.2f}: {tok.decode(ids)!r}")
 

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-from conftest import assert_decisive, corpus_text
+from conftest import assert_decisive
 
 from llm_foundry.checkpoint import save_checkpoint
 from llm_foundry.generate import generate
@@ -39,9 +39,11 @@ PROMPTS = ["ROMEO:", "JULIET: O", "To be, or not", "First Citizen:\nBefore we", 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    """A small random character model (vocabulary from the corpus, 128 positions)."""
+    """A small random character model (128 positions) over a fixed vocabulary: letters,
+    punctuation, space and newline (what tiny Shakespeare's opening holds), so the model and its
+    greedy choices are the same with or without the shared corpus."""
     path = tmp_path_factory.mktemp("serve") / "ckpt"
-    tok = CharTokenizer.train(corpus_text(20_000) + string.ascii_letters + string.punctuation)
+    tok = CharTokenizer.train(" \n" + string.ascii_letters + string.punctuation)
     torch.manual_seed(0)
     cfg = get_preset("llama-shakespeare-char", vocab_size=tok.vocab_size, n_layers=2, dim=64,
                      n_heads=4, n_kv_heads=2, max_seq_len=128)  # fmt: skip
