@@ -131,6 +131,10 @@ def test_tensor_parallel_refusals_name_the_field_and_the_way_out():
     assert "dtype='fp16' with parallel='tp'" in msg and "use bf16 or fp32" in msg
     assert "lora_r=4 with parallel='tp'" in msg and "monitor_interval=5 with parallel='tp'" in msg
     assert TrainConfig(parallel="fsdp+tp", tp_size=2, optimizer="muon").tp_size == 2
+    with pytest.raises(ConfigError, match="tp_size=2 with parallel='ddp': tp_size applies to"):
+        TrainConfig(parallel="ddp", tp_size=2)
+    with pytest.raises(ConfigError, match="tp_size=1 with parallel='fsdp\\+tp': one rank"):
+        TrainConfig(parallel="fsdp+tp", tp_size=1)
 
 
 def test_the_tensor_parallel_degree_follows_the_world():

@@ -374,12 +374,13 @@ def test_tensor_parallel_trains_as_one_process(parallel, nproc, data_dir, refere
     assert info["world_size"] == nproc and info["tensor_parallel"] == 2
 
 
-def test_tensor_parallelism_refuses_heads_that_do_not_split(data_dir, tmp_path):
+def test_tensor_parallelism_refuses_heads_and_sequences_that_do_not_split(data_dir, tmp_path):
     args = ["train", "--data", str(data_dir), "--out", str(tmp_path / "run")]
-    args += _flags(**TRAIN, batch_size=4, max_steps=2, parallel="tp") + ["--model.n_heads=3"]
-    args += ["--model.dim=48", "--model.n_kv_heads=3"]
+    args += _flags(**{**TRAIN, "block_size": 15}, batch_size=4, max_steps=2, parallel="tp")
+    args += ["--model.dim=48", "--model.n_heads=3", "--model.n_kv_heads=3"]
     r = torchrun(args)
     assert r.returncode != 0
     err = r.stdout + r.stderr
     assert "model.n_heads=3 must divide by the tensor-parallel degree 2" in err
     assert "model.n_kv_heads=3 must divide by the tensor-parallel degree 2" in err
+    assert "train.block_size=15 must divide by the tensor-parallel degree 2" in err

@@ -128,8 +128,8 @@ class TrainConfig:
             lora = _is_int(self.lora_r) and self.lora_r > 0
             monitor = _is_int(self.monitor_interval) and self.monitor_interval > 0
             for name, bad, why in (
-                ("dtype", self.dtype == "fp16", "the fp16 grad scaler does not take DTensor "
-                 "shards; use bf16 or fp32"),
+                ("dtype", self.dtype == "fp16", "fp16 with its grad scaler is not supported "
+                 "(untested) under tensor parallelism; use bf16 or fp32"),
                 ("lora_r", lora, "adapters are not split across tensor-parallel ranks; use ddp "
                  "or fsdp"),
                 ("monitor_interval", monitor, "the monitors read whole weights; use ddp or none"),
@@ -137,9 +137,13 @@ class TrainConfig:
                 if bad:
                     p.append(f"{name}={getattr(self, name)!r} with parallel={self.parallel!r}: "
                              f"{why}")  # fmt: skip
-        if self.dtype == "auto" and self.parallel in ("fsdp", "fsdp+tp"):
-            p.append(f"dtype='auto' with parallel={self.parallel!r}: FSDP2's mixed precision is fixed when the "
-                     "model is sharded, before auto is resolved; use dtype=bf16 or fp32")  # fmt: skip
+        tp_size = self.tp_size if _is_int(self.tp_size) else 0
+        if tp_size and "tp" not in self.parallel:
+            p.append(f"tp_size={tp_size} with parallel={self.parallel!r}: tp_size applies to "
+                     "parallel=tp and fsdp+tp only")  # fmt: skip
+        if tp_size == 1 and self.parallel == "fsdp+tp":
+            p.append("tp_size=1 with parallel='fsdp+tp': one rank per tensor-parallel group is "
+                     "plain FSDP; use parallel=fsdp, or tp_size >= 2")  # fmt: skip
         if self.optimizer == "muon" and self.dtype == "fp16":
             p.append("optimizer='muon' with dtype='fp16': the fp16 grad scaler steps AdamW only; "
                      "use dtype=bf16 or fp32")  # fmt: skip

@@ -89,9 +89,11 @@ def init_world(
     return world, device
 
 
-def wrap(model: nn.Module, parallel: str, world: World, device: torch.device, dtype: str):
+def wrap(model: nn.Module, parallel: str, world: World, device: torch.device, dtype: str,
+         block_size: int | None = None):  # fmt: skip
     """``model`` as DDP, FSDP2 (each block sharded, then the root), tensor-parallel, or FSDP2
-    over tensor-parallel groups (a 2-D mesh: dp x tp); unchanged for one process."""
+    over tensor-parallel groups (a 2-D mesh: dp x tp); unchanged for one process. ``dtype`` is
+    resolved (fp32 | bf16 | fp16); ``block_size`` the training sequence length (TP splits it)."""
     if not world.distributed:
         return model
     if parallel == "ddp":
@@ -108,7 +110,7 @@ def wrap(model: nn.Module, parallel: str, world: World, device: torch.device, dt
 
     mesh = init_device_mesh(device.type, (world.dp_size, world.tp), mesh_dim_names=("dp", "tp"))
     if world.tp > 1:
-        parallelize(model, mesh["tp"])
+        parallelize(model, mesh["tp"], block_size)
     if parallel == "tp":
         return model
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -128,6 +130,16 @@ def sync_gradients(model: nn.Module, parallel: str, last_micro_step: bool):
     if parallel in ("fsdp", "fsdp+tp") and hasattr(model, "set_requires_gradient_sync"):
         model.set_requires_gradient_sync(last_micro_step)
     return contextlib.nullcontext()
+
+
+def from_main(value, world: World):
+    """``value`` as rank 0 holds it, on every rank (picklable; a no-op for one process): one
+    decision for all where each rank's own could differ (a timing, say)."""
+    if not world.distributed:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def mean(value: torch.Tensor, world: World) -> torch.Tensor:

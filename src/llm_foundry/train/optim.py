@@ -48,6 +48,12 @@ class MuonWithAdamW(torch.optim.Optimizer):
             if g["ns_dtype"] not in NS_DTYPES:
                 raise ValueError(f"ns_dtype {g['ns_dtype']!r} is not one of {', '.join(NS_DTYPES)}")
 
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        # load_state_dict ends here with the saved groups: those from before ns_dtype ran bf16
+        for g in self.param_groups:
+            g.setdefault("ns_dtype", "bf16")
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
@@ -97,14 +103,14 @@ def newton_schulz(g: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch
             g, (DEFAULT_A, DEFAULT_B, DEFAULT_C), DEFAULT_NS_STEPS, EPS
         )
     x = g.to(dtype)
-    wide = x.size(0) > x.size(1)
-    x = x.T if wide else x  # iterate on the (short, long) side: the Gram matrix is the small one
+    tall = x.size(0) > x.size(1)
+    x = x.T if tall else x  # iterate on the (short, long) side: the Gram matrix is the small one
     x = x / x.norm().clamp(min=EPS)  # Frobenius norm >= spectral norm: singular values <= 1
     for _ in range(DEFAULT_NS_STEPS):
         gram = x @ x.T
         x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=DEFAULT_B, alpha=DEFAULT_C), x,
                         beta=DEFAULT_A)  # fmt: skip
-    return x.T if wide else x
+    return x.T if tall else x
 
 
 @torch.no_grad()

@@ -133,14 +133,18 @@ def recorded_dtype(run_dir: str | Path) -> str | None:
 
 
 def resolve_dtype(
-    requested: str, device: torch.device | str, recorded: str | None = None
+    requested: str,
+    device: torch.device | str,
+    recorded: str | None = None,
+    support: Bf16Support | None = None,
 ) -> tuple[str, str]:
     """``(dtype, why)``: ``requested`` itself unless it is ``auto``, which becomes ``bf16`` where
     bf16 is fast and ``fp32`` elsewhere. A resumed ``auto`` run keeps ``recorded`` (the dtype it
-    started with), even on another machine: its checkpoints and loss curve belong to that path."""
+    started with), even on another machine: its checkpoints and loss curve belong to that path.
+    ``support``: ``bf16_support(device)`` measured already (by rank 0 for all ranks)."""
     if requested != "auto":
         return requested, f"dtype {requested} (as configured)"
-    support = bf16_support(device)
+    support = support or bf16_support(device)
     here = "bf16" if support.fast else "fp32"
     if recorded in ("fp32", "bf16", "fp16"):
         note = (

@@ -38,10 +38,14 @@ from torch.distributed.tensor.parallel import (
 )
 
 
-def tp_problems(cfg, tp: int) -> list[str]:
+def tp_problems(cfg, tp: int, block_size: int | None = None) -> list[str]:
     """Why ``cfg`` cannot be split over ``tp`` ranks (one line each; empty when it can). Query
-    heads and K/V heads must divide by ``tp``; MQA's one K/V head is replicated instead."""
+    heads and K/V heads must divide by ``tp``; MQA's one K/V head is replicated instead. The
+    sequence (``block_size``), split evenly over the ranks around the norms, must divide too."""
     p = []
+    if block_size is not None and block_size % tp:
+        p.append(f"train.block_size={block_size} must divide by the tensor-parallel degree {tp} "
+                 "(sequence parallelism gives each rank an equal part of it)")  # fmt: skip
     if cfg.n_heads % tp:
         p.append(f"model.n_heads={cfg.n_heads} must divide by the tensor-parallel degree {tp}")
     if cfg.kv_heads > 1 and cfg.kv_heads % tp:
@@ -160,9 +164,10 @@ def tp_plan(model: nn.Module) -> dict[str, ParallelStyle]:
     return plan
 
 
-def parallelize(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
-    """Split ``model`` over the 1-D ``mesh`` in place (see the module docstring); ties kept."""
-    problems = tp_problems(model.cfg, mesh.size())
+def parallelize(model: nn.Module, mesh: DeviceMesh, block_size: int | None = None) -> nn.Module:
+    """Split ``model`` over the 1-D ``mesh`` in place (see the module docstring); ties kept.
+    ``block_size``: the training sequence length, checked to split evenly."""
+    problems = tp_problems(model.cfg, mesh.size(), block_size)
     if problems:
         raise ValueError("tensor parallelism: " + "; ".join(problems))
     tied = model.lm_head.weight is model.tok_emb.weight

@@ -129,9 +129,19 @@ class Trainer:
                 base_dtype=train_cfg.lora_base_dtype,
             )
         self.model.activation_checkpointing = train_cfg.activation_checkpointing
-        self.wrapped = D.wrap(
-            self.model, train_cfg.parallel, self.world, self.device, train_cfg.dtype
+        # is bf16 fast here? Measured on rank 0 and broadcast: every rank takes the same path
+        needs = train_cfg.dtype == "auto" or train_cfg.optimizer == "muon"
+        here = bf16_support(self.device) if needs and self.world.main else None
+        self.bf16 = D.from_main(here, self.world) if needs else None
+        # auto becomes bf16 or fp32 once, here; a resumed run keeps the dtype it started with
+        recorded = recorded_dtype(self.out) if resume else None
+        self.dtype, self.dtype_reason = resolve_dtype(
+            train_cfg.dtype, self.device, recorded, self.bf16
         )
+        if train_cfg.dtype == "auto" and self.world.main:
+            log.info(self.dtype_reason)
+        self.wrapped = D.wrap(self.model, train_cfg.parallel, self.world, self.device, self.dtype,
+                              train_cfg.block_size)  # fmt: skip
         self.sharded = train_cfg.parallel in D.SHARDED and self.world.distributed
         # tensor parallelism: the loss is computed on vocabulary shards, forward and backward
         self.loss_context = TP.loss_context if self.world.tp > 1 else contextlib.nullcontext
@@ -147,12 +157,9 @@ class Trainer:
                     (train_cfg.beta1, train_cfg.beta2),
                     train_cfg.muon_lr / train_cfg.lr,
                     # PyTorch's Newton-Schulz runs in bf16: fp32 where bf16 is slow (AVX2 CPUs)
-                    ns_dtype="bf16" if bf16_support(self.device).fast else "fp32",
+                    ns_dtype="bf16" if self.bf16.fast else "fp32",
                 )  # fmt: skip
             )
-            if self.world.main:
-                log.info(f"muon: Newton-Schulz in {self.muon_ns_dtype()} "
-                         f"({bf16_support(self.device).reason})")  # fmt: skip
         else:
             self.optimizer = torch.optim.AdamW(
                 self.model.param_groups(train_cfg.weight_decay),
@@ -160,11 +167,6 @@ class Trainer:
                 betas=(train_cfg.beta1, train_cfg.beta2),
                 fused=fused,
             )
-        # auto becomes bf16 or fp32 once, here; a resumed run keeps the dtype it started with
-        recorded = recorded_dtype(self.out) if resume else None
-        self.dtype, self.dtype_reason = resolve_dtype(train_cfg.dtype, self.device, recorded)
-        if train_cfg.dtype == "auto" and self.world.main:
-            log.info(self.dtype_reason)
         self.amp_dtype = AUTOCAST_DTYPES[self.dtype]
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.dtype == "fp16")
         self.train_data = load_split(self.data_dir, "train")
@@ -212,6 +214,12 @@ class Trainer:
                 self._resume()
             if self.world.main:
                 self._write_run_info()
+                ns = self.muon_ns_dtype()  # after a resume: the checkpoint's
+                if ns:
+                    here = "bf16" if self.bf16.fast else "fp32"
+                    why = (self.bf16.reason if ns == here else "kept from the checkpoint; this "
+                           f"machine alone would use {here}: {self.bf16.reason}")  # fmt: skip
+                    log.info(f"muon: Newton-Schulz in {ns} ({why})")
         except BaseException:
             self.release()
             raise
