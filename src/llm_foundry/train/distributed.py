@@ -63,8 +63,9 @@ def tp_degree(parallel: str, tp_size: int, world_size: int) -> int:
         )
     if world_size % t or world_size == t and parallel == "fsdp+tp":
         raise ValueError(
-            f"train.parallel='fsdp+tp' with train.tp_size={t} on {world_size} processes: the "
-            "world must split into at least 2 groups of tp_size ranks"
+            f"train.parallel='fsdp+tp' with train.tp_size={t}{'' if tp_size else ' (the default)'}"
+            f" on {world_size} processes: the world must split into at least 2 groups of tp_size "
+            "ranks (a multiple of tp_size, at least twice it)"
         )
     return t
 
