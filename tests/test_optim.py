@@ -97,7 +97,9 @@ def test_newton_schulz_in_bf16_is_pytorchs_and_in_fp32_the_same_to_bf16_rounding
         fp32 = newton_schulz(m, torch.float32)
         assert fp32.dtype == torch.float32 and fp32.shape == m.shape
         ref = newton_schulz(m, torch.bfloat16).float()
-        assert (fp32 - ref).norm() / ref.norm() < 0.02  # bf16 keeps 8 bits: ~0.4% per product
+        # measured 1.5%; nudging g by one bf16 step moves the bf16 result 2%, one iteration
+        # more or less moves it 37%: 6% is bf16's noise with room, far from a wrong iteration
+        assert (fp32 - ref).norm() / ref.norm() < 0.06
         # both orthogonalise: every singular value pulled from g's spread towards 1
         s = torch.linalg.svdvals(fp32)
         assert 0.5 < s.min() and s.max() < 1.5, s

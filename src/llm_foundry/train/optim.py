@@ -32,9 +32,10 @@ NS_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}  # Newton-Schulz pre
 
 
 class MuonWithAdamW(torch.optim.Optimizer):
-    """Parameter groups with ``kind`` "muon" (2-D, lr, momentum, weight_decay, ``ns_dtype`` "bf16"
-    as PyTorch or "fp32") or "adamw" (lr, betas, weight_decay). ``lr_scale`` in a group multiplies the scheduled lr (the trainer
-    sets ``lr = schedule * lr_scale``), so Muon keeps its own peak lr on AdamW's schedule."""
+    """Parameter groups with ``kind`` "muon" (2-D, lr, momentum, weight_decay, ``ns_dtype``
+    "bf16" as PyTorch or "fp32") or "adamw" (lr, betas, weight_decay). ``lr_scale`` in a group
+    multiplies the scheduled lr (the trainer sets ``lr = schedule * lr_scale``), so Muon keeps its
+    own peak lr on AdamW's schedule."""
 
     def __init__(self, groups: list[dict]):
         defaults = dict(lr=1e-3, weight_decay=0.0, betas=(0.9, 0.99), eps=1e-8, momentum=0.95,

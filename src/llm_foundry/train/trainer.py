@@ -133,6 +133,8 @@ class Trainer:
         needs = train_cfg.dtype == "auto" or train_cfg.optimizer == "muon"
         here = bf16_support(self.device) if needs and self.world.main else None
         self.bf16 = D.from_main(here, self.world) if needs else None
+        # PyTorch's Newton-Schulz runs in bf16: fp32 where bf16 is slow (AVX2 CPUs)
+        self.ns_here = ("bf16" if self.bf16.fast else "fp32") if needs else None
         # auto becomes bf16 or fp32 once, here; a resumed run keeps the dtype it started with
         recorded = recorded_dtype(self.out) if resume else None
         self.dtype, self.dtype_reason = resolve_dtype(
@@ -156,8 +158,7 @@ class Trainer:
                     train_cfg.muon_momentum,
                     (train_cfg.beta1, train_cfg.beta2),
                     train_cfg.muon_lr / train_cfg.lr,
-                    # PyTorch's Newton-Schulz runs in bf16: fp32 where bf16 is slow (AVX2 CPUs)
-                    ns_dtype="bf16" if self.bf16.fast else "fp32",
+                    ns_dtype=self.ns_here,
                 )  # fmt: skip
             )
         else:
@@ -216,9 +217,8 @@ class Trainer:
                 self._write_run_info()
                 ns = self.muon_ns_dtype()  # after a resume: the checkpoint's
                 if ns:
-                    here = "bf16" if self.bf16.fast else "fp32"
-                    why = (self.bf16.reason if ns == here else "kept from the checkpoint; this "
-                           f"machine alone would use {here}: {self.bf16.reason}")  # fmt: skip
+                    why = (self.bf16.reason if ns == self.ns_here else "kept from the checkpoint; "
+                           f"this machine alone would use {self.ns_here}: {self.bf16.reason}")  # fmt: skip
                     log.info(f"muon: Newton-Schulz in {ns} ({why})")
         except BaseException:
             self.release()
@@ -347,8 +347,8 @@ class Trainer:
 
     def muon_ns_dtype(self) -> str | None:
         """The precision of Muon's Newton-Schulz iteration ("bf16" or "fp32"); None without Muon."""
-        kinds = {g.get("kind"): g.get("ns_dtype", "bf16") for g in self.optimizer.param_groups}
-        return kinds.get("muon")
+        groups = self.optimizer.param_groups
+        return next((g["ns_dtype"] for g in groups if g.get("kind") == "muon"), None)
 
     def _write_run_info(self) -> None:
         info = dict(
@@ -468,7 +468,8 @@ class Trainer:
         loss_sum = D.mean(loss_sum, self.world)  # the global batch's loss on every rank
         self.last_aux = D.mean(aux_sum, self.world) if self.experts.layers else None
         self.scaler.unscale_(self.optimizer)
-        TP.settle_grads(self.model)  # partial sums left by tensor parallelism, reduced once
+        if self.world.tp > 1:  # partial sums left by tensor parallelism, reduced once
+            TP.settle_grads(self.model)
         norms = None
         if layer_norms:
             norms = layer_grad_norms(self.model), rest_grad_norm(self.model)
