@@ -33,8 +33,10 @@ try:
     from lm_eval.api.registry import register_model
     from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs
 except ImportError as e:  # the optional [eval] extra
+    from llm_foundry.package import install_line
+
     raise ImportError(
-        "the evaluation harness is not installed: pip install 'llm-foundry[eval]' "
+        f"the evaluation harness is not installed: {install_line('eval')} "
         f"(or pip install lm-eval); {e}"
     ) from None
 from tqdm import tqdm

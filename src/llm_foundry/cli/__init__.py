@@ -54,11 +54,16 @@ def show_library_messages() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    usage = "usage: llm-foundry COMMAND [options]\n\ncommands:\n" + "\n".join(
+    usage = "usage: llm-foundry [--version] COMMAND [options]\n\ncommands:\n" + "\n".join(
         f"  {name:<10} {help_}" for name, (_, help_) in COMMANDS.items()
     )
     if not argv or argv[0] in ("-h", "--help"):
         print(usage)
+        return 0
+    if argv[0] in ("-V", "--version"):
+        from llm_foundry.package import version_line
+
+        print(version_line())
         return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:

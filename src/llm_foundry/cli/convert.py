@@ -52,8 +52,10 @@ def main(argv: list[str]) -> int:
         try:
             import gguf  # noqa: F401
         except ImportError:
+            from llm_foundry.package import install_line
+
             raise SystemExit(
-                "convert --to-gguf needs the gguf package: pip install 'llm-foundry[gguf]'"
+                f"convert --to-gguf needs the gguf package: {install_line('gguf')}"
             ) from None
         from llm_foundry.export import convert_to_gguf
 

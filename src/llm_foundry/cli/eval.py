@@ -66,7 +66,7 @@ def main(argv: list[str]) -> int:
         "--tasks",
         help="comma-separated lm-eval tasks: the local shakespeare (group), "
         "shakespeare_next_line, shakespeare_passages, shakespeare_next_speaker, or any task of "
-        "the harness's registry (needs its datasets); needs pip install 'llm-foundry[eval]'",
+        "the harness's registry (needs its datasets); needs the [eval] extra (lm-eval)",
     )
     harness = p.add_argument_group("with --tasks")
     harness.add_argument("--limit", type=float, default=None, help="at most N documents a task")

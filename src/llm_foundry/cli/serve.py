@@ -15,7 +15,7 @@ def main(argv: list[str]) -> int:
         prog="llm-foundry serve",
         description="Serve a model over OpenAI's HTTP API (/v1/completions, "
         "/v1/chat/completions, /v1/models, /health, /metrics); concurrent requests share "
-        "the model through continuous batching. Needs pip install 'llm-foundry[serve]'.",
+        "the model through continuous batching. Needs the [serve] extra (FastAPI, uvicorn).",
     )
     p.add_argument("--checkpoint", required=True, help="checkpoint, run or HF directory")
     p.add_argument("--host", default="127.0.0.1")
@@ -38,8 +38,10 @@ def main(argv: list[str]) -> int:
         from llm_foundry.serve import load_served
         from llm_foundry.serve.app import create_app
     except ImportError as e:
+        from llm_foundry.package import install_line
+
         raise SystemExit(
-            f"serve needs FastAPI and uvicorn: pip install 'llm-foundry[serve]' ({e})"
+            f"serve needs FastAPI and uvicorn: {install_line('serve')} ({e})"
         ) from None
     scheme, group = quantize_choice(ns.quantize, ns.group_size)
     served = load_served(ns.checkpoint, ns.slots, ns.max_queue, ns.model_name, ns.device,

@@ -46,8 +46,10 @@ from llm_foundry.config import ModelConfig
 try:
     import gguf
 except ImportError as e:  # pragma: no cover - depends on the environment
+    from llm_foundry.package import install_line
+
     raise ImportError(
-        "llm_foundry.interop.gguf needs the gguf package: pip install 'llm-foundry[gguf]'"
+        f"llm_foundry.interop.gguf needs the gguf package: {install_line('gguf')}"
     ) from e
 
 log = logging.getLogger(__name__)

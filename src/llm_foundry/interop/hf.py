@@ -50,8 +50,10 @@ from llm_foundry.models.transformer import Transformer
 try:
     import transformers
 except ImportError as e:  # pragma: no cover - depends on the environment
+    from llm_foundry.package import install_line
+
     raise ImportError(
-        "llm_foundry.interop.hf needs the transformers package: pip install 'llm-foundry[hf]'"
+        f"llm_foundry.interop.hf needs the transformers package: {install_line('hf')}"
     ) from e
 
 # transformers 5 keeps rope_theta and the scaling in one ``rope_parameters`` dict

@@ -21,9 +21,9 @@ try:
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 except ImportError as e:  # the optional [serve] extra
-    raise ImportError(
-        f"serving needs FastAPI and uvicorn: pip install 'llm-foundry[serve]'; {e}"
-    ) from None
+    from llm_foundry.package import install_line
+
+    raise ImportError(f"serving needs FastAPI and uvicorn: {install_line('serve')}; {e}") from None
 
 MAX_LOGPROBS = 5  # OpenAI's bound for completions
 

@@ -608,8 +608,10 @@ def _tensorboard(out: Path, purge_step: int | None):
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError as e:
+        from llm_foundry.package import install_line
+
         raise ImportError(
-            "train.tensorboard=true needs TensorBoard: pip install 'llm-foundry[tensorboard]'"
+            f"train.tensorboard=true needs TensorBoard: {install_line('tensorboard')}"
         ) from e
     return SummaryWriter(str(out / "tensorboard"), purge_step=purge_step)
 

@@ -1,0 +1,23 @@
+"""How a value a user gave appears in a one-line error: its ``repr``, cut to a length a line can
+hold (a 10,000-item list or a 50 MB string is named by its start and its size, not echoed)."""
+
+from __future__ import annotations
+
+from collections.abc import Sized
+
+LIMIT = 60  # characters of the value's repr an error shows
+
+
+def shown(value: object, limit: int = LIMIT) -> str:
+    """``repr(value)``, or its first ``limit`` characters with '...' and the value's size."""
+    try:
+        text = repr(value)
+    except Exception:  # noqa: BLE001 - a value whose repr fails is still named by its type
+        return f"<{type(value).__name__}>"
+    if len(text) <= limit:
+        return text
+    size = ""
+    if isinstance(value, Sized):
+        unit = {str: "characters", bytes: "bytes"}.get(type(value), "items")
+        size = f" ({len(value):,} {unit})"
+    return f"{text[:limit]}...{size}"
