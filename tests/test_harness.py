@@ -45,7 +45,7 @@ def _checkpoint(path, tok, seed=0, **model):
 def hf_dir(tmp_path_factory):
     """A random Llama exported to an HF directory with our BPE tokenizer (AutoTokenizer reads
     its special tokens from the tokenizer_config.json the export writes)."""
-    from llm_foundry.interop.hf import convert_to_hf
+    from llm_foundry.export import convert_to_hf
 
     root = tmp_path_factory.mktemp("harness")
     tok = BPETokenizer.train(corpus_text(100_000), 400)

@@ -20,12 +20,11 @@ transformers = pytest.importorskip("transformers")
 
 from llm_foundry.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from llm_foundry.config import ModelConfig  # noqa: E402
+from llm_foundry.export import convert_from_hf, convert_to_hf  # noqa: E402
 from llm_foundry.interop.hf import (  # noqa: E402
     ConversionError,
     config_from_hf,
     config_to_hf,
-    convert_from_hf,
-    convert_to_hf,
     from_hf,
     to_hf,
 )

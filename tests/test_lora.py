@@ -1,4 +1,4 @@
-"""LoRA: the adapted model starts as its base, merge/unmerge, only adapters train; a frozen base
+"""LoRA: the adapted model starts as its base, merge/unmerge/fold, only adapters train; a frozen base
 held in bf16 or int8 computes what fp32 LoRA on the rounded weights does; adapters in PEFT's
 format go both ways with the ``peft`` package (ours onto the HF export, peft's onto ours)."""
 
@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from llm_foundry.models.lora import (
     add_lora,
     dequantize_int8,
     effective_weight,
+    fold_lora,
     frozen_base_bytes,
     lora_layers,
     merge_lora,
@@ -342,13 +344,17 @@ def test_lora_fine_tuning_starts_from_the_checkpoint_trains_adapters_and_resumes
             want = p.to(torch.bfloat16) if base_dtype == "bf16" else p
             assert torch.equal(saved[name.replace(".weight", ".base.weight")], want), name
     assert any(lora.lora_B.abs().max() > 0 for lora in lora_layers(tuned).values())
-    # merged (as generate and export load it): fp32 weights, widen(W) + s·B A
-    merged = lora_layers(load_checkpoint(latest_checkpoint(tmp_path / "ft" / "checkpoints")))
+    # merged (as generate and every export load it): a plain model again, with the names of one
+    # that never had adapters, its fp32 weights widen(W) + s·B A
+    merged = load_checkpoint(latest_checkpoint(tmp_path / "ft" / "checkpoints"))
+    assert not lora_layers(merged)
+    assert set(merged.state_dict()) == set(load_checkpoint(base).state_dict())
     for name, m in lora_layers(tuned).items():
         widened = m.base.weight if base_dtype == "fp32" else m.base.widened()
-        assert merged[name].base.weight.dtype == torch.float32
-        want = widened + m.delta()
-        torch.testing.assert_close(merged[name].base.weight, want, atol=1e-6, rtol=0)
+        folded = merged.get_submodule(name)
+        assert isinstance(folded, torch.nn.Linear)
+        assert folded.weight.dtype == torch.float32
+        torch.testing.assert_close(folded.weight, widened + m.delta(), atol=1e-6, rtol=0)
     # a crash after step 4, resumed: the same losses as the uninterrupted fine-tuning
     cut = tmp_path / "cut"
     import shutil
@@ -500,4 +506,69 @@ def test_adapters_on_shared_experts_change_the_output_and_merge_exactly(tiny_con
     adapted = model(idx)[0]
     assert (adapted - base).abs().max() > 1e-2
     merge_lora(model)
+    torch.testing.assert_close(model(idx)[0], adapted, atol=1e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------
+# Adapters that would compute nothing useful are refused before anything is built
+
+
+@pytest.mark.parametrize(
+    "change, needle",
+    [
+        ({"lora_alpha": float("nan")}, "alpha=nan must be a finite number"),
+        ({"lora_alpha": "16"}, "alpha='16' must be a finite number"),
+        ({"r": 0}, "rank r=0 must be a positive integer"),
+        ({"r": 2.5}, "rank r=2.5 must be a positive integer"),
+        ({"lora_dropout": 1.5}, "dropout=1.5 must be in [0, 1)"),
+    ],
+)
+def test_an_adapter_config_out_of_range_is_one_line(change, needle, tmp_path):
+    ours = from_hf(_hf_llama())
+    add_lora(ours, ("wq",), r=2)
+    save_adapter(ours, tmp_path / "adapter")
+    file = tmp_path / "adapter" / "adapter_config.json"
+    file.write_text(json.dumps({**json.loads(file.read_text()), **change}))
+    with pytest.raises(ValueError) as e:
+        load_adapter(from_hf(_hf_llama()), tmp_path / "adapter")
+    assert needle in str(e.value)
+    file.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="holds list, not an adapter config object"):
+        load_adapter(from_hf(_hf_llama()), tmp_path / "adapter")
+
+
+def test_an_adapter_with_non_finite_tensors_is_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    ours = from_hf(_hf_llama())
+    add_lora(ours, ("wq", "wv"), r=2)
+    save_adapter(ours, tmp_path / "adapter")
+    file = tmp_path / "adapter" / "adapter_model.safetensors"
+    tensors = load_file(str(file))
+    key = sorted(k for k in tensors if "lora_B" in k)[0]
+    tensors[key][0, 0] = float("inf")
+    save_file(tensors, str(file))
+    with pytest.raises(ValueError, match=rf"tensor {re.escape(key)} holds 1 non-finite"):
+        load_adapter(from_hf(_hf_llama()), tmp_path / "adapter")
+
+
+def test_a_rank_above_the_projections_rank_is_refused_before_allocating(tiny_config):
+    model = Transformer(tiny_config())
+    with pytest.raises(ValueError, match=r"r=1,000,000 exceeds the rank 32 of layers\.0\.attn"):
+        add_lora(model, ("wq", "wv"), r=1_000_000)
+    assert not lora_layers(model)  # nothing was built
+    assert len(add_lora(model, ("wq", "wv"), r=32)) == 2 * 2  # min(in, out) itself is fine
+
+
+def test_folding_gives_a_plain_model_computing_the_merged_function(tiny_config):
+    torch.manual_seed(0)
+    model = Transformer(tiny_config()).eval()
+    plain_names = set(model.state_dict())
+    add_lora(model, ("wq", "w2"), r=4, base_dtype="int8")
+    _randomise(model, seed=3)
+    idx = torch.randint(0, 37, (2, 9))
+    adapted = model(idx)[0]
+    folded = fold_lora(model)
+    assert len(folded) == 2 * 2 and not lora_layers(model)
+    assert set(model.state_dict()) == plain_names  # what every export reads
     torch.testing.assert_close(model(idx)[0], adapted, atol=1e-5, rtol=1e-5)

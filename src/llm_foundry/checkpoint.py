@@ -20,7 +20,9 @@ import torch
 from safetensors.torch import load_model, save_model
 
 from llm_foundry.config import ConfigError, ModelConfig
-from llm_foundry.models.lora import apply_lora_settings, lora_settings, merge_lora
+from llm_foundry.messages import shown
+from llm_foundry.models.lora import apply_lora_settings, fold_lora, lora_settings
+from llm_foundry.models.lora import check_settings as check_lora
 from llm_foundry.models.quant import apply_quant_settings, quant_settings, read_settings
 from llm_foundry.models.transformer import Transformer
 
@@ -67,13 +69,16 @@ def save_checkpoint(model: torch.nn.Module, path: str | Path) -> Path:
 
 
 def read_lora(path: str | Path) -> dict | None:
-    """The LoRA settings a checkpoint was saved with (None: a plain model)."""
-    meta = json.loads((Path(path) / CONFIG_FILE).read_text())
-    lora = meta.get("lora")
-    if lora is not None and not (isinstance(lora, dict) and {"r", "alpha", "targets"} <= set(lora)):
-        raise ValueError(
-            f"{Path(path) / CONFIG_FILE}: 'lora' is {lora!r}; expected r, alpha, targets"
-        )
+    """The LoRA settings a checkpoint was saved with (None: a plain model), checked."""
+    file = Path(path) / CONFIG_FILE
+    lora = json.loads(file.read_text()).get("lora")
+    if lora is None:
+        return None
+    if not (isinstance(lora, dict) and {"r", "alpha", "targets"} <= set(lora)):
+        raise ValueError(f"{file}: 'lora' is {shown(lora)}; expected r, alpha, targets")
+    problems = check_lora(lora)
+    if problems:
+        raise ValueError(f"{file}: {'; '.join(problems)}")
     return lora
 
 
@@ -219,6 +224,8 @@ def meta_transformer(
         where = f"{config_file} describes" if config_file else "the config describes"
         of = f", not the weights in {weights}" if weights else ""
         raise ValueError(f"{where} a model too large to exist{of} ({e})") from None
+    except ValueError as e:  # LoRA or quantization settings that do not fit the model
+        raise ValueError(f"{config_file or 'the config'}: {e}") from None
 
 
 def check_weights_fit(
@@ -291,7 +298,8 @@ def load_checkpoint(
     """Build the ``Transformer`` saved in directory ``path`` and load its weights; eval mode.
     The config is checked against the weight file's header on the meta device first, so the
     model is materialised only at the size of the weights that are there. LoRA adapters saved
-    with it are rebuilt and, with ``merge``, folded into their base weights."""
+    with it are rebuilt and, with ``merge``, folded into their base weights (a plain model, as
+    exports and ``quantize`` need: ``models.lora.fold_lora``)."""
     path = Path(path)
     cfg = read_config(path)
     lora, quant = read_lora(path), read_quantization(path)
@@ -302,5 +310,5 @@ def load_checkpoint(
     model = build(cfg, lora, quant).to(device)
     _load_into(model, file)
     if merge:
-        merge_lora(model)
+        fold_lora(model)
     return model.eval()

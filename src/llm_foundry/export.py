@@ -1,23 +1,28 @@
 """Exports of any checkpoint kind ``rundir.load`` reads (a training run, one of our checkpoints,
 an HF directory) with what travels with the weights: the tokenizer, its special ids and the
-chat template. The file formats themselves are written in ``interop/``."""
+chat template; and a LoRA run's adapters alone. The file formats themselves are written in
+``interop/``."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 
-def convert_to_gguf(src: str | Path, out_path: str | Path, outtype: str = "f32") -> Path:
-    """``llm-foundry convert --to-gguf SRC --out OUT.gguf``: a run directory, one of our
-    checkpoints or an HF directory, with its tokenizer and chat template (the HF directory's
-    own, else the built-in one our chat commands use), as one GGUF file."""
+def convert_to_gguf(
+    src: str | Path, out_path: str | Path, outtype: str = "f32"
+) -> tuple[Path, str | None]:
+    """``llm-foundry convert --to-gguf SRC --out OUT.gguf``: a run directory (a LoRA run with its
+    adapters merged), one of our checkpoints or an HF directory, with its tokenizer and chat
+    template (the HF directory's own, else the built-in one our chat commands use), as one GGUF
+    file. Returns the file and the line saying what was merged (None: nothing)."""
     from llm_foundry.chat import BUILTIN_TEMPLATE, load_chat_template
     from llm_foundry.interop.gguf import GGUFError, export_gguf, gguf_types
+    from llm_foundry.outputs import check_new_output
     from llm_foundry.rundir import checkpoint_dir, checkpoint_kind, load
 
     gguf_types(outtype)  # a bad outtype is named before anything loads
-    if Path(out_path).is_dir():
-        raise GGUFError(f"--out {out_path} is a directory; give the .gguf file to write")
+    check_new_output(out_path, "--out", kind="file")
     ckpt = checkpoint_dir(src, "--to-gguf")
     kind, meta = checkpoint_kind(ckpt)
     if "quantization" in meta:
@@ -38,6 +43,75 @@ def convert_to_gguf(src: str | Path, out_path: str | Path, outtype: str = "f32")
             if isinstance(value, int):
                 token_ids[key] = value
     name = Path(src).resolve().name
-    return export_gguf(
+    out = export_gguf(
         model, tok, out_path, outtype, template or BUILTIN_TEMPLATE, name, token_ids=token_ids
     )
+    return out, info.merged_note()
+
+
+def convert_to_peft(src: str | Path, out_dir: str | Path, family: str | None = None) -> dict:
+    """``llm-foundry convert --to-peft RUN --out DIR``: the LoRA adapters of a fine-tuning run or
+    checkpoint alone, in PEFT's format for the HF export of the base it was tuned from. Returns
+    what was written: the settings, the base named in adapter_config.json, the base's storage."""
+    from llm_foundry.checkpoint import load_checkpoint, read_lora
+    from llm_foundry.interop.peft import save_adapter
+    from llm_foundry.outputs import check_new_output, new_directory
+    from llm_foundry.rundir import CHECKPOINTS, checkpoint_dir, checkpoint_kind, read_run_info
+
+    check_new_output(out_dir)
+    ckpt = checkpoint_dir(src, "--to-peft")
+    lora = read_lora(ckpt) if checkpoint_kind(ckpt)[0] == "llm-foundry" else None
+    if lora is None:
+        raise ValueError(
+            f"--to-peft {src}: {ckpt} has no LoRA adapters (a base model or a full fine-tune); "
+            "convert --to-hf writes the whole model"
+        )
+    # the base it was tuned from, as the run recorded it (a step directory's run is two up)
+    run = ckpt.parent.parent if ckpt.parent.name == CHECKPOINTS else None
+    train = (read_run_info(run).get("train") or {}) if run else {}
+    base = str(train.get("init_from") or "")
+    with new_directory(out_dir) as tmp:
+        save_adapter(load_checkpoint(ckpt, merge=False), tmp, family, base=base)
+    return {"from": str(src), "to": str(out_dir), "lora": lora, "base": base}
+
+
+def convert_from_hf(src_dir: str | Path, out_ckpt: str | Path) -> Path:
+    """``llm-foundry convert --from-hf DIR --out CKPT``: an HF checkpoint directory to our
+    checkpoint format (``llm_foundry.checkpoint``), its tokenizer alongside. Returns CKPT."""
+    from llm_foundry.checkpoint import FORMAT, save_checkpoint
+    from llm_foundry.interop.hf import copy_tokenizer, from_hf
+    from llm_foundry.outputs import check_new_output, new_directory
+
+    config = Path(src_dir) / "config.json"
+    if config.is_file() and json.loads(config.read_text()).get("format") == FORMAT:
+        raise ValueError(f"{src_dir} is an llm-foundry checkpoint already; --to-hf exports one")
+    check_new_output(out_ckpt)
+    model = from_hf(src_dir)
+    with new_directory(out_ckpt) as tmp:
+        copy_tokenizer(Path(src_dir), save_checkpoint(model, tmp))
+    return Path(out_ckpt)
+
+
+def convert_to_hf(ckpt_dir: str | Path, out_dir: str | Path, family: str | None = None) -> Path:
+    """``llm-foundry convert --to-hf CKPT --out DIR``: our checkpoint directory to an HF one
+    (``llm_foundry.rundir.checkpoint_dir`` finds a run directory's latest checkpoint), its
+    tokenizer alongside; a LoRA checkpoint is written with its adapters merged
+    (``load_checkpoint`` folds them). Returns DIR."""
+    from llm_foundry.checkpoint import load_checkpoint, read_quantization
+    from llm_foundry.interop.hf import ConversionError, copy_tokenizer, name_special_tokens, to_hf
+    from llm_foundry.outputs import check_new_output, new_directory
+
+    ckpt_dir = Path(ckpt_dir)
+    quant = read_quantization(ckpt_dir)
+    if quant:
+        raise ConversionError(
+            f"{ckpt_dir} holds {quant['scheme']} weights, which HF transformers configs do not "
+            "describe: export the full-precision checkpoint"
+        )
+    check_new_output(out_dir)
+    model = load_checkpoint(ckpt_dir)
+    with new_directory(out_dir) as tmp:
+        to_hf(model, tmp, family)
+        copy_tokenizer(ckpt_dir, tmp)
+        name_special_tokens(tmp)
+    return Path(out_dir)

@@ -108,12 +108,14 @@ class FoundryLM(TemplateLM):
         max_gen_toks: int = 256,
         device: str = "cpu",
         tokenizer: str | None = None,
+        adapter: str | None = None,
         **_ignored,  # the harness's options for other backends (max_batch_size, ...)
     ):
         super().__init__()
         from llm_foundry.rundir import load
 
-        self.model, self.tok, self.info = load(checkpoint, device or "cpu", tokenizer)
+        self.model, self.tok, self.info = load(checkpoint, device or "cpu", tokenizer,
+                                               adapter=adapter)  # fmt: skip
         if self.tok is None:
             raise FileNotFoundError(
                 f"{self.info.checkpoint} has no tokenizer.json: pass tokenizer=FILE in model_args"
@@ -293,9 +295,11 @@ def evaluate_tasks(
     include_path: str | Path | None = None,
     log_samples: bool = False,
     quiet: bool = True,
+    adapter: str | Path | None = None,
 ) -> dict:
-    """The harness's results dict for ``tasks`` on ``checkpoint`` (the local tasks are always
-    found; ``include_path`` adds a directory of task YAMLs)."""
+    """The harness's results dict for ``tasks`` on ``checkpoint`` (with the LoRA ``adapter``
+    merged, when given); the local tasks are always found, ``include_path`` adds a directory of
+    task YAMLs."""
     import lm_eval
     from lm_eval.tasks import TaskManager
 
@@ -304,6 +308,10 @@ def evaluate_tasks(
     if quiet:  # the harness logs a warning per custom dataset and per default metric setting
         logging.getLogger("lm_eval").setLevel(logging.ERROR)
     paths = [str(TASKS_DIR)] + ([str(include_path)] if include_path else [])
+    if num_fewshot is not None and num_fewshot < 0:
+        raise ValueError(
+            f"--num-fewshot {num_fewshot} must be >= 0 (examples before each question)"
+        )
     if include_path and not Path(include_path).is_dir():
         raise FileNotFoundError(f"--include-path {include_path}: no such directory")
     manager = TaskManager(include_path=paths)
@@ -317,7 +325,9 @@ def evaluate_tasks(
             "`lm-eval ls tasks` lists the harness's registry"
         )
     return lm_eval.simple_evaluate(
-        model=FoundryLM(str(checkpoint), batch_size=batch_size),
+        model=FoundryLM(
+            str(checkpoint), batch_size=batch_size, adapter=str(adapter) if adapter else None
+        ),  # fmt: skip
         tasks=tasks,
         task_manager=manager,
         limit=limit,

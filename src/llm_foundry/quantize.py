@@ -1,5 +1,5 @@
-"""Quantized copies of checkpoints: any model ``rundir.load`` reads (a training run, one of our
-checkpoints, an HF directory) written as our checkpoint format with int8 or int4 projections
+"""Quantized copies of checkpoints: any model ``rundir.load`` reads (a training run, a LoRA run
+with its adapters merged, one of our checkpoints, an HF directory) written as our checkpoint format with int8 or int4 projections
 (``models/quant.py``), its tokenizer and chat template alongside."""
 
 from __future__ import annotations
@@ -21,30 +21,29 @@ def quantize_checkpoint(
     """Write ``src`` quantized to ``scheme`` (int8 | int4 in groups of ``group_size``) into the
     directory ``out``. Returns what was done: the settings recorded in config.json, the bytes a
     decoded token reads for weights before and after, and the weight file's bytes."""
+    from llm_foundry.outputs import check_new_output, new_directory
     from llm_foundry.rundir import load
 
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out} is a file; give a new directory")
-    if out.is_dir() and any(out.iterdir()):  # never over a checkpoint, least of all the source
-        raise ValueError(f"--out {out} is not empty; give a new directory")
+    check_new_output(out)  # before the model loads
     model, _, info = load(src)
     if info.config.get("quantization"):
         raise ValueError(f"{info.checkpoint} is quantized already; quantize the full model")
     before = weight_bytes(model)
     settings = quantize_model(model, scheme, group_size)
-    save_checkpoint(model, out)
-    for name in TOKENIZER_FILES:
-        if (info.checkpoint / name).is_file():
-            shutil.copyfile(info.checkpoint / name, out / name)
-    if info.eos_ids:  # an HF model's end-of-sequence ids live in its config.json: keep them
-        meta = json.loads((out / CONFIG_FILE).read_text())
-        meta["eos_token_id"] = sorted(info.eos_ids)
-        (out / CONFIG_FILE).write_text(json.dumps(meta, indent=2))
+    with new_directory(out) as tmp:
+        save_checkpoint(model, tmp)
+        for name in TOKENIZER_FILES:
+            if (info.checkpoint / name).is_file():
+                shutil.copyfile(info.checkpoint / name, tmp / name)
+        if info.eos_ids:  # an HF model's end-of-sequence ids live in its config.json: keep them
+            meta = json.loads((tmp / CONFIG_FILE).read_text())
+            meta["eos_token_id"] = sorted(info.eos_ids)
+            (tmp / CONFIG_FILE).write_text(json.dumps(meta, indent=2))
     return {
         "from": str(src),
         "to": str(out),
         **settings,
+        "merged": info.merged_note(),  # a LoRA run: its adapters, folded in before quantizing
         "weight_bytes_per_token": {"before": before, "after": weight_bytes(model)},
-        "file_bytes": (out / WEIGHTS_FILE).stat().st_size,
+        "file_bytes": (Path(out) / WEIGHTS_FILE).stat().st_size,
     }

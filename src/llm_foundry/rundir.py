@@ -89,6 +89,12 @@ def checkpoint_dir(path: str | Path, flag: str = "--checkpoint") -> Path:
     if not path.is_dir():
         raise FileNotFoundError(f"{flag} {path}: no such directory")
     if (path / "config.json").exists():
+        if (path / CHECKPOINTS / LATEST).exists():  # which one was meant is not ours to guess
+            raise ValueError(
+                f"{flag} {path} holds both a checkpoint (config.json) and a training run "
+                f"(checkpoints/): give {path / CHECKPOINTS} for the run, or move the checkpoint "
+                "into a directory of its own"
+            )
         return path
     for root in (path / CHECKPOINTS, path):
         if (root / LATEST).exists():
@@ -130,6 +136,19 @@ class CheckpointInfo:
     run: Path | None = None  # the training run directory, when one was given
     eos_ids: set[int] = field(default_factory=set)  # the tokenizer's and config.json's
     config: dict[str, Any] = field(default_factory=dict)  # config.json as read
+    lora: dict | None = None  # the LoRA settings folded into the weights (a run's or --adapter's)
+    adapter: Path | None = None  # the adapter directory put on the model, when one was given
+
+    def merged_note(self) -> str | None:
+        """One line saying that LoRA adapters were merged into the model (None: there were
+        none)."""
+        from llm_foundry.models.lora import describe_merge
+
+        return (
+            describe_merge(self.lora, str(self.adapter) if self.adapter else None)
+            if self.lora
+            else None
+        )
 
 
 class Loaded(NamedTuple):
@@ -144,29 +163,42 @@ def load(
     tokenizer: str | Path | None = None,
     quantize: str | None = None,
     group_size: int = 64,
+    adapter: str | Path | None = None,
 ) -> Loaded:
     """The model, tokenizer and provenance of a run directory, one of our checkpoints or an HF
-    transformers directory. ``tokenizer`` overrides the directory's ``tokenizer.json``;
-    ``quantize`` (int8 | int4, int4 in groups of ``group_size``) quantizes the loaded model's
-    projections in memory (``models/quant.py``)."""
+    transformers directory. LoRA adapters come merged into their base weights (a plain model):
+    a LoRA run's own, or those of ``adapter`` (a PEFT adapter directory, or a LoRA run or
+    checkpoint of ours) put on this model. ``tokenizer`` overrides the directory's
+    ``tokenizer.json``; ``quantize`` (int8 | int4, int4 in groups of ``group_size``) quantizes
+    the loaded model's projections in memory (``models/quant.py``)."""
     from llm_foundry.tokenizer import load_any_tokenizer
 
     given = Path(path)
     ckpt = checkpoint_dir(given)
     kind, meta = checkpoint_kind(ckpt)
-    if quantize and meta.get("quantization"):
+    if (quantize or adapter) and meta.get("quantization"):
+        flag = f"--quantize {quantize}" if quantize else f"--adapter {adapter}"
         raise ValueError(
-            f"--quantize {quantize}: {ckpt} is quantized already "
-            f"({meta['quantization'].get('scheme')}); load it as it is"
+            f"{flag}: {ckpt} is quantized already ({meta['quantization'].get('scheme')}); "
+            + ("load it as it is" if quantize else "put the adapter on the full-precision model")
         )
+    lora = None
     if kind == "llm-foundry":
-        from llm_foundry.checkpoint import load_checkpoint
+        from llm_foundry.checkpoint import load_checkpoint, read_lora
 
+        lora = read_lora(ckpt)
         model = load_checkpoint(ckpt, device)
     else:
         from llm_foundry.interop.hf import from_hf
 
         model = from_hf(ckpt).to(device).eval()
+    if adapter is not None:
+        if lora:
+            raise ValueError(
+                f"--adapter {adapter}: {ckpt} carries LoRA adapters of its own (merged on load); "
+                "give the base model it was fine-tuned from"
+            )
+        lora = put_adapter(model, adapter)
     if quantize:
         from llm_foundry.models.quant import quantize_model
 
@@ -177,8 +209,66 @@ def load(
     if tokenizer and not tok_file.is_file():
         raise FileNotFoundError(f"--tokenizer {tok_file}: no such file")
     tok = load_any_tokenizer(tok_file, hf_eos[0] if hf_eos else None) if tok_file.exists() else None
+    vocab = model.cfg.vocab_size
+    if tok is not None and tok.vocab_size > vocab:  # its ids past the embedding would crash
+        raise ValueError(
+            f"{tok_file} has {tok.vocab_size:,} tokens but the model's vocab_size is {vocab:,} "
+            f"(ids >= {vocab:,} have no embedding): use the tokenizer the model was trained with"
+        )
     eos = set(hf_eos)
     if tok is not None and tok.eos_id is not None:
         eos.add(tok.eos_id)
     run = given if ckpt != given and (given / CHECKPOINTS).is_dir() else None
-    return Loaded(model.eval(), tok, CheckpointInfo(kind, ckpt, run, eos, meta))
+    info = CheckpointInfo(kind, ckpt, run, eos, meta, lora, Path(adapter) if adapter else None)
+    return Loaded(model.eval(), tok, info)
+
+
+def put_adapter(model, adapter: str | Path) -> dict:
+    """Put the LoRA adapter in directory ``adapter`` on ``model`` and merge it into the weights
+    (``models.lora.fold_lora``); returns its settings. ``adapter`` is a PEFT adapter directory
+    (adapter_config.json: written by peft or by ``convert --to-peft``) or a LoRA run or checkpoint
+    of ours, whose adapters are taken and its frozen base left behind."""
+    import torch
+
+    from llm_foundry.checkpoint import load_checkpoint, read_config, read_lora
+    from llm_foundry.models.lora import apply_lora_settings, fold_lora, lora_layers, lora_settings
+
+    path = Path(adapter)
+    if not path.is_dir():
+        raise FileNotFoundError(f"--adapter {path}: no such directory")
+    if (path / "adapter_config.json").exists() or (path / "adapter_model.safetensors").exists():
+        from llm_foundry.interop.peft import load_adapter
+
+        load_adapter(model, path)
+        settings = lora_settings(model)
+    else:
+        ckpt = checkpoint_dir(path, "--adapter")
+        if checkpoint_kind(ckpt)[0] != "llm-foundry" or read_lora(ckpt) is None:
+            raise ValueError(
+                f"--adapter {path}: neither a PEFT adapter (adapter_config.json) nor a LoRA run "
+                "or checkpoint (config.json with 'lora')"
+            )
+        diff = _differences(read_config(ckpt), model.cfg)
+        if diff:
+            raise ValueError(
+                f"--adapter {path} was trained on another model ({'; '.join(diff[:3])}): give "
+                "the base it was fine-tuned from"
+            )
+        tuned = load_checkpoint(ckpt, merge=False)
+        settings = {**lora_settings(tuned), "base_dtype": "fp32"}  # the base is the one given
+        apply_lora_settings(model, settings)
+        ours = lora_layers(model)
+        with torch.no_grad():
+            for name, layer in lora_layers(tuned).items():
+                ours[name].lora_A.copy_(layer.lora_A)
+                ours[name].lora_B.copy_(layer.lora_B)
+    fold_lora(model)
+    return settings
+
+
+def _differences(there, here) -> list[str]:
+    """'field: A there, B here' for the architecture fields two model configs disagree on."""
+    free = {"dropout", "attn_impl", "moe_dispatch", "max_seq_len"}
+    a, b = there.to_dict(), here.to_dict()
+    a["n_kv_heads"], b["n_kv_heads"] = there.kv_heads, here.kv_heads
+    return [f"{k}: {v!r} there, {b[k]!r} here" for k, v in a.items() if b[k] != v and k not in free]

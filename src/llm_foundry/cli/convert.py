@@ -9,13 +9,14 @@ from pathlib import Path
 
 
 def main(argv: list[str]) -> int:
-    from llm_foundry.interop.hf import FAMILIES, convert_from_hf, convert_to_hf
+    from llm_foundry.interop.hf import FAMILIES
 
     p = argparse.ArgumentParser(
         prog="llm-foundry convert",
         description="Convert between HF transformers checkpoint directories (Llama, Mistral, "
         "Qwen3, GPT-2, Mixtral, Qwen3-MoE families) and llm-foundry checkpoints, or write a "
-        "checkpoint of those families as one GGUF file for llama.cpp (--to-gguf).",
+        "checkpoint of those families as one GGUF file for llama.cpp (--to-gguf). A LoRA run "
+        "is written with its adapters merged into the base; --to-peft writes its adapters alone.",
     )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--from-hf", metavar="DIR", help="HF directory (config.json + safetensors)")
@@ -27,12 +28,21 @@ def main(argv: list[str]) -> int:
         metavar="SRC",
         help="run directory, llm-foundry checkpoint or HF directory to write as one GGUF file",
     )
-    p.add_argument("--out", required=True, help="directory to write (--to-gguf: the .gguf file)")
+    src.add_argument(
+        "--to-peft",
+        metavar="RUN",
+        help="LoRA run or checkpoint whose adapters to write alone, in PEFT's format",
+    )
+    p.add_argument(
+        "--out",
+        required=True,
+        help="new directory to write (--to-gguf: the new .gguf file); never over one that exists",
+    )
     p.add_argument(
         "--family",
         choices=list(FAMILIES),
         default=None,
-        help="HF architecture for --to-hf (default: inferred from the config)",
+        help="HF architecture for --to-hf and --to-peft (default: inferred from the config)",
     )
     p.add_argument(
         "--outtype",
@@ -59,21 +69,47 @@ def main(argv: list[str]) -> int:
             ) from None
         from llm_foundry.export import convert_to_gguf
 
-        out = convert_to_gguf(ns.to_gguf, ns.out, ns.outtype)
+        out, merged = convert_to_gguf(ns.to_gguf, ns.out, ns.outtype)
         what = {"from": ns.to_gguf, "to": str(out), "format": "gguf", "outtype": ns.outtype}
-        what["bytes"] = out.stat().st_size
+        what["bytes"], what["merged"] = out.stat().st_size, merged
         text = f"wrote gguf {ns.outtype} file to {out} ({what['bytes'] / 2**20:.1f} MiB)"
-        print(json.dumps(what, indent=2) if ns.json else text)
+        _say(what, text, ns.json)
         return 0
-    if ns.from_hf:
+    from llm_foundry.export import convert_from_hf, convert_to_hf, convert_to_peft
+
+    if ns.to_peft:
+        done = convert_to_peft(ns.to_peft, ns.out, ns.family)
+        lora, kept = done["lora"], done["lora"].get("base_dtype", "fp32")
+        base = f" for the base {done['base']}" if done["base"] else ""
+        trained = f" (trained over the {kept}-rounded base)" if kept != "fp32" else ""
+        text = (f"wrote the PEFT adapter (r={lora['r']}, {', '.join(lora['targets'])}) to "
+                f"{done['to']}{base}{trained}")  # fmt: skip
+        what = {**done, "format": "peft", "merged": None}
+    elif ns.from_hf:
         out = convert_from_hf(ns.from_hf, ns.out)
-        what = {"from": ns.from_hf, "to": str(out), "format": "llm-foundry"}
+        what = {"from": ns.from_hf, "to": str(out), "format": "llm-foundry", "merged": None}
+        text = f"wrote llm-foundry checkpoint to {out}"
     else:
         ckpt = checkpoint_dir(ns.to_hf, "--to-hf")  # a run directory means its latest checkpoint
-        if checkpoint_kind(ckpt)[0] == "hf":
+        kind, meta = checkpoint_kind(ckpt)
+        if kind == "hf":
             raise ValueError(f"--to-hf {ckpt} is an HF transformers directory already")
         out = convert_to_hf(ckpt, ns.out, ns.family)
-        what = {"from": ns.to_hf, "to": str(out), "format": "hf"}
-    what["files"] = sorted(f.name for f in Path(out).iterdir())
-    print(json.dumps(what, indent=2) if ns.json else f"wrote {what['format']} checkpoint to {out}")
+        from llm_foundry.models.lora import describe_merge
+
+        merged = describe_merge(meta["lora"]) if meta.get("lora") else None
+        what = {"from": ns.to_hf, "to": str(out), "format": "hf", "merged": merged}
+        text = f"wrote hf checkpoint to {out}"
+    what["files"] = sorted(f.name for f in Path(what["to"]).iterdir())
+    _say(what, text, ns.json)
     return 0
+
+
+def _say(what: dict, text: str, as_json: bool) -> None:
+    """What was written: JSON, or the line (after the one saying what was merged, if any)."""
+    if as_json:
+        print(json.dumps(what, indent=2))
+        return
+    if what.get("merged"):
+        print(what["merged"])
+    print(text)

@@ -59,6 +59,8 @@ def main(argv: list[str]) -> int:
     p.add_argument(
         "--checkpoint", required=True, help="checkpoint, run or HF transformers directory"
     )
+    p.add_argument("--adapter", default=None, metavar="DIR", help="a LoRA adapter to merge into "
+                   "the model first: a PEFT adapter directory, or a LoRA run of ours")  # fmt: skip
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--data", help="a token file written by prepare (e.g. data/x/val.bin)")
     src.add_argument("--text", help="a UTF-8 text file, encoded with the checkpoint's tokenizer")
@@ -89,8 +91,10 @@ def main(argv: list[str]) -> int:
         raise ValueError(f"--context takes integers like 256,512; got {ns.context!r}") from None
     if ns.rope_factor is not None and not ns.rope_scaling:
         raise ValueError("--rope-factor needs --rope-scaling linear|ntk (it scales nothing alone)")
-    model, tok, info = load(ns.checkpoint)
+    model, tok, info = load(ns.checkpoint, adapter=ns.adapter)
     ckpt = info.checkpoint
+    if info.merged_note() and not ns.json:
+        print(info.merged_note())
     if ns.rope_scaling:
         if ns.rope_factor is None:
             raise ValueError("--rope-scaling needs --rope-factor F (e.g. 2 for twice the context)")
@@ -108,6 +112,8 @@ def main(argv: list[str]) -> int:
     ]
     report = dict(
         checkpoint=str(ckpt),
+        adapter=ns.adapter,
+        merged=info.merged_note(),
         source=source,
         rope_scaling=ns.rope_scaling,
         rope_factor=ns.rope_factor,
@@ -142,6 +148,7 @@ def run_tasks(ns) -> int:
         limit=int(ns.limit) if ns.limit and ns.limit >= 1 else ns.limit,
         num_fewshot=ns.num_fewshot,
         include_path=ns.include_path,
+        adapter=ns.adapter,
     )
     if ns.out:
         Path(ns.out).parent.mkdir(parents=True, exist_ok=True)

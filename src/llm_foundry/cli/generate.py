@@ -200,6 +200,8 @@ def _main(argv: list[str]) -> int:
         "tokenizer is DIR/tokenizer.json; without one, give --prompt-ids and read ids back.",
     )
     p.add_argument("--checkpoint", required=True, metavar="DIR", help="checkpoint/run/HF dir")
+    p.add_argument("--adapter", default=None, metavar="DIR", help="a LoRA adapter to merge into "
+                   "the model first: a PEFT adapter directory, or a LoRA run of ours")  # fmt: skip
     p.add_argument("--prompt", default=None, help="prompt text")
     p.add_argument("--prompt-ids", default=None, metavar="IDS", help="prompt token ids: 1,2,3")
     p.add_argument("--max-new-tokens", type=int, default=200)
@@ -266,7 +268,10 @@ def _main(argv: list[str]) -> int:
     from llm_foundry.rundir import load
 
     scheme, group = quantize_choice(ns.quantize, ns.group_size)
-    model, tok, info = load(ns.checkpoint, device, quantize=scheme, group_size=group)
+    model, tok, info = load(ns.checkpoint, device, quantize=scheme, group_size=group,
+                            adapter=ns.adapter)  # fmt: skip
+    if info.merged_note():  # on stderr: stdout holds the text alone
+        print(info.merged_note(), file=sys.stderr)
     eos_ids = set(info.eos_ids)
     if ns.ignore_eos:
         eos_ids = set()

@@ -32,6 +32,8 @@ def main(argv: list[str]) -> int:
     if ns.json:
         print(json.dumps(done, indent=2))
         return 0
+    if done["merged"]:
+        print(done["merged"])
     b = done["weight_bytes_per_token"]
     group = f" (groups of {done['group_size']})" if "group_size" in done else ""
     print(

@@ -34,14 +34,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from llm_foundry.checkpoint import (
-    FORMAT,
     check_finite,
     check_layer_count,
-    load_checkpoint,
     meta_transformer,
-    read_quantization,
     read_safetensors_header,
-    save_checkpoint,
     unwrap,
 )
 from llm_foundry.config import ModelConfig
@@ -1284,7 +1280,7 @@ def to_hf(
     return out
 
 
-def _copy_tokenizer(src: Path, dst: Path) -> None:
+def copy_tokenizer(src: Path, dst: Path) -> None:
     """Bring ``tokenizer.json`` along when there is one: our BPE file is an HF tokenizers file,
     our character tokenizer has no HF equivalent and stays behind (with a note)."""
     file = src / TOKENIZER_FILE
@@ -1296,7 +1292,7 @@ def _copy_tokenizer(src: Path, dst: Path) -> None:
     shutil.copyfile(file, dst / TOKENIZER_FILE)
 
 
-def _name_special_tokens(out: Path) -> None:
+def name_special_tokens(out: Path) -> None:
     """Our BPE tokenizer exported: tokenizer_config.json names its specials, so AutoTokenizer
     (and tools built on it, such as lm-eval's hf backend) knows BOS, EOS and padding."""
     from llm_foundry.tokenizer import SPECIAL_TOKENS, load_tokenizer
@@ -1321,30 +1317,3 @@ def _name_special_tokens(out: Path) -> None:
                 indent=2,
             )
         )
-
-
-def convert_from_hf(src_dir: str | Path, out_ckpt: str | Path) -> Path:
-    """``llm-foundry convert --from-hf DIR --out CKPT``: an HF checkpoint directory to our
-    checkpoint format (``llm_foundry.checkpoint``). Returns the checkpoint directory."""
-    config = Path(src_dir) / "config.json"
-    if config.is_file() and json.loads(config.read_text()).get("format") == FORMAT:
-        raise ValueError(f"{src_dir} is an llm-foundry checkpoint already; --to-hf exports one")
-    out = save_checkpoint(from_hf(src_dir), out_ckpt)
-    _copy_tokenizer(Path(src_dir), out)
-    return out
-
-
-def convert_to_hf(ckpt_dir: str | Path, out_dir: str | Path, family: str | None = None) -> Path:
-    """``llm-foundry convert --to-hf CKPT --out DIR``: our checkpoint directory to an HF one
-    (``llm_foundry.rundir.checkpoint_dir`` finds a run directory's latest checkpoint)."""
-    ckpt_dir = Path(ckpt_dir)
-    quant = read_quantization(ckpt_dir)
-    if quant:
-        raise ConversionError(
-            f"{ckpt_dir} holds {quant['scheme']} weights, which HF transformers configs do not "
-            "describe: export the full-precision checkpoint"
-        )
-    out = to_hf(load_checkpoint(ckpt_dir), out_dir, family)
-    _copy_tokenizer(ckpt_dir, out)
-    _name_special_tokens(out)
-    return out

@@ -17,8 +17,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from llm_foundry.checkpoint import check_finite, read_safetensors_header
 from llm_foundry.interop.hf import _expand, _fail, _table, choose_family
+from llm_foundry.messages import shown
 from llm_foundry.models.lora import add_lora, lora_layers
+from llm_foundry.models.lora import check_settings as check_lora
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -107,16 +110,26 @@ def load_adapter(model, adapter_dir: str | Path, family: str | None = None) -> l
         config = json.loads(config_file.read_text())
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{config_file}: not a readable adapter config ({e})") from None
+    if not isinstance(config, dict):
+        raise ValueError(
+            f"{config_file} holds {type(config).__name__}, not an adapter config object"
+        )
     problems = []
     if config.get("peft_type") != "LORA":
         problems.append(f"peft_type={config.get('peft_type')!r} is not 'LORA'")
     for key, default in UNSUPPORTED.items():
         if config.get(key, default) not in (default, None, {}, False, "none"):
-            problems.append(f"{key}={config[key]!r} is not supported (only {default!r})")
+            problems.append(f"{key}={shown(config[key])} is not supported (only {default!r})")
+    settings = dict(r=config.get("r"), alpha=config.get("lora_alpha"),
+                    dropout=config.get("lora_dropout") or 0.0,
+                    rslora=config.get("use_rslora") or False, targets=["wq"])  # fmt: skip
+    problems += [p.replace("LoRA ", f"{config_file.name}: ", 1) for p in check_lora(settings)]
     _fail(problems, f"cannot load the adapter in {path}")
     _, names = module_names(model.cfg, family)
     ours_of = {hf: ours for ours, hf in names.items()}
+    read_safetensors_header(weights_file)  # a damaged file is named, not met inside the reader
     tensors = load_file(str(weights_file))
+    check_finite(tensors, weights_file)  # NaN/inf would make every output NaN
     by_module: dict[str, dict[str, torch.Tensor]] = {}
     unknown = []
     for key, t in tensors.items():
@@ -134,7 +147,7 @@ def load_adapter(model, adapter_dir: str | Path, family: str | None = None) -> l
             if unknown else [f"{weights_file} holds no LoRA tensors"],
             f"cannot load the adapter in {path}",
         )  # fmt: skip
-    r = int(config["r"])
+    r = settings["r"]
     problems = []
     for name, parts in sorted(by_module.items()):
         base = model.get_submodule(name)
@@ -146,14 +159,7 @@ def load_adapter(model, adapter_dir: str | Path, family: str | None = None) -> l
                                 f"the model needs {shape} (r={r})")  # fmt: skip
     _fail(problems, f"cannot load the adapter in {path}")
     leaves = sorted({m.rsplit(".", 1)[-1] for m in by_module})
-    adapted = add_lora(
-        model,
-        leaves,
-        r=r,
-        alpha=float(config["lora_alpha"]),
-        dropout=float(config.get("lora_dropout", 0.0)),
-        rslora=bool(config.get("use_rslora", False)),
-    )
+    adapted = add_lora(model, leaves, **{k: v for k, v in settings.items() if k != "targets"})
     missing = sorted(set(adapted) - set(by_module))
     _fail(
         [f"no adapter tensors for {missing[:4]}"] if missing else [],

@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from llm_foundry.messages import shown
 from llm_foundry.models.quant import dequantize_int8, quantize_int8
 
 # our projection names (the last part of a module's name) a LoRA can target
@@ -189,15 +190,10 @@ def add_lora(
     the rest of the model is left as it is). Returns the adapted modules' names, in model
     order."""
     targets = tuple(targets)
-    unknown = sorted(set(targets) - set(TARGETS))
-    if unknown or not targets:
-        raise ValueError(f"LoRA targets {unknown or '[]'} are not among {', '.join(TARGETS)}")
-    if not (isinstance(r, int) and r >= 1):
-        raise ValueError(f"LoRA rank r={r!r} must be a positive integer")
-    if not 0 <= dropout < 1:
-        raise ValueError(f"LoRA dropout={dropout!r} must be in [0, 1)")
-    if base_dtype not in BASE_DTYPES:
-        raise ValueError(f"LoRA base_dtype={base_dtype!r} must be one of {', '.join(BASE_DTYPES)}")
+    problems = check_settings(dict(targets=targets, r=r, alpha=alpha, dropout=dropout,
+                                   rslora=rslora, base_dtype=base_dtype))  # fmt: skip
+    if problems:
+        raise ValueError("; ".join(problems))
     cfg = getattr(model, "cfg", None)
     if "lm_head" in targets and getattr(cfg, "tie_embeddings", False):
         raise ValueError(
@@ -213,12 +209,50 @@ def add_lora(
     ]
     if not names:
         raise ValueError(f"the model has no linear layer named {', '.join(targets)}")
+    # a rank above min(in, out) adds parameters but no rank: refused before anything is allocated
+    # (so a mistyped r cannot take the machine's memory)
+    smallest = min(names, key=lambda n: min(model.get_submodule(n).weight.shape))
+    limit = min(model.get_submodule(smallest).weight.shape)
+    if r > limit:
+        out_f, in_f = model.get_submodule(smallest).weight.shape
+        raise ValueError(
+            f"LoRA rank r={r:,} exceeds the rank {limit} of {smallest} ({out_f}x{in_f}); "
+            f"use r <= {limit}"
+        )
     for name in names:
         parent_name, _, leaf = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         base = getattr(parent, leaf)
         setattr(parent, leaf, LoRALinear(base, r, alpha, dropout, rslora, base_dtype))
     return names
+
+
+def check_settings(settings: dict) -> list[str]:
+    """Problems with LoRA settings (``add_lora``'s arguments, a checkpoint's ``lora`` entry or a
+    PEFT adapter's config), empty when fine: a value that would build adapters computing NaN, or
+    nothing, is named here rather than found in the outputs."""
+    r, alpha, dropout = settings.get("r"), settings.get("alpha"), settings.get("dropout", 0.0)
+    targets, base_dtype = settings.get("targets"), settings.get("base_dtype", "fp32")
+    problems = []
+    if not isinstance(targets, list | tuple) or not targets:
+        problems.append(
+            f"LoRA targets={shown(targets)} must be a non-empty list of {', '.join(TARGETS)}"
+        )
+    elif unknown := sorted({str(t) for t in targets} - set(TARGETS)):
+        problems.append(f"LoRA targets {shown(unknown)} are not among {', '.join(TARGETS)}")
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+        problems.append(f"LoRA rank r={shown(r)} must be a positive integer")
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not math.isfinite(alpha):
+        problems.append(f"LoRA alpha={shown(alpha)} must be a finite number")
+    if isinstance(dropout, bool) or not isinstance(dropout, int | float) or not 0 <= dropout < 1:
+        problems.append(f"LoRA dropout={shown(dropout)} must be in [0, 1)")
+    if not isinstance(settings.get("rslora", False), bool):
+        problems.append(f"LoRA rslora={shown(settings['rslora'])} must be true or false")
+    if base_dtype not in BASE_DTYPES:
+        problems.append(
+            f"LoRA base_dtype={shown(base_dtype)} must be one of {', '.join(BASE_DTYPES)}"
+        )
+    return problems
 
 
 def lora_layers(model: nn.Module) -> dict[str, LoRALinear]:
@@ -230,6 +264,18 @@ def merge_lora(model: nn.Module) -> None:
     """Fold every adapter into its base weight (the model computes the same, one matrix each)."""
     for m in lora_layers(model).values():
         m.merge()
+
+
+def fold_lora(model: nn.Module) -> list[str]:
+    """Merge every adapter and put its base layer, now holding widen(W) + s · B A in fp32, in
+    its place: a plain model again, with the state-dict names of one that never had adapters
+    (what every export and ``quantize`` read). Returns the folded modules' names."""
+    layers = lora_layers(model)
+    for name, lora in layers.items():
+        lora.merge()
+        parent, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, leaf, lora.base)
+    return list(layers)
 
 
 def unmerge_lora(model: nn.Module) -> None:
@@ -265,6 +311,18 @@ def lora_settings(model: nn.Module) -> dict | None:
     if first.base_dtype != "fp32":  # the stored base weights are bf16, or int8 + scales
         settings["base_dtype"] = first.base_dtype
     return settings
+
+
+def describe_merge(settings: dict, source: str | None = None) -> str:
+    """One line saying that adapters with ``settings`` (``lora_settings``) were merged into the
+    base weights, and from where."""
+    base = settings.get("base_dtype", "fp32")
+    widened = f", the {base} base widened to fp32" if base != "fp32" else ""
+    where = f" of {source}" if source else ""
+    return (
+        f"merged the LoRA adapters{where} (r={settings['r']}, alpha={settings['alpha']}, on "
+        f"{', '.join(settings['targets'])}) into the base weights: widen(W) + s·B·A{widened}"
+    )
 
 
 def apply_lora_settings(model: nn.Module, settings: dict | None) -> nn.Module:

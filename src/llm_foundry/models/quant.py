@@ -30,6 +30,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from llm_foundry.messages import shown
 from llm_foundry.models.fast_decode import Linear, matvec
 
 GROUP_SIZES = (32, 64, 128)  # int4 groups the CPU kernel takes (it needs in % group == 0)
@@ -282,6 +283,12 @@ def apply_quant_settings(model: nn.Module, settings: dict | None) -> nn.Module:
         return model
     cls, group = SCHEMES[settings["scheme"]], settings.get("group_size")
     layers = _projections(model)
+    unknown = [n for n in settings["layers"] if n not in layers]
+    if unknown:  # a config edited by hand, or written for another model
+        raise ValueError(
+            f"'quantization' lists {len(unknown)} layer(s) the model has no projection for: "
+            f"{shown(unknown)} (its projections are named like {next(iter(layers), 'none')})"
+        )
     for name in settings["layers"]:
         linear = layers[name]
         kwargs = {"group": group} if group else {}
@@ -301,7 +308,7 @@ def read_settings(meta: dict, file) -> dict | None:
     problems = check_settings(q.get("scheme"), q.get("group_size")) if ok else ["not an object"]
     if not ok or problems:
         raise ValueError(
-            f"{file}: 'quantization' is {q!r} ({'; '.join(problems) or 'no layers list'}); "
+            f"{file}: 'quantization' is {shown(q)} ({'; '.join(problems) or 'no layers list'}); "
             f"expected scheme one of {', '.join(SCHEMES)}, group_size (int4) and layers"
         )
     return q
