@@ -149,3 +149,36 @@ def test_the_tensor_parallel_degree_follows_the_world():
         tp_degree("fsdp+tp", 2, 2)
     with pytest.raises(ValueError, match="at least 2 groups of tp_size ranks"):
         tp_degree("fsdp+tp", 3, 4)
+
+
+@pytest.mark.parametrize(
+    "changes, expected",
+    [
+        # a truthy non-bool would silently switch a feature on (or off)
+        (dict(tie_embeddings=1), "tie_embeddings=1 must be true or false"),
+        (dict(residual="no"), "residual='no' must be true or false"),
+        (dict(parallel_block=True, parallel_norms=True), "parallel_norms=True is not one of 1, 2"),
+        (dict(dropout=False), "dropout=False must be in [0, 1)"),
+        # sizes past 64 bits pass an int check and fail deep inside torch
+        (dict(dim=10**30), "dim=1000000000000000000000000000000 is too large: at most 2**63 - 1"),
+        (dict(n_layers=2**63), "n_layers=9223372036854775808 is too large: at most 2**63 - 1"),
+        (dict(n_experts=2**64), "n_experts=18446744073709551616 is too large: at most 2**63 - 1"),
+        # infinite numbers: ffn_dim would raise OverflowError, weights would be inf
+        (dict(mlp_ratio=float("inf")), "mlp_ratio=inf must be > 0"),
+        (dict(init_std=float("inf")), "init_std=inf must be > 0"),
+        (dict(rope_factor=float("nan")), "rope_factor=nan must be a number >= 1.0"),
+    ],
+)
+def test_values_that_would_pass_a_type_check_but_break_later_are_named(changes, expected):
+    with pytest.raises(ConfigError) as e:
+        ModelConfig(**changes)
+    assert e.value.problems == [expected]
+    assert str(e.value) == f"invalid ModelConfig: {expected}"  # one problem, one line
+
+
+def test_a_long_value_is_shown_cut_with_its_size():
+    with pytest.raises(ConfigError) as e:
+        ModelConfig(vocab_size=list(range(10_000)))
+    (problem,) = e.value.problems
+    assert problem.startswith("vocab_size=[0, 1, 2") and "(10,000 items)" in problem
+    assert len(problem) < 150

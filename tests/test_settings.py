@@ -135,3 +135,61 @@ def test_out_and_resume_come_from_the_last_config_file_that_sets_them(tmp_path):
     assert (_config_value(ns, "out"), _config_value(ns, "resume")) == ("runs/b", True)
     ns = parser().parse_args(["--config", a, "--config", b, "--out", "runs/c"])
     assert _config_value(ns, "out") == "runs/c"
+
+
+# ----------------------------------------------------------------------------------------------
+# misuse: values that are not values, and values that pass a type check but break a run later
+
+
+@pytest.mark.parametrize(
+    "flag, text", [("--train.lr", "{"), ("--model.dim", "[1,"), ("--train.seed", "!!python/none")]
+)
+def test_invalid_yaml_in_a_flag_value_is_one_line_naming_the_flag(tmp_path, capsys, flag, text):
+    argv = ["train", "--data", str(tmp_path / "none"), "--out", str(tmp_path / "r"), flag, text]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith(
+        f"llm-foundry train: error: argument {flag}: {text!r} is not a valid value"
+    )
+
+
+def test_invalid_yaml_in_an_ablation_assignment_is_one_line_naming_the_field(capsys):
+    with pytest.raises(ValueError, match=r"^train\.lr: '\{' is not a valid value \(") as e:
+        ablation.parse_assignment("train.lr={")
+    assert "\n" not in str(e.value)
+    assert main(["ablate", "--vary", "dim=[1,", "--data", "nowhere"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "dim: '[1' is not a valid value" in err, err
+
+
+@pytest.mark.parametrize(
+    "text, shown",
+    [
+        ("1e23", "1e+23"),  # a float, however whole
+        ("100000000000000000000000", "100000000000000000000000"),  # past what torch can seed
+        ("-1", "-1"),
+        ("2.5", "2.5"),
+        ("true", "True"),
+    ],
+)
+def test_a_seed_torch_cannot_take_is_refused_on_one_line(tmp_path, capsys, text, shown):
+    argv = ["train", "--data", str(tmp_path / "none"), "--out", str(tmp_path / "r")]
+    assert main([*argv, f"--train.seed={text}"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"llm-foundry train: error: invalid train settings: train.seed={shown} must be an "
+        "integer in [0, 2**62]\n"
+    )
+
+
+def test_the_largest_seed_allowed_seeds_torch_and_numpy_with_room_for_offsets():
+    import numpy as np
+    import torch
+
+    from llm_foundry.train.config import SEED_MAX
+
+    for seed in (SEED_MAX, SEED_MAX + 1000):  # + an ablation's seed index, + 1 for validation
+        torch.manual_seed(seed)
+        np.random.Generator(np.random.PCG64(seed))
+    assert TrainConfig(seed=SEED_MAX).seed == SEED_MAX

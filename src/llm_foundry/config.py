@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 # each component module owns its registry; the valid names come from there
+from llm_foundry.messages import shown
 from llm_foundry.models.attention import ATTENTION_IMPL_NAMES
 from llm_foundry.models.block import NORM_POSITION_NAMES
 from llm_foundry.models.mlp import MLP_NAMES, is_gated
@@ -28,12 +29,19 @@ from llm_foundry.models.position import POSITION_NAMES, ROPE_SCALINGS
 
 GELU_APPROX = ("none", "tanh")  # F.gelu's own two flavours
 
+# the largest integer a size, step count or seed may be: torch and numpy hold them in 64 bits
+INT_MAX = 2**63 - 1
+INT_MAX_TEXT = "2**63 - 1"
+
 
 class ConfigError(ValueError):
     """A configuration has one or more invalid fields; the message lists them all."""
 
     def __init__(self, problems: list[str], name: str = "ModelConfig"):
         self.problems = problems
+        if len(problems) == 1:  # one problem, one line
+            super().__init__(f"invalid {name}: {problems[0]}")
+            return
         lines = "\n".join(f"  - {p}" for p in problems)
         super().__init__(f"invalid {name} ({len(problems)} problem(s)):\n{lines}")
 
@@ -57,7 +65,30 @@ def load_yaml(text: str) -> Any:
 def one_of(problems: list[str], name: str, value: Any, allowed: Iterable[str]) -> None:
     """Add a problem naming ``name``, its ``value`` and the ``allowed`` ones when it is not one."""
     if not isinstance(value, str) or value not in allowed:
-        problems.append(f"{name}={value!r} is not one of {', '.join(allowed)}")
+        problems.append(f"{name}={shown(value)} is not one of {', '.join(allowed)}")
+
+
+def is_count(value: Any, low: int) -> bool:
+    """An int (not a bool) in [low, INT_MAX]."""
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= INT_MAX
+
+
+def count_problem(problems: list[str], name: str, value: Any, what: str, low: int = 1) -> None:
+    """Add a problem naming ``name`` unless ``value`` is an int (not a bool) in [low, INT_MAX];
+    ``what`` says what is valid (e.g. 'a positive integer')."""
+    if is_count(value, low):
+        return
+    if isinstance(value, int) and not isinstance(value, bool) and value > INT_MAX:
+        problems.append(f"{name}={shown(value)} is too large: at most {INT_MAX_TEXT}")
+    else:
+        problems.append(f"{name}={shown(value)} must be {what}")
+
+
+def is_number(value: Any) -> bool:
+    """A finite int or float (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return isinstance(value, int) or math.isfinite(value)  # an int is finite at any size
 
 
 @dataclass
@@ -155,17 +186,15 @@ class ModelConfig:
     def problems(self) -> list[str]:
         """Every problem with this config, each naming the field, the value and what is valid."""
         p: list[str] = []
-        for name in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                p.append(f"{name}={v!r} must be a positive integer")
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len", "multiple_of"):
+            count_problem(p, name, getattr(self, name), "a positive integer")
         for name in ("n_kv_heads", "head_dim", "hidden_dim", "sliding_window", "expert_hidden_dim"):
-            v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-                p.append(f"{name}={v!r} must be a positive integer or null")
-        m = self.multiple_of
-        if not isinstance(m, int) or isinstance(m, bool) or m < 1:
-            p.append(f"multiple_of={self.multiple_of!r} must be a positive integer")
+            if getattr(self, name) is not None:
+                count_problem(p, name, getattr(self, name), "a positive integer or null")
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.type == "bool" and not isinstance(v, bool):
+                p.append(f"{f.name}={shown(v)} must be true or false")
         one_of(p, "pos_encoding", self.pos_encoding, POSITION_NAMES)
         one_of(p, "rope_scaling", self.rope_scaling, ROPE_SCALINGS)
         one_of(p, "norm", self.norm, NORM_NAMES)
@@ -198,20 +227,20 @@ class ModelConfig:
                 f"rope_scaling={self.rope_scaling!r} needs pos_encoding='rope' "
                 f"(got {self.pos_encoding!r})"
             )
-        if not (isinstance(self.rope_factor, (int, float)) and self.rope_factor >= 1.0):
-            p.append(f"rope_factor={self.rope_factor!r} must be a number >= 1.0")
-        if not (isinstance(self.rope_theta, (int, float)) and self.rope_theta > 1.0):
-            p.append(f"rope_theta={self.rope_theta!r} must be a number > 1")
-        if not (isinstance(self.norm_eps, (int, float)) and 0 < self.norm_eps < 1):
-            p.append(f"norm_eps={self.norm_eps!r} must be in (0, 1)")
-        if not (isinstance(self.dropout, (int, float)) and 0.0 <= self.dropout < 1.0):
-            p.append(f"dropout={self.dropout!r} must be in [0, 1)")
-        if not (isinstance(self.init_std, (int, float)) and self.init_std > 0):
-            p.append(f"init_std={self.init_std!r} must be > 0")
-        if not (isinstance(self.mlp_ratio, (int, float)) and self.mlp_ratio > 0):
-            p.append(f"mlp_ratio={self.mlp_ratio!r} must be > 0")
-        if self.parallel_norms not in (1, 2):
-            p.append(f"parallel_norms={self.parallel_norms!r} is not one of 1, 2")
+        if not (is_number(self.rope_factor) and self.rope_factor >= 1.0):
+            p.append(f"rope_factor={shown(self.rope_factor)} must be a number >= 1.0")
+        if not (is_number(self.rope_theta) and self.rope_theta > 1.0):
+            p.append(f"rope_theta={shown(self.rope_theta)} must be a number > 1")
+        if not (is_number(self.norm_eps) and 0 < self.norm_eps < 1):
+            p.append(f"norm_eps={shown(self.norm_eps)} must be in (0, 1)")
+        if not (is_number(self.dropout) and 0.0 <= self.dropout < 1.0):
+            p.append(f"dropout={shown(self.dropout)} must be in [0, 1)")
+        if not (is_number(self.init_std) and self.init_std > 0):
+            p.append(f"init_std={shown(self.init_std)} must be > 0")
+        if not (is_number(self.mlp_ratio) and self.mlp_ratio > 0):
+            p.append(f"mlp_ratio={shown(self.mlp_ratio)} must be > 0")
+        if isinstance(self.parallel_norms, bool) or self.parallel_norms not in (1, 2):
+            p.append(f"parallel_norms={shown(self.parallel_norms)} is not one of 1, 2")
         elif self.parallel_norms == 2 and not self.parallel_block:
             p.append(
                 "parallel_norms=2 needs parallel_block=True (a norm each for attention and MLP)"
@@ -230,19 +259,17 @@ class ModelConfig:
     def _moe_problems(self) -> list[str]:
         p: list[str] = []
         for name in ("n_experts", "n_shared_experts"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                p.append(f"{name}={v!r} must be an integer >= 0 (0: none)")
+            count_problem(p, name, getattr(self, name), "an integer >= 0 (0: none)", low=0)
         for name in ("moe_aux_loss_coef", "router_z_loss_coef"):
             v = getattr(self, name)
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or not v >= 0:
-                p.append(f"{name}={v!r} must be a number >= 0")
-        if not (isinstance(self.router_jitter, (int, float)) and 0 <= self.router_jitter < 1):
-            p.append(f"router_jitter={self.router_jitter!r} must be in [0, 1)")
+            if not is_number(v) or not v >= 0:
+                p.append(f"{name}={shown(v)} must be a number >= 0")
+        if not (is_number(self.router_jitter) and 0 <= self.router_jitter < 1):
+            p.append(f"router_jitter={shown(self.router_jitter)} must be in [0, 1)")
         one_of(p, "moe_dispatch", self.moe_dispatch, MOE_DISPATCH_NAMES)
         k, n = self.experts_per_token, self.n_experts
-        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-            p.append(f"experts_per_token={k!r} must be a positive integer")
+        if not is_count(k, 1):
+            count_problem(p, "experts_per_token", k, "a positive integer")
         elif isinstance(n, int) and n > 0 and k > n:
             p.append(f"experts_per_token={k} is more than n_experts={n}; valid: 1..{n}")
         return p

@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from llm_foundry.config import ConfigError, ModelConfig, load_yaml, suggest
+from llm_foundry.messages import shown
 from llm_foundry.presets import get_preset
 from llm_foundry.train.config import TrainConfig
 
@@ -63,16 +64,23 @@ def scalar(text: str) -> Any:
             return cast(text)
         except ValueError:
             pass
-    return load_yaml(text)
+    try:
+        return load_yaml(text)
+    except yaml.YAMLError as e:  # '{', '[1,': refused in one line, not a parser's traceback
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ValueError(f"{shown(text)} is not a valid value ({problem})") from None
 
 
 def parse_assignment(item: str) -> tuple[str, str, list]:
     """'field=a,b' -> (section, field, [a, b]) with YAML scalar typing (1e-3 -> float)."""
     key, eq, values = item.partition("=")
     if not eq or not values:
-        raise ValueError(f"expected FIELD=VALUE[,VALUE...], got {item!r}")
+        raise ValueError(f"expected FIELD=VALUE[,VALUE...], got {shown(item)}")
     section, name = split_target(key.strip())
-    return section, name, [scalar(v) for v in values.split(",")]
+    try:
+        return section, name, [scalar(v) for v in values.split(",")]
+    except ValueError as e:
+        raise ValueError(f"{key.strip()}: {e}") from None
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
@@ -110,6 +118,10 @@ def _as_changes(overrides) -> dict[str, dict[str, Any]]:
     changes: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
     if isinstance(overrides, Mapping):
         for section, fields in overrides.items():
+            if fields is not None and not isinstance(fields, Mapping):
+                raise ValueError(
+                    f"{section} overrides must be a mapping of fields, got {shown(fields)}"
+                )
             for name, value in (fields or {}).items():
                 split_target(f"{section}.{name}")
                 changes[section][name] = value

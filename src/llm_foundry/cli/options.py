@@ -12,6 +12,8 @@ import dataclasses
 import difflib
 import inspect
 import re
+import signal
+import sys
 from functools import cache
 
 from llm_foundry.settings import SECTIONS, Settings, field_names, resolve, scalar
@@ -64,11 +66,20 @@ def add_settings_arguments(
             )
             group.add_argument(
                 f"--{section}.{f.name}",
-                type=scalar,
+                type=flag_value,
                 default=argparse.SUPPRESS,
                 metavar="V",
                 help=f"{comments.get(f.name, f.type)} (default {shown})".replace("%", "%%"),
             )
+
+
+def flag_value(text: str):
+    """A field flag's value typed as ``settings.scalar`` does; text that is not a value (invalid
+    YAML such as '{') is a usage error argparse reports on one line naming the flag."""
+    try:
+        return scalar(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def given_overrides(ns: argparse.Namespace, sections: tuple[str, ...]) -> dict[str, dict]:
@@ -160,3 +171,13 @@ def quantize_choice(scheme: str | None, group_size: int | None, flag: str = "--q
     if group_size is not None and scheme != "int4":
         raise ValueError(f"--group-size {group_size} applies to {flag} int4 only")
     return scheme, group_size or 64
+
+
+def stopped(prog: str, signal_name: str | None, what: str) -> int:
+    """Say on stderr (one line) that a signal stopped the command, and return the exit status
+    a shell gives a process its signal ended: 128 + the signal's number (SIGINT 130, SIGTERM
+    143)."""
+    sig = signal.Signals[signal_name] if signal_name in signal.Signals.__members__ else None
+    sig = sig or signal.SIGINT
+    print(f"{prog}: stopped by {sig.name}: {what}", file=sys.stderr, flush=True)
+    return 128 + sig.value

@@ -18,6 +18,7 @@ from llm_foundry.cli.options import (
     add_settings_arguments,
     join_negative_values,
     settings_from,
+    stopped,
 )
 from llm_foundry.presets import preset_names
 from llm_foundry.settings import read_config_file
@@ -86,6 +87,15 @@ def _base_model(checkpoint: str):
 
 
 def main(argv: list[str], finetune: bool = False) -> int:
+    prog = f"llm-foundry {'finetune' if finetune else 'train'}"
+    try:
+        return _main(argv, finetune, prog)
+    except KeyboardInterrupt:  # Ctrl-C outside the training loop (which saves and says so)
+        return stopped(prog, "SIGINT", "interrupted outside the training steps; nothing was saved "
+                       "then (checkpoints written before it stay)")  # fmt: skip
+
+
+def _main(argv: list[str], finetune: bool, prog: str) -> int:
     from llm_foundry import lock
     from llm_foundry.rundir import RunDir
 
@@ -146,12 +156,15 @@ def main(argv: list[str], finetune: bool = False) -> int:
         import torch.distributed as dist
 
         try:
-            train_and_report(cfg, train_cfg, data, out, resume=ns.resume)
+            result = train_and_report(cfg, train_cfg, data, out, resume=ns.resume)
             if dist.is_initialized():  # ranks tear down together, not while rank 0 still writes
                 dist.barrier()
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
+    if result.interrupted:  # saved, but not finished: `train && next-step` must not go on
+        return stopped(prog, result.stopped_by, f"{result.step} of {train_cfg.max_steps} steps done; "
+                       f"saved {result.checkpoint}; continue with --resume --out {out}")  # fmt: skip
     return 0
 
 

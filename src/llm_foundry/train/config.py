@@ -9,7 +9,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from llm_foundry.config import ConfigError, one_of, suggest
+from llm_foundry.config import ConfigError, count_problem, is_number, one_of, suggest
+from llm_foundry.messages import shown
 from llm_foundry.models.lora import BASE_DTYPES as LORA_BASE_DTYPES
 from llm_foundry.models.lora import TARGETS as LORA_TARGETS
 from llm_foundry.train.optim import OPTIMIZERS
@@ -21,12 +22,17 @@ ON_NONFINITE = ("stop", "skip")
 PARALLEL = ("none", "ddp", "fsdp", "tp", "fsdp+tp")
 
 
+# seeds torch and numpy accept, with room for the offsets added to them (an ablation's seed
+# index, the validation sampler's + 1)
+SEED_MAX = 2**62
+
+
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+    return is_number(v)  # finite: an inf or NaN setting trains nothing
 
 
 @dataclass
@@ -91,9 +97,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         p: list[str] = []
         for name in ("batch_size", "block_size", "grad_accum", "max_steps", "eval_batches"):
-            v = getattr(self, name)
-            if not _is_int(v) or v < 1:
-                p.append(f"{name}={v!r} must be a positive integer")
+            count_problem(p, name, getattr(self, name), "a positive integer")
         for name in (
             "warmup_steps",
             "eval_interval",
@@ -101,30 +105,24 @@ class TrainConfig:
             "keep_last",
             "monitor_interval",
             "sample_tokens",
-            "seed",
             "lora_r",
             "tp_size",
         ):
-            v = getattr(self, name)
-            if not _is_int(v) or v < 0:
-                p.append(f"{name}={v!r} must be a non-negative integer")
-        for name in (
-            "compile",
-            "activation_checkpointing",
-            "tensorboard",
-            "progress",
-            "lora_rslora",
-            "sft_packing",
-        ):
-            if not isinstance(getattr(self, name), bool):
-                p.append(f"{name}={getattr(self, name)!r} must be true or false")
+            count_problem(p, name, getattr(self, name), "a non-negative integer", low=0)
+        seed = self.seed
+        if not (_is_int(seed) and 0 <= seed <= SEED_MAX):
+            p.append(f"seed={shown(seed)} must be an integer in [0, 2**62]")
+        for f in dataclasses.fields(self):
+            if f.type == "bool" and not isinstance(getattr(self, f.name), bool):
+                p.append(f"{f.name}={shown(getattr(self, f.name))} must be true or false")
         one_of(p, "schedule", self.schedule, SCHEDULES)
         one_of(p, "dtype", self.dtype, DTYPES)
         one_of(p, "device", self.device, DEVICES)
         one_of(p, "on_nonfinite", self.on_nonfinite, ON_NONFINITE)
         one_of(p, "parallel", self.parallel, PARALLEL)
         one_of(p, "optimizer", self.optimizer, OPTIMIZERS)
-        if "tp" in self.parallel:  # tensor parallelism holds DTensor shards of each matrix
+        parallel = self.parallel if self.parallel in PARALLEL else "none"  # named above if not
+        if "tp" in parallel:  # tensor parallelism holds DTensor shards of each matrix
             lora = _is_int(self.lora_r) and self.lora_r > 0
             monitor = _is_int(self.monitor_interval) and self.monitor_interval > 0
             for name, bad, why in (
@@ -138,7 +136,7 @@ class TrainConfig:
                     p.append(f"{name}={getattr(self, name)!r} with parallel={self.parallel!r}: "
                              f"{why}")  # fmt: skip
         tp_size = self.tp_size if _is_int(self.tp_size) else 0
-        if tp_size and "tp" not in self.parallel:
+        if tp_size and "tp" not in parallel:
             p.append(f"tp_size={tp_size} with parallel={self.parallel!r}: tp_size applies to "
                      "parallel=tp and fsdp+tp only")  # fmt: skip
         if tp_size == 1 and self.parallel == "fsdp+tp":
@@ -171,11 +169,11 @@ class TrainConfig:
         for name, ok, valid in ranges:
             v = getattr(self, name)
             if not _is_number(v) or not ok(v):
-                p.append(f"{name}={v!r} must be a number {valid}")
+                p.append(f"{name}={shown(v)} must be a number {valid}")
         targets = self.lora_targets.split(",") if isinstance(self.lora_targets, str) else None
         if targets is None or not all(t in LORA_TARGETS for t in targets):
             p.append(
-                f"lora_targets={self.lora_targets!r} must be a comma list of "
+                f"lora_targets={shown(self.lora_targets)} must be a comma list of "
                 f"{', '.join(LORA_TARGETS)}"
             )
         one_of(p, "lora_base_dtype", self.lora_base_dtype, LORA_BASE_DTYPES)
@@ -191,7 +189,7 @@ class TrainConfig:
                 "parameters of one dtype only; use parallel=ddp (or lora_base_dtype=fp32)"
             )
         if self.init_from is not None and not (isinstance(self.init_from, str) and self.init_from):
-            p.append(f"init_from={self.init_from!r} must be a directory path or null")
+            p.append(f"init_from={shown(self.init_from)} must be a directory path or null")
         if p:
             raise ConfigError(p, name="TrainConfig")
 

@@ -80,6 +80,7 @@ class RunResult:
     best_val_loss: float | None
     val_history: list = field(default_factory=list)
     interrupted: bool = False
+    stopped_by: str | None = None  # the signal that stopped the run ("SIGINT", "SIGTERM")
     skipped_steps: int = 0
     checkpoint: Path | None = None
 
@@ -599,6 +600,7 @@ class Trainer:
             best_val_loss=self.best_val if math.isfinite(self.best_val) else None,
             val_history=val_history,
             interrupted=stop["signal"] is not None,
+            stopped_by=stop["signal"],
             skipped_steps=self.skipped,
             checkpoint=last_ckpt,
         )
