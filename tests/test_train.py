@@ -574,3 +574,53 @@ def test_negative_numbers_are_values_not_flags(data_dir, tmp_path, capsys):
     assert "lr=-0.001" in err and "expected one argument" not in err
     assert main([*argv, *TRAIN_FLAGS, "--train.max_steps", "2", "--train.min_lr", "-0.0"]) == 0
     assert json.loads((tmp_path / "r" / "run.json").read_text())["train"]["min_lr"] == 0.0
+
+
+def test_records_without_a_usable_step_are_left_out_and_the_run_still_resumes(
+    data_dir, tmp_path, capsys
+):
+    full, cut = _run_and_cut_at_6(data_dir, tmp_path, TINY_FLAGS)
+    path = cut / "metrics.jsonl"
+    lines = path.read_text().splitlines()
+    damaged = [
+        {"loss": 1.0},  # no step
+        {"step": "3", "loss": 1.0},  # a string: compared with an int, it raised TypeError
+        {"step": float("nan"), "loss": 1.0},
+        {"step": -2, "loss": 1.0},
+        {"step": 2.5, "loss": 1.0},
+        {"step": True, "loss": 1.0},
+    ]
+    what = ["no step", "step='3'", "step=nan", "step=-2", "step=2.5", "step=True"]
+    # damaged records before the checkpoint's step (kept on resume) and after it (dropped)
+    path.write_text("\n".join([*lines[:2], *map(json.dumps, damaged), *lines[2:]]) + "\n")
+    capsys.readouterr()
+    argv = ["train", "--data", str(data_dir), "--out", str(cut), "--resume"]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    for n, w in enumerate(what, start=3):
+        assert (
+            f"warning: {path}, line {n}: left out a record with {w} (a step is an integer >= 0)\n"
+            in err
+        )
+    assert _losses(cut) == _losses(full)
+    # the resume rewrote the file without them: the next resume has nothing to warn about
+    assert all(isinstance(json.loads(x)["step"], int) for x in path.read_text().splitlines())
+    shutil.rmtree(cut / "checkpoints" / "step_000012")
+    train_state.write_json_atomic(
+        cut / "checkpoints" / "latest.json", {"step": 6, "path": "step_000006"}
+    )
+    assert main(argv) == 0
+    assert "left out" not in capsys.readouterr().err and _losses(cut) == _losses(full)
+
+
+def test_a_record_holding_a_unicode_line_separator_is_one_record(tmp_path):
+    """JSON lets U+2028/U+2029 (and U+0085) stand raw in a string; str.splitlines() would cut the
+    record there, so the file's lines end at '\\n' only."""
+    from llm_foundry.train.metrics import read_records
+
+    records = [{"step": 1, "note": "a\u2028b\u2029c\x85d\x1ce"}, {"step": 2, "loss": 1.5}]
+    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+    assert "\u2028" in text and len(text.splitlines()) > 2
+    (tmp_path / "metrics.jsonl").write_text(text, encoding="utf-8")
+    assert read_records(tmp_path / "metrics.jsonl") == records

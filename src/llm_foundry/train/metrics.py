@@ -3,6 +3,9 @@
 The file is flushed after every record and fsynced with every checkpoint, so a crash can lose at
 most the records written since the last checkpoint, and tear at most the last line: readers drop
 a torn final record with a note. A damaged line anywhere else is an error naming file and line.
+A record whose ``step`` is missing or not a step (a string, a float, NaN, a negative number: an
+edit by hand, another tool) is left out with a warning naming file and line, so it cannot stop a
+run from resuming (a resume rewrites the file without it).
 """
 
 from __future__ import annotations
@@ -12,14 +15,20 @@ import logging
 import os
 from pathlib import Path
 
+from llm_foundry.messages import shown
+
 log = logging.getLogger(__name__)
 
 
 def read_records(path: str | Path) -> list[dict]:
     """Every record of ``path``, in order; a final line cut short by a crash is dropped (with a
-    note on stderr)."""
+    note on stderr), and so is a record without a usable step (a warning naming the line)."""
     path = Path(path)
-    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    # lines end at '\n' only: a JSON string may hold U+2028 and other characters that
+    # str.splitlines() would take for line ends
+    lines = path.read_text(encoding="utf-8", errors="replace").split("\n")
+    if lines and not lines[-1].strip():
+        lines.pop()
     records = []
     for i, line in enumerate(lines):
         if not line.strip():
@@ -35,6 +44,14 @@ def read_records(path: str | Path) -> list[dict]:
             raise ValueError(
                 f"{path}, line {i + 1}: not a JSON record ({e}); the file is damaged"
             ) from None
+        step = rec.get("step")
+        if not (isinstance(step, int) and not isinstance(step, bool) and step >= 0):
+            what = "no step" if "step" not in rec else f"step={shown(step)}"
+            log.warning(
+                f"warning: {path}, line {i + 1}: left out a record with {what} (a step is an "
+                "integer >= 0)"
+            )
+            continue
         records.append(rec)
     return records
 
@@ -48,7 +65,7 @@ class MetricsLog:
         if not enabled:  # ranks other than 0 write nothing
             return
         if resume_step is not None and path.exists():
-            kept = [r for r in read_records(path) if r.get("step", 0) <= resume_step]
+            kept = [r for r in read_records(path) if r["step"] <= resume_step]
             path.write_text("".join(json.dumps(r) + "\n" for r in kept))
         elif resume_step is None:
             path.write_text("")
