@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -16,6 +17,7 @@ import torch
 from llm_foundry.checkpoint import save_checkpoint
 from llm_foundry.cli import main
 from llm_foundry.models import Transformer
+from llm_foundry.package import install_line
 from llm_foundry.presets import get_preset
 from llm_foundry.tokenizer import BPETokenizer, CharTokenizer
 
@@ -167,11 +169,19 @@ def test_eval_tasks_runs_the_local_group_and_names_unknown_tasks(tmp_path, capsy
     assert "unknown task(s) shakespear: the local ones are" in capsys.readouterr().err
 
 
+def test_a_negative_few_shot_count_is_one_line(tmp_path, capsys):
+    ckpt = _checkpoint(tmp_path / "char", CharTokenizer.train(_task_text()), max_seq_len=64)
+    argv = ["eval", "--checkpoint", str(ckpt), "--tasks", "shakespeare", "--num-fewshot", "-1"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--num-fewshot -1 must be >= 0" in err, err
+
+
 def test_without_the_harness_the_install_line_is_given(tmp_path, monkeypatch, capsys):
     for name in [m for m in sys.modules if m == "lm_eval" or m.startswith("lm_eval.")]:
         monkeypatch.setitem(sys.modules, name, None)  # importing it now fails
     monkeypatch.delitem(sys.modules, "llm_foundry.harness")
-    with pytest.raises(SystemExit, match=r"pip install 'llm-foundry\[eval\]'"):
+    with pytest.raises(SystemExit, match=re.escape(install_line("eval"))):
         main(["eval", "--checkpoint", str(tmp_path), "--tasks", "shakespeare"])
 
 

@@ -560,6 +560,23 @@ def test_a_rank_above_the_projections_rank_is_refused_before_allocating(tiny_con
     assert len(add_lora(model, ("wq", "wv"), r=32)) == 2 * 2  # min(in, out) itself is fine
 
 
+def test_finetune_with_an_absurd_rank_is_one_line_before_allocating(char_data, tmp_path, capsys):
+    from llm_foundry.cli import main
+
+    small = ["--model.n_layers", "1", "--model.dim", "32", "--model.n_heads", "2"]
+    steps = ["--train.batch_size", "2", "--train.block_size", "16", "--train.eval_batches", "1",
+             "--train.sample_tokens", "0", "--train.progress", "false"]  # fmt: skip
+    base = tmp_path / "base"
+    argv = ["train", "--data", str(char_data(20_000)), "--out", str(base), *small, *steps]
+    assert main([*argv, "--train.max_steps", "1"]) == 0
+    argv = ["finetune", "--checkpoint", str(base), "--data", str(char_data(20_000)),
+            "--out", str(tmp_path / "ft"), *steps, "--train.max_steps", "1"]  # fmt: skip
+    capsys.readouterr()
+    assert main([*argv, "--train.lora_r", "1000000"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "r=1,000,000 exceeds the rank 32" in err, err
+
+
 def test_folding_gives_a_plain_model_computing_the_merged_function(tiny_config):
     torch.manual_seed(0)
     model = Transformer(tiny_config()).eval()
