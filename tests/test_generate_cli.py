@@ -325,3 +325,51 @@ def test_interactive_reports_a_bad_line_and_goes_on(ckpt, capsys, monkeypatch):
     cap = capsys.readouterr()
     assert "error: character 'Z'" in cap.err
     assert cap.out == _greedy_text(model, tok, "to be", 8)[len("to be") :] + "\n"
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--temperature", "1e-40"],
+        ["--temperature", "5e-324", "--top-k", str(10**30)],
+        ["--temperature", "1e-300", "--top-p", "1e-300", "--stream"],
+    ],
+)
+def test_a_tiny_temperature_generates_the_greedy_text(ckpt, capsys, flags):
+    """logits / 1e-40 used to overflow (softmax NaN, a multinomial traceback); a tiny positive
+    temperature is greedy in the limit, and that is what it prints."""
+    path, model, tok = ckpt
+    ids = torch.tensor([tok.encode("to be")])
+    out = generate(model, ids, 20, temperature=0)
+    with torch.no_grad():
+        assert_decisive(model(out[:, :-1])[0][0, ids.shape[1] - 1 :], "greedy 'to be'")
+    args = ["--checkpoint", str(path), "--prompt", "to be", "--max-new-tokens", "20"]
+    assert _run(capsys, *args, "--seed", "1", *flags) == tok.decode(out[0].tolist()) + "\n"
+
+
+def test_an_extreme_repetition_penalty_generates(ckpt, capsys):
+    """--repetition-penalty 1e-40 used to turn seen logits into inf ("non-finite logits"): it
+    saturates instead, and the command prints what the Python API generates."""
+    path, model, tok = ckpt
+    args = ["--checkpoint", str(path), "--prompt", "to be", "--max-new-tokens", "12"]
+    for penalty in ("1e-40", "1e40"):
+        ref = generate(model, torch.tensor([tok.encode("to be")]), 12, temperature=0,
+                       repetition_penalty=float(penalty))  # fmt: skip
+        out = _run(capsys, *args, "--temperature", "0", "--repetition-penalty", penalty)
+        assert out == tok.decode(ref[0].tolist()) + "\n"
+
+
+@pytest.mark.parametrize(
+    "flags, named",
+    [
+        (["--temperature", "inf"], "temperature=inf must be"),
+        (["--temperature", "nan"], "temperature=nan must be"),
+        (["--repetition-penalty", "inf"], "repetition_penalty=inf must be"),
+        (["--seed", str(2**70), "--max-new-tokens", "5"], "seed=1180591620717411303424 must be"),
+        (["--max-new-tokens", str(10**15), "--context", "0"], "KV cache would take"),
+    ],
+)
+def test_extreme_flag_values_are_one_line_refusals(ckpt, capsys, flags, named):
+    path, _, _ = ckpt
+    err = _fails(capsys, "--checkpoint", str(path), "--prompt", "to be", *flags)
+    assert named in err and err.count("\n") == 1, err

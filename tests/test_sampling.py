@@ -122,6 +122,12 @@ def test_cropped_context_equals_recompute_on_the_last_tokens():
         (dict(top_p=1.5), "top_p=1.5 must be in"),
         (dict(min_p=2.0), "min_p=2.0 must be in"),
         (dict(repetition_penalty=0.0), "repetition_penalty=0.0 must be > 0"),
+        (dict(temperature=float("inf")), "temperature=inf must be >= 0 and finite"),
+        (dict(temperature=float("nan")), "temperature=nan must be >= 0 and finite"),
+        (dict(temperature=10**400), "temperature=1000.* must be >= 0 and finite"),
+        (dict(repetition_penalty=float("inf")), "repetition_penalty=inf must be > 0 and finite"),
+        (dict(seed=2**64), r"seed=18446744073709551616 must be an integer in \[-2\*\*63"),
+        (dict(seed=-(2**63) - 1), "seed=-9223372036854775809 must be an integer"),
     ],
 )
 def test_sampling_settings_out_of_range_are_refused_by_name(kw, message):
@@ -161,3 +167,57 @@ def test_generate_with_nan_weights_is_refused(kw):
     )
     with pytest.raises(ValueError, match=message):
         generate(model, idx, 5, seed=0, **kw)
+
+
+def _distinct_logits(rows: int = 4, vocab: int = 50) -> torch.Tensor:
+    """Logits with no ties in any precision (a permutation of integers) and a masked token."""
+    torch.manual_seed(0)
+    logits = torch.stack([torch.randperm(vocab) for _ in range(rows)]).float() - vocab / 2
+    logits[1, :10] = float("-inf")  # masked out (a ban): stays out
+    return logits
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 5e-324, 1e-300])
+def test_a_tiny_temperature_tends_to_greedy_instead_of_nan(temperature):
+    """logits / 1e-40 overflow to inf (softmax: NaN); scaled after subtracting the row's max,
+    every token but the top one goes to -inf: the argmax, in any dtype, with any filter."""
+    logits = _distinct_logits()
+    g = torch.Generator().manual_seed(0)
+    for kw in ({}, {"top_k": 10**12}, {"top_p": 1e-300}, {"min_p": 1.0}, {"top_k": 3}):
+        got = sample_next(logits, temperature=temperature, generator=g, **kw)
+        assert torch.equal(got, logits.argmax(-1)), kw
+    for dtype in (torch.bfloat16, torch.float16):
+        low = logits.to(dtype)
+        assert torch.equal(sample_next(low, temperature=temperature, generator=g), low.argmax(-1))
+
+
+def test_a_huge_temperature_is_uniform_over_the_unmasked_tokens():
+    """1e300 sends every finite logit to 0 and keeps -inf out: 4000 draws over the 40 allowed
+    tokens of a row reach every one of them (each is missed with probability (39/40)^4000) and
+    never a masked one."""
+    logits = _distinct_logits()[1:2].expand(4000, -1)
+    got = sample_next(logits, temperature=1e300, generator=torch.Generator().manual_seed(1))
+    assert set(got.tolist()) == set(range(10, 50))
+
+
+@pytest.mark.parametrize("penalty", [1e-40, 1e40, 1e300])
+def test_an_extreme_repetition_penalty_saturates_instead_of_overflowing(penalty):
+    """2 / 1e-40 or -1 * 1e300 overflow float32 to inf (and 0 * inf is NaN): the penalty acts
+    at most as 1e30 and the result is clamped to the largest finite float: a seen positive
+    logit becomes as good as certain (penalty < 1) or about 0 (> 1), a seen negative one about
+    0 or far below, never inf or NaN."""
+    inf = float("inf")
+    logits = torch.tensor([[2.0, -1.0, 0.0, 0.5, -inf]])
+    out = apply_repetition_penalty(logits, torch.tensor([[0, 1, 2, 4]]), penalty)
+    assert torch.isfinite(out[0, :4]).all() and out[0, 4] == -inf
+    assert out[0, 2] == 0 and out[0, 3] == 0.5  # zero stays zero; unseen tokens untouched
+    if penalty < 1:
+        assert out[0, 0] > 1e29 and -1e-29 < out[0, 1] < 0
+    else:
+        assert 0 < out[0, 0] < 1e-29 and out[0, 1] < -1e29
+    g = torch.Generator().manual_seed(0)
+    if penalty < 1:  # the others are e^-1e30 as likely: 0
+        assert sample_next(out, temperature=0.7, generator=g).item() == 0
+    else:
+        assert sample_next(out, temperature=0).item() == 3
+        assert sample_next(out, temperature=0.7, generator=g).item() in (0, 2, 3)

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import numbers
 import warnings
 import weakref
 from collections.abc import Iterator
 
 import torch
 
+from llm_foundry.messages import shown
 from llm_foundry.sampling import apply_repetition_penalty, check_sampling, sample_next
+
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
 
 
 @torch.no_grad()
@@ -43,6 +47,7 @@ def stream(
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
     check_sampling(temperature, top_k, top_p, min_p, repetition_penalty)
+    check_seed(seed)
     if context is None:
         next_logits = _cached_step(model, idx, max_new_tokens, pad, compile)
     else:
@@ -86,17 +91,29 @@ def stream(
         model.train(was_training)
 
 
+def check_seed(seed: int | None) -> None:
+    """Raise ValueError unless ``seed`` is None or an integer a torch generator takes."""
+    if seed is None:
+        return
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not (
+        SEED_RANGE[0] <= seed <= SEED_RANGE[1]
+    ):  # fmt: skip
+        raise ValueError(f"seed={shown(seed)} must be an integer in [-2**63, 2**64 - 1]")
+
+
 def _cached_step(model, idx, max_new_tokens, pad, compile):
     """next_logits(seen, new) over a KV cache: prefill the prompt once, then one token a step."""
     total = idx.shape[1] + max_new_tokens
     longest = total - (int(pad.min()) if pad is not None else 0)  # positions the longest row uses
-    if longest > model.cfg.max_seq_len:
-        if model.pos.max_positions is not None:
-            raise ValueError(
-                f"prompt ({longest - max_new_tokens} tokens) + max_new_tokens ({max_new_tokens}) "
-                f"= {longest} is past max_seq_len={model.cfg.max_seq_len}, and learned positions "
-                "have no row beyond it: shorten the prompt or max_new_tokens"
-            )
+    past = longest > model.cfg.max_seq_len
+    if past and model.pos.max_positions is not None:
+        raise ValueError(
+            f"prompt ({longest - max_new_tokens} tokens) + max_new_tokens ({max_new_tokens}) "
+            f"= {longest} is past max_seq_len={model.cfg.max_seq_len}, and learned positions "
+            "have no row beyond it: shorten the prompt or max_new_tokens"
+        )
+    _check_cache_fits(model, idx.shape[0], total, max_new_tokens)  # before the note below
+    if past:
         warnings.warn(
             f"generating {longest} tokens past the trained context {model.cfg.max_seq_len} "
             f"({model.cfg.pos_encoding} positions run on, but quality may drop)",
@@ -113,6 +130,23 @@ def _cached_step(model, idx, max_new_tokens, pad, compile):
         return decode(new, cache=cache, last_only=True)[0][:, -1, :]
 
     return next_logits
+
+
+def _check_cache_fits(model, rows: int, total: int, max_new_tokens: int) -> None:
+    """Refuse, before allocating, a KV cache of ``rows`` x ``total`` positions larger than the
+    memory left on the model's device."""
+    from llm_foundry.models.kv_cache import available_memory, cache_bytes, size_text
+
+    w = model.tok_emb.weight
+    need = cache_bytes(model.cfg, rows, total, w.dtype)
+    have = available_memory(w.device)
+    if have is not None and need > have:
+        raise ValueError(
+            f"prompt + max_new_tokens ({max_new_tokens}) = {total} positions: their KV cache "
+            f"would take {size_text(need)}, more than the {size_text(have)} of memory left on "
+            f"{w.device}; ask for fewer new tokens (or feed a window of the last N tokens, "
+            "context=N, which needs no cache)"
+        )
 
 
 def _cropped_step(model, context, pad):

@@ -2,7 +2,19 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
+
+PENALTY_RANGE = (1e-30, 1e30)  # a repetition penalty beyond these acts as these (finite products)
+
+
+def _finite(value) -> bool:
+    """A number a float holds, not inf or NaN (an int past float's range is not)."""
+    try:
+        return math.isfinite(float(value))
+    except (OverflowError, TypeError, ValueError):
+        return False
 
 
 def check_sampling(
@@ -14,15 +26,20 @@ def check_sampling(
 ) -> None:
     """Raise ValueError naming the first sampling setting out of its range (None = off)."""
     rules = (
-        ("temperature", temperature, temperature >= 0, ">= 0 (0 = greedy)"),
+        (
+            "temperature",
+            temperature,
+            _finite(temperature) and temperature >= 0,
+            ">= 0 and finite (0 = greedy)",
+        ),
         ("top_k", top_k, top_k is None or top_k >= 1, "an integer >= 1"),
         ("top_p", top_p, top_p is None or 0 < top_p <= 1, "in (0, 1]"),
         ("min_p", min_p, min_p is None or 0 <= min_p <= 1, "in [0, 1]"),
         (
             "repetition_penalty",
             repetition_penalty,
-            repetition_penalty is None or repetition_penalty > 0,
-            "> 0 (1 = off)",
+            repetition_penalty is None or (_finite(repetition_penalty) and repetition_penalty > 0),
+            "> 0 and finite (1 = off)",
         ),
     )
     for name, value, ok, valid in rules:
@@ -32,10 +49,15 @@ def check_sampling(
 
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float):
     """Make tokens already in ``seen`` (B, T) less likely (Keskar et al. 2019, CTRL): divide
-    positive logits by ``penalty``, multiply negative ones by it."""
+    positive logits by ``penalty``, multiply negative ones by it. An extreme penalty (1e-40,
+    1e40) saturates at the dtype's largest finite logit instead of overflowing to inf: the seen
+    tokens become as good as certain, or as good as banned, never NaN."""
+    penalty = min(max(float(penalty), PENALTY_RANGE[0]), PENALTY_RANGE[1])
     picked = logits.gather(1, seen)
-    picked = torch.where(picked > 0, picked / penalty, picked * penalty)
-    return logits.scatter(1, seen, picked)
+    scaled = torch.where(picked > 0, picked / penalty, picked * penalty)
+    big = torch.finfo(logits.dtype).max
+    scaled = torch.where(torch.isfinite(picked), scaled.clamp(-big, big), picked)
+    return logits.scatter(1, seen, scaled)
 
 
 def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
@@ -93,11 +115,19 @@ def sample_next(
 
     A row holding NaN or +inf, or nothing but -inf, has no distribution to sample (nor a
     meaningful argmax): ValueError. -inf entries elsewhere (tokens masked out) are fine.
+
+    The logits are scaled after subtracting each row's maximum, so every row keeps a 0 (its top
+    token) and nothing else above it: a tiny temperature (1e-40) sends the others to -inf and
+    tends to greedy, a huge one sends them to 0 (uniform); neither gives inf or NaN.
     """
     check_finite_logits(logits)
     if temperature == 0:
         return logits.argmax(-1)
-    logits = logits.float() / temperature
+    x = logits.float()
+    x = x - x.amax(-1, keepdim=True)
+    # 0 (the top) and -inf (masked) stay as they are: 0 / a temperature that is 0 in float32,
+    # and -inf / one that is inf, would be NaN
+    logits = torch.where(torch.isfinite(x) & (x != 0), x / float(temperature), x)
     if top_k is not None:
         logits = top_k_filter(logits, top_k)
     if top_p is not None:
