@@ -150,3 +150,85 @@ def test_a_holder_that_has_not_yet_written_its_pid_is_still_named(tmp_path):
     finally:
         timer.join()
         holder.close()
+
+
+SHARE = """
+import sys, time
+from llm_foundry import lock
+lock.share(sys.argv[1])
+print("reading", flush=True)
+time.sleep(60)
+"""
+
+
+def test_readers_keep_a_writer_out_and_a_writer_keeps_readers_out(tmp_path):
+    """A process reading a directory (``share``) refuses a writer that asks for ``readers``,
+    naming the reader; one writing it refuses a new reader, naming the writer. A plain lock
+    (a run directory) does not wait for readers."""
+    d = tmp_path / "data"
+    d.mkdir()
+    reader = subprocess.Popen(
+        [sys.executable, "-c", SHARE, str(d)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert reader.stdout.readline().strip() == "reading"
+        with pytest.raises(
+            lock.DirectoryBusy, match=rf"data is being read by process {reader.pid}"
+        ):
+            lock.acquire(d, "data directory", readers=True)
+        assert not (d / lock.LOCK_FILE).exists()  # the refused writer let go of the directory
+        with lock.hold(d):  # not a writer of the data: allowed
+            pass
+    finally:
+        reader.kill()
+        reader.wait()
+    with lock.hold(d, "data directory", readers=True):
+        proc = subprocess.run(
+            [sys.executable, "-c", SHARE, str(d)], capture_output=True, text=True, timeout=60
+        )
+        assert proc.returncode != 0
+        assert f"DirectoryBusy: data directory {d} is being written by process {os.getpid()}" in (
+            proc.stderr
+        )
+    assert not list(d.iterdir())  # the writer removed what the killed reader left
+
+
+def test_this_process_may_write_what_it_reads_and_the_last_reader_removes_the_file(tmp_path):
+    d = tmp_path / "data"
+    d.mkdir()
+    lock.share(d)
+    lock.share(d)
+    with lock.hold(d, "data directory", readers=True):  # its own read lock does not block it
+        lock.share(d)  # nor does reading while it writes
+        lock.unshare(d)
+    assert (d / lock.READERS_FILE).exists()
+    lock.unshare(d)
+    assert (d / lock.READERS_FILE).exists()  # one share is left
+    lock.unshare(d)
+    assert not list(d.iterdir())  # the last one out leaves nothing behind
+    with lock.hold(d, "data directory", readers=True):
+        pass
+    assert not list(d.iterdir())
+
+
+def test_a_forked_child_letting_go_does_not_drop_its_parents_read_lock(tmp_path):
+    d = tmp_path / "data"
+    d.mkdir()
+    lock.share(d)
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: its copy of the share goes, as a worker's would
+            try:
+                lock.unshare(d)
+            finally:
+                os._exit(0)
+        assert os.waitpid(pid, 0)[1] == 0
+        assert (d / lock.READERS_FILE).exists()
+        write = "import sys; from llm_foundry import lock; lock.acquire(sys.argv[1], readers=True)"
+        proc = subprocess.run(
+            [sys.executable, "-c", write, str(d)], capture_output=True, text=True, timeout=60
+        )
+        assert f"is being read by process {os.getpid()}" in proc.stderr
+    finally:
+        lock.unshare(d)
+    assert not list(d.iterdir())

@@ -9,6 +9,11 @@ release; a process that locked a file just deleted under it tries again on the n
 
 Re-entrant within a process: ``train`` holds its run directory and the ``Trainer`` it starts asks
 for the same one.
+
+Readers: a process that maps a prepared directory's token files (``share``: a shared ``flock`` on
+``DIR/.readers``, held while the mapping lives) keeps a writer that asks for ``readers=True``
+(``prepare``) out: it is refused with the readers' pids rather than replacing the files, and a
+reader that finds a writer at work is refused likewise. The file is deleted by the last one out.
 """
 
 from __future__ import annotations
@@ -30,13 +35,15 @@ except ImportError:  # pragma: no cover - Windows: no flock; directories are not
     fcntl = None
 
 LOCK_FILE = ".lock"
+READERS_FILE = ".readers"
 
 
 class DirectoryBusy(RuntimeError):
     """Another live process holds the directory's lock."""
 
 
-_held: dict[Path, list] = {}  # resolved directory -> [open lock file, depth]
+_held: dict[Path, list] = {}  # resolved directory -> [open lock file, depth, readers file]
+_shared: dict[Path, list] = {}  # resolved directory -> [open readers file, count, pid]
 
 
 def _describe(text: str) -> str:
@@ -59,9 +66,12 @@ def _holder_text(f, wait_s: float = 2.0) -> str:
         time.sleep(0.01)
 
 
-def acquire(directory: str | Path, what: str = "output directory") -> None:
+def acquire(
+    directory: str | Path, what: str = "output directory", *, readers: bool = False
+) -> None:
     """Lock ``directory`` (created if needed) for this process, or raise ``DirectoryBusy``
-    naming the process that holds it."""
+    naming the process that holds it. ``readers``: also refuse while another process reads the
+    directory (``share``), and keep new readers out until the release."""
     directory = Path(directory)
     if directory.exists() and not directory.is_dir():
         raise NotADirectoryError(
@@ -71,6 +81,8 @@ def acquire(directory: str | Path, what: str = "output directory") -> None:
     directory.mkdir(parents=True, exist_ok=True)
     key = directory.resolve()
     if key in _held:
+        if readers and _held[key][2] is None:
+            _held[key][2] = _exclude_readers(key, directory, what)
         _held[key][1] += 1
         return
     path = key / LOCK_FILE
@@ -108,7 +120,13 @@ def acquire(directory: str | Path, what: str = "output directory") -> None:
     started = time.strftime("%Y-%m-%dT%H:%M:%S")
     f.write(f"pid={os.getpid()} host={socket.gethostname()} started={started}\n")
     f.flush()
-    _held[key] = [f, 1]
+    _held[key] = [f, 1, None]
+    if readers:
+        try:
+            _held[key][2] = _exclude_readers(key, directory, what)
+        except BaseException:
+            release(directory)
+            raise
 
 
 def release(directory: str | Path) -> None:
@@ -122,15 +140,184 @@ def release(directory: str | Path) -> None:
         return
     del _held[key]
     f = entry[0]
+    if entry[2] is not None:
+        _readmit(key, entry[2])
     (key / LOCK_FILE).unlink(missing_ok=True)  # gone: released cleanly, nothing to take over
     f.close()  # closing the file drops the flock
 
 
 @contextmanager
-def hold(directory: str | Path, what: str = "output directory") -> Iterator[Path]:
-    """``with hold(DIR):`` the directory is this process's until the block ends."""
-    acquire(directory, what)
+def hold(
+    directory: str | Path, what: str = "output directory", *, readers: bool = False
+) -> Iterator[Path]:
+    """``with hold(DIR):`` the directory is this process's until the block ends (``readers``:
+    see ``acquire``)."""
+    acquire(directory, what, readers=readers)
     try:
         yield Path(directory)
     finally:
         release(directory)
+
+
+# ----------------------------------------------------------------------------------------------
+# Readers
+
+
+def _open_readers_file(key: Path, create: bool):
+    """``DIR/.readers`` open (created if ``create`` and the directory is writable), or None."""
+    path = key / READERS_FILE
+    try:
+        return open(path, "a+" if create else "r")  # noqa: SIM115 - held while the lock is
+    except OSError:
+        if not create:
+            return None
+        try:  # a read-only directory: lock the file if a writer made one, else nothing to lock
+            return open(path)  # noqa: SIM115
+        except OSError:
+            return None
+
+
+def _same_file(f, path: Path) -> bool:
+    try:
+        return os.stat(path).st_ino == os.fstat(f.fileno()).st_ino
+    except FileNotFoundError:
+        return False
+
+
+def _lockers(f, kind: str) -> list[int]:
+    """Pids of the processes holding a ``kind`` ("READ" or "WRITE") flock on the open file ``f``
+    (from /proc/locks; empty where that cannot be read)."""
+    st = os.fstat(f.fileno())
+    dev = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    pids = []
+    try:
+        with open("/proc/locks") as locks:
+            for line in locks:
+                parts = line.split()
+                if "->" not in parts and kind in parts and dev in parts:
+                    pid = int(parts[parts.index(kind) + 1])
+                    if pid != os.getpid():
+                        pids.append(pid)
+    except (OSError, ValueError, IndexError):
+        return []
+    return sorted(set(pids))
+
+
+def _flock_readers_file(key: Path, mode: int, own=None):
+    """(the open ``DIR/.readers`` locked in ``mode``, None) or (None, the open file someone else
+    holds, for naming them): retried while the holder is only a reader deleting the file on its
+    way out. ``own``: this process's open file, converted instead of opening another. (None,
+    None) where there is no file to lock (a read-only directory)."""
+    deadline = time.monotonic() + 0.2
+    while True:
+        f = own or _open_readers_file(key, create=True)
+        if f is None:
+            return None, None
+        try:
+            fcntl.flock(f.fileno(), mode | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EACCES, errno.EAGAIN):
+                if f is not own:
+                    f.close()
+                raise
+            if own or (_same_file(f, key / READERS_FILE) and time.monotonic() > deadline):
+                return None, f
+            f.close()
+            time.sleep(0.01)
+            continue
+        if own or _same_file(f, key / READERS_FILE):
+            return f, None
+        f.close()  # deleted under us by the last one out: lock the one on disk now
+
+
+def _own_share(key: Path) -> list | None:
+    """This process's entry in ``_shared``; one inherited through ``fork`` is forgotten (the
+    lock it names is the parent's: the child neither converts nor releases it)."""
+    entry = _shared.get(key)
+    if entry is not None and entry[2] != os.getpid():
+        del _shared[key]
+        return None
+    return entry
+
+
+def _exclude_readers(key: Path, directory: Path, what: str):
+    """Take ``DIR/.readers`` exclusively (this process's own read lock converted), or raise
+    ``DirectoryBusy`` naming the processes that read the directory."""
+    if fcntl is None:
+        return None
+    own = _own_share(key)
+    f, busy = _flock_readers_file(key, fcntl.LOCK_EX, own[0] if own else None)
+    if busy is None:
+        return f
+    pids = _lockers(busy, "READ")
+    if own:
+        fcntl.flock(busy.fileno(), fcntl.LOCK_SH)  # keep this process's own read lock
+    else:
+        busy.close()
+    who = f"process {', '.join(map(str, pids))}" if pids else "another process"
+    raise DirectoryBusy(
+        f"{what} {directory} is being read by {who} (a training or fine-tune using its token "
+        f"files; lock file {key / READERS_FILE}); wait for it to finish, stop it, or write "
+        "another directory"
+    )
+
+
+def _readmit(key: Path, f) -> None:
+    """End a writer's exclusion of readers: back to this process's own read lock, else the file
+    is deleted (nobody else can hold it) and closed."""
+    own = _own_share(key)
+    if own and own[0] is f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_SH)
+        return
+    (key / READERS_FILE).unlink(missing_ok=True)
+    f.close()
+
+
+def share(directory: str | Path, what: str = "data directory") -> None:
+    """Mark ``directory`` as read by this process until as many ``unshare`` calls: a writer
+    asking with ``readers=True`` is refused meanwhile. Raises ``DirectoryBusy`` while a writer
+    holds it. Nothing happens where the directory cannot be written (nobody can replace its
+    files there either) or there is no ``flock``."""
+    key = Path(directory).resolve()
+    if _own_share(key) is not None:
+        _shared[key][1] += 1
+        return
+    if fcntl is None:
+        return
+    if key in _held and _held[key][2] is not None:  # this process is writing it
+        _shared[key] = [_held[key][2], 1, os.getpid()]
+        return
+    f, busy = _flock_readers_file(key, fcntl.LOCK_SH)
+    if busy is not None:
+        pids = _lockers(busy, "WRITE")
+        busy.close()
+        who = f"process {', '.join(map(str, pids))}" if pids else "another process"
+        raise DirectoryBusy(
+            f"{what} {directory} is being written by {who} (`llm-foundry prepare`); wait for it "
+            "to finish and start again"
+        )
+    if f is None:
+        return
+    _shared[key] = [f, 1, os.getpid()]
+
+
+def unshare(directory: str | Path) -> None:
+    """Give up one ``share`` of ``directory``; the last one drops this process's read lock (and
+    deletes the file when no other process holds it)."""
+    key = Path(directory).resolve()
+    entry = _own_share(key)
+    if entry is None:
+        return
+    entry[1] -= 1
+    if entry[1] > 0:
+        return
+    del _shared[key]
+    f = entry[0]
+    if key in _held and _held[key][2] is f:  # this process writes it now: the writer keeps it
+        return
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        (key / READERS_FILE).unlink(missing_ok=True)  # nobody else reads it: leave no file
+    except OSError:
+        pass  # another reader holds it; the last one out deletes it
+    f.close()
