@@ -592,3 +592,150 @@ def test_prepare_memory_does_not_grow_with_the_corpus(tmp_path):
     assert big - small < 4 * mib, f"{small / mib:.1f} MiB -> {big / mib:.1f} MiB"
     # what it does need is a constant (about 2 MiB measured from the reset high-water mark)
     assert big < 64 * mib, f"peak RSS grew by {big / mib:.1f} MiB ({big_chars:,} chars)"
+
+
+# ----------------------------------------------------------------------------------------------
+# Misuse: a re-prepare under a running training, files from elsewhere, inputs, Ctrl-C, flags
+
+OTHER = TEXT.replace("ROMEO", "JULIE")  # as long, with the same characters, other tokens
+
+
+def test_a_training_keeps_the_token_files_it_maps_whole_when_the_directory_is_prepared_again(
+    tmp_path,
+):
+    """This process maps val.bin (as a training does) and prepares the directory again: the
+    old file is not rewritten in place, so the mapped tokens do not change under it."""
+    (tmp_path / "a.txt").write_text(TEXT)
+    (tmp_path / "b.txt").write_text(OTHER)
+    out = tmp_path / "d"
+    prepare(out, text_files=[tmp_path / "a.txt"], progress=False)
+    val, train = load_split(out, "val"), load_split(out, "train")
+    before = np.array(val), np.array(train)
+    prepare(out, text_files=[tmp_path / "b.txt"], progress=False)
+    np.testing.assert_array_equal(val, before[0])
+    np.testing.assert_array_equal(train, before[1])
+    assert not np.array_equal(load_split(out, "train"), before[1])  # the new files are there
+    # no temporaries; .readers: this process's read lock, while it maps the files
+    assert sorted(p.name for p in out.iterdir()) == sorted([".readers", *encode.OUTPUTS])
+
+
+def test_token_files_meta_json_does_not_record_are_refused(tmp_path):
+    import shutil
+
+    (tmp_path / "a.txt").write_text(TEXT)
+    (tmp_path / "b.txt").write_text(OTHER)
+    prepare(tmp_path / "a", text_files=[tmp_path / "a.txt"], progress=False)
+    prepare(tmp_path / "b", text_files=[tmp_path / "b.txt"], progress=False)
+    a, b = tmp_path / "a" / "val.bin", tmp_path / "b" / "val.bin"
+    assert a.stat().st_size == b.stat().st_size and a.read_bytes() != b.read_bytes()
+    shutil.copyfile(b, a)
+    with pytest.raises(DataError, match=r"a/val.bin is not the file .*meta.json records"):
+        load_split(tmp_path / "a", "val")
+    load_split(tmp_path / "a", "train")  # the untouched split still loads
+
+
+READER = """
+import sys, time
+from llm_foundry.data import load_split
+tokens = load_split(sys.argv[1], "train")
+print("reading", flush=True)
+time.sleep(60)
+"""
+
+
+def test_prepare_is_refused_a_directory_a_training_is_reading(tmp_path):
+    import subprocess
+    import sys
+
+    from llm_foundry import lock
+
+    (tmp_path / "a.txt").write_text(TEXT)
+    out = tmp_path / "d"
+    prepare(out, text_files=[tmp_path / "a.txt"], progress=False)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    reader = subprocess.Popen(
+        [sys.executable, "-c", READER, str(out)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert reader.stdout.readline().strip() == "reading"
+        with pytest.raises(lock.DirectoryBusy, match=rf"d is being read by process {reader.pid}"):
+            prepare(out, text_files=[tmp_path / "a.txt"], progress=False)
+    finally:
+        reader.kill()
+        reader.wait()
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.name != ".readers"} == before
+
+
+def test_prepare_never_writes_over_its_input(tmp_path):
+    out = tmp_path / "d"
+    out.mkdir()
+    (out / "val.bin").write_text(TEXT)  # a text file under the name of an output
+    with pytest.raises(
+        DataError, match=r"text file .*val.bin is val.bin, one of the files written"
+    ):
+        prepare(out, text_files=[out / "val.bin"], progress=False)
+    assert (out / "val.bin").read_text() == TEXT and sorted(p.name for p in out.iterdir()) == [
+        "val.bin"
+    ]
+
+
+def _cli(argv, capsys):
+    """(exit status, stderr) of ``llm-foundry ARGV`` run here; a KeyboardInterrupt that gets out
+    of the command is reported as such, not passed on to pytest."""
+    from llm_foundry.cli import main
+
+    capsys.readouterr()
+    try:
+        rc = main(argv)
+    except KeyboardInterrupt:
+        rc = "KeyboardInterrupt escaped"
+    return rc, capsys.readouterr().err
+
+
+def test_ctrl_c_while_the_files_are_put_in_place_is_one_line_and_leaves_no_meta_json(
+    tmp_path, monkeypatch, capsys
+):
+    import os
+
+    (tmp_path / "a.txt").write_text(TEXT)
+    (tmp_path / "b.txt").write_text(OTHER)
+    out = tmp_path / "d"
+    prepare(out, text_files=[tmp_path / "a.txt"], progress=False)
+    replace, calls = os.replace, []
+
+    def ctrl_c_on_the_third(src, dst):
+        calls.append(dst)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", ctrl_c_on_the_third)
+    rc, err = _cli(["prepare", "--text", str(tmp_path / "b.txt"), "--out", str(out)], capsys)
+    monkeypatch.undo()
+    assert rc == 130
+    assert (
+        err
+        == f"llm-foundry prepare: interrupted; {out} is incomplete (no meta.json): run prepare again\n"
+    )
+    with pytest.raises(DataError, match="meta.json is missing"):
+        load_split(out, "train")
+    assert not [p.name for p in out.iterdir() if p.name.endswith(".tmp")]
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--tokenizer-from", "x.json"], "--tokenizer-from is for --sft/--sft-demo"),
+        (["--vocab-size", "512"], "--vocab-size 512 is for --tokenizer bpe"),
+        (["--tokenizer", "bpe", "--vocab-size", "-3"], "--vocab-size -3: must be at least 259"),
+        (["--rows", "10"], "--rows is for --sft-demo"),
+        (["--val-fraction", "2"], "--val-fraction 2.0: must be strictly between 0 and 1"),
+        (["--val-fraction", "nan"], "--val-fraction nan: must be strictly between 0 and 1"),
+    ],
+)
+def test_prepare_flags_out_of_range_or_out_of_place_are_one_line(tmp_path, capsys, flags, message):
+    (tmp_path / "a.txt").write_text(TEXT)
+    argv = ["prepare", "--text", str(tmp_path / "a.txt"), "--out", str(tmp_path / "d"), *flags]
+    rc, err = _cli(argv, capsys)
+    assert rc == 2 and err.count("\n") == 1 and message in err, err
+    assert not (tmp_path / "d").exists()

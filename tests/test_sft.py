@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -77,6 +78,20 @@ def test_batches_target_exactly_the_masked_tokens(sft_dir):
         ('{"messages": [{"role": "user", "content": "x"}]}', "no non-empty assistant message"),
         ("[1, 2]", "line 1: a list, expected an object"),
         ("{oops", "line 1: not JSON"),
+        # both formats in one row: one of them would be dropped
+        (
+            '{"prompt": "a", "completion": "b", "messages": [{"role": "assistant", "content": "c"}]}',
+            "line 1: has both 'messages' and 'prompt' and 'completion'",
+        ),
+        (
+            '{"completion": "b", "messages": [{"role": "assistant", "content": "c"}]}',
+            "line 1: has both 'messages' and 'completion'",
+        ),
+        # a key given twice: JSON readers keep one of the two silently
+        (
+            '{"prompt": "a", "completion": "b", "completion": "c"}',
+            "line 1: the key 'completion' is given twice",
+        ),
     ],
 )
 def test_bad_rows_are_named_by_line(tmp_path, line, message):
@@ -279,3 +294,308 @@ def test_the_loss_is_the_mean_over_the_steps_target_tokens_whatever_the_micro_ba
 
     whole, accum = losses("whole", batch_size=4), losses("accum", batch_size=2, grad_accum=2)
     assert max(abs(a - b) for a, b in zip(whole, accum, strict=True)) < 1e-5 * max(whole)
+
+
+# ----------------------------------------------------------------------------------------------
+# Misuse: what a re-prepare leaves, what a running fine-tune sees, memory, odd bytes and flags
+
+
+def _rows_file(path, rows):
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    return path
+
+
+# the same shape as ROWS (every example as long, so every file the same size), other letters
+SWAPPED = [json.loads(json.dumps(r).replace("ROMEO", "JULIE")) for r in ROWS]
+
+
+def test_an_interrupted_re_prepare_is_refused_by_fine_tuning_not_trained_on(sft_dir, monkeypatch):
+    """The second prepare is cut short before it writes meta.json: the directory must not pass
+    for the old data (meta.json beside new token files of the same sizes)."""
+    import llm_foundry.data.sft as sft_module
+    import llm_foundry.data.sources as sources
+
+    data, tok = sft_dir
+    rows = _rows_file(data.parent / "swapped.jsonl", SWAPPED)
+
+    def cut(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sources, "write_atomic", cut)
+    monkeypatch.setattr(sft_module, "write_atomic", cut, raising=False)
+    with pytest.raises(KeyboardInterrupt):
+        prepare_sft(data, rows, data.parent / "tokenizer.json", 0.25)
+    monkeypatch.undo()
+    with pytest.raises(DataError, match=r"meta.json is missing.*interrupted"):
+        SFTSampler(data, "train", block_size=80, batch_size=2)
+    assert not [p.name for p in data.iterdir() if p.name.endswith(".tmp")]  # no temporaries left
+
+
+@pytest.mark.parametrize("name", ["train.bin", "train.mask.bin", "train.offsets.bin"])
+def test_token_files_that_meta_json_does_not_record_are_refused(tmp_path, name):
+    """A file of the right size from another prepare (interrupted, concurrent, copied in) is
+    told apart from the one meta.json was written with."""
+    import shutil
+
+    tok = CharTokenizer.train(TEXT)
+    tok.save(tmp_path / "tokenizer.json")
+    # the same training examples in another order: every file as large, none the same
+    for d, rows in (("a", ROWS), ("b", ROWS[1:9] + ROWS[:1] + ROWS[9:])):
+        _rows_file(tmp_path / f"{d}.jsonl", rows)
+        prepare_sft(tmp_path / d, tmp_path / f"{d}.jsonl", tmp_path / "tokenizer.json", 0.25)
+    a, b = tmp_path / "a" / name, tmp_path / "b" / name
+    assert a.stat().st_size == b.stat().st_size and a.read_bytes() != b.read_bytes()
+    shutil.copyfile(b, a)
+    with pytest.raises(DataError, match=rf"a/{name} is not the file .*meta.json records"):
+        SFTSampler(tmp_path / "a", "train", block_size=80, batch_size=2)
+
+
+def test_a_running_fine_tune_keeps_the_files_it_maps_whole(sft_dir):
+    """This process maps the data (as a fine-tune does) and prepares the directory again: the
+    new files are new inodes, so what it had mapped does not change under it."""
+    data, tok = sft_dir
+    old = SFTSampler(data, "train", block_size=80, batch_size=2)
+    before = np.array(old.data), np.array(old.mask), np.array(old.offsets)
+    rows = _rows_file(data.parent / "swapped.jsonl", SWAPPED)
+    prepare_sft(data, rows, data.parent / "tokenizer.json", 0.25)
+    for was, now in zip(before, (old.data, old.mask, old.offsets), strict=True):
+        np.testing.assert_array_equal(np.asarray(now), was)
+    new = SFTSampler(data, "train", block_size=80, batch_size=2)
+    assert "JULIE" in tok.decode(np.asarray(new.data)) and "ROMEO" in tok.decode(before[0])
+
+
+FINE_TUNE_READER = """
+import sys, time
+from llm_foundry.data.sft import SFTSampler
+sampler = SFTSampler(sys.argv[1], "train", block_size=80, batch_size=2)
+print("reading", flush=True)
+time.sleep(60)
+"""
+
+
+def test_prepare_is_refused_a_directory_a_fine_tune_is_reading_or_another_prepare_holds(
+    sft_dir, tmp_path
+):
+    import subprocess
+    import sys
+
+    from llm_foundry import lock
+    from llm_foundry.cli import main
+
+    data, _ = sft_dir
+    rows = _rows_file(tmp_path / "swapped.jsonl", SWAPPED)
+
+    def files():  # a killed reader leaves its empty lock file, .readers
+        return {p.name: p.read_bytes() for p in data.iterdir() if not p.name.startswith(".")}
+
+    before = files()
+    reader = subprocess.Popen(
+        [sys.executable, "-c", FINE_TUNE_READER, str(data)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert reader.stdout.readline().strip() == "reading"
+        with pytest.raises(lock.DirectoryBusy, match=rf"being read by process {reader.pid}"):
+            prepare_sft(data, rows, tmp_path / "tokenizer.json", 0.25)
+        argv = ["prepare", "--sft", str(rows), "--tokenizer-from", str(tmp_path / "tokenizer.json")]
+        assert main([*argv, "--out", str(data)]) == 1
+    finally:
+        reader.kill()
+        reader.wait()
+    assert files() == before  # nothing was replaced
+    # a writer holding the directory (another prepare) keeps this one out too
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from llm_foundry import lock; "
+         "lock.acquire(sys.argv[1]); print('held', flush=True); time.sleep(60)", str(data)],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(lock.DirectoryBusy, match=rf"in use by process {holder.pid}"):
+            prepare_sft(data, rows, tmp_path / "tokenizer.json", 0.25)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert files() == before
+
+
+def test_prepare_never_writes_over_its_input(tmp_path):
+    tok = CharTokenizer.train(TEXT)
+    tok.save(tmp_path / "tokenizer.json")
+    out = tmp_path / "sft"
+    out.mkdir()
+    rows = _rows_file(out / "val.bin", ROWS)  # rows under the name of an output
+    with pytest.raises(
+        DataError, match=r"rows file .*val.bin is val.bin, one of the files written"
+    ):
+        prepare_sft(out, rows, tmp_path / "tokenizer.json", 0.25)
+    assert read_rows(rows) == ROWS and sorted(p.name for p in out.iterdir()) == ["val.bin"]
+    # the model's tokenizer may be the one already in the directory: it is kept as it is
+    meta = prepare_sft(
+        tmp_path, _rows_file(tmp_path / "r.jsonl", ROWS), tmp_path / "tokenizer.json"
+    )
+    assert meta["train_examples"] + meta["val_examples"] == len(ROWS)
+    assert (
+        CharTokenizer.train(TEXT).chars
+        == json.loads((tmp_path / "tokenizer.json").read_text())["chars"]
+    )
+
+
+MEASURE = """
+import os, sys
+from llm_foundry.data.sft import prepare_sft
+meta = prepare_sft(sys.argv[1], sys.argv[2], sys.argv[3])
+print(meta["train_examples"] + meta["val_examples"], meta["train_tokens"] + meta["val_tokens"])
+"""
+
+
+def _peak_rss(tmp_path, rows, name):
+    """(peak resident memory in bytes, output lines) of a fresh process preparing ``rows``."""
+    import os
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen(
+        [sys.executable, "-c", MEASURE, str(tmp_path / f"out-{name}"), str(rows),
+         str(tmp_path / "tokenizer.json")],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    out = proc.stdout.read()
+    _, status, usage = os.wait4(proc.pid, 0)
+    assert status == 0, out
+    return usage.ru_maxrss * 1024, out.split()  # ru_maxrss is in KiB on Linux
+
+
+def test_prepare_sft_streams_in_flat_memory(tmp_path):
+    """A 24 MB JSONL: the peak memory of a process preparing it is that of one preparing a few
+    rows, within a fraction of the file's size (reading it whole, with its tokens as Python
+    lists, took about 26x the file)."""
+    import random
+
+    alphabet = "abcdefghij klmnopqrst uvwxyz,.!?\n"
+    CharTokenizer.train(alphabet + "USERASSISTANT: ").save(tmp_path / "tokenizer.json")
+    rng = random.Random(0)
+    pool = "".join(rng.choice(alphabet) for _ in range(10_000))
+    lines, n_bytes, n_tokens = [], 0, 0
+    while n_bytes < 24_000_000:
+        i = rng.randrange(9_000)
+        p, c = pool[i : i + 200], pool[i + 300 : i + 500]
+        if len(lines) % 2:
+            row = {"prompt": p, "completion": c}
+            n_tokens += len(p) + len(c)
+        else:
+            row = {
+                "messages": [{"role": "user", "content": p}, {"role": "assistant", "content": c}]
+            }
+            n_tokens += len("USER: ") + len(p) + 1 + len("ASSISTANT: ") + len(c) + 1
+        lines.append(json.dumps(row) + "\n")
+        n_bytes += len(lines[-1])
+    big = tmp_path / "big.jsonl"
+    big.write_text("".join(lines))
+    small = tmp_path / "small.jsonl"
+    small.write_text("".join(lines[:10]))
+    base, _ = _peak_rss(tmp_path, small, "small")
+    peak, counts = _peak_rss(tmp_path, big, "big")
+    assert counts == [str(len(lines)), str(n_tokens)]  # every row, every token
+    size = big.stat().st_size
+    assert peak - base < 0.25 * size, (
+        f"peak {peak / 2**20:.0f} MiB, {base / 2**20:.0f} MiB for 10 rows, file {size / 2**20:.0f} MiB"
+    )
+
+
+def test_rows_with_unicode_line_separators_in_their_strings_are_read(tmp_path):
+    """U+2028, U+2029 and U+0085 are text inside a JSON string; only \\n ends a JSONL line."""
+    text = "who\u2028speaks\u0085next\u2029?"
+    rows = [{"prompt": text, "completion": "JULIET\u2028"}, {"messages": [
+        {"role": "user", "content": text}, {"role": "assistant", "content": "ROMEO\x85"}]}]  # fmt: skip
+    path = _rows_file(tmp_path / "rows.jsonl", rows)
+    assert "\u2028" in path.read_text(encoding="utf-8")  # written raw, not escaped
+    assert read_rows(path) == rows
+    tok = CharTokenizer.train(TEXT + text + "JULIETROMEO\x85\u2028")
+    tok.save(tmp_path / "tokenizer.json")
+    meta = prepare_sft(tmp_path / "sft", path, tmp_path / "tokenizer.json", 0.5)
+    assert meta["train_examples"] == meta["val_examples"] == 1
+    val = SFTSampler(tmp_path / "sft", "val", block_size=80, batch_size=1)
+    assert tok.decode(np.asarray(val.data)) == f"USER: {text}\nASSISTANT: ROMEO\x85\n"
+
+
+def test_the_local_tasks_read_their_rows_with_line_separators_in_strings(tmp_path):
+    from llm_foundry.tasks import data as task_data
+
+    rows = [{"context": "a\u2028b", "speaker": "c\x85"}, {"context": "d", "speaker": "e"}]
+    _rows_file(tmp_path / "t.jsonl", rows)
+    assert task_data.rows(tmp_path / "t.jsonl") == rows
+
+
+def test_bytes_that_are_not_utf8_are_named_by_file_and_line(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(
+        b'{"prompt": "a", "completion": "b"}\n{"prompt": "caf\xe9", "completion": "b"}\n'
+    )
+    with pytest.raises(
+        DataError, match=r"rows.jsonl, line 2: not UTF-8 \(byte 0xe9 at column 16\)"
+    ):
+        read_rows(path)
+
+
+def _cli(argv, capsys):
+    """(exit status, stderr) of ``llm-foundry ARGV`` run here; a KeyboardInterrupt that gets out
+    of the command is reported as such, not passed on to pytest."""
+    from llm_foundry.cli import main
+
+    capsys.readouterr()
+    try:
+        rc = main(argv)
+    except KeyboardInterrupt:
+        rc = "KeyboardInterrupt escaped"
+    return rc, capsys.readouterr().err
+
+
+def test_ctrl_c_during_prepare_sft_is_one_line_and_exit_130(sft_dir, monkeypatch, capsys):
+    import llm_foundry.data.sft as sft_module
+
+    data, tok = sft_dir
+    before = SFTSampler(data, "train", block_size=80, batch_size=2)
+    old = np.array(before.data)
+    del before
+    rows = _rows_file(data.parent / "swapped.jsonl", SWAPPED)
+    calls = []
+
+    def ctrl_c(tokenizer, row):
+        calls.append(row)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        return sft_module.encode_row.__wrapped__(tokenizer, row)
+
+    ctrl_c.__wrapped__ = sft_module.encode_row
+    monkeypatch.setattr(sft_module, "encode_row", ctrl_c)
+    argv = ["prepare", "--sft", str(rows), "--tokenizer-from", str(data.parent / "tokenizer.json")]
+    rc, err = _cli([*argv, "--out", str(data)], capsys)
+    assert rc == 130
+    assert err.count("\n") == 1 and err.startswith("llm-foundry prepare: interrupted")
+    # cut short while encoding: the old data is still there, whole and checked
+    assert "is complete" in err
+    np.testing.assert_array_equal(SFTSampler(data, "train", block_size=80, batch_size=2).data, old)
+    assert not [p.name for p in data.iterdir() if p.name.endswith(".tmp")]
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--rows", "-5"], "--rows -5: must be at least 2"),
+        (["--rows", "1"], "--rows 1: must be at least 2"),
+        (["--val-fraction", "1.5"], "--val-fraction 1.5: must be strictly between 0 and 1"),
+        (["--val-fraction", "0"], "--val-fraction 0.0: must be strictly between 0 and 1"),
+        (["--vocab-size", "512"], "--vocab-size does not apply to --sft"),
+        (["--tokenizer", "bpe"], "--tokenizer does not apply to --sft"),
+    ],
+)
+def test_out_of_range_demo_flags_are_one_line(tmp_path, capsys, flags, message):
+    (tmp_path / "play.txt").write_text(
+        "ROMEO:\nWhat light?\nIt is the east.\n\nJULIET:\nAy me!\nO Romeo.\n\n" * 4
+    )
+    CharTokenizer.train(TEXT + "WhatlighIseayO.?!\nwk").save(tmp_path / "tokenizer.json")
+    argv = ["prepare", "--text", str(tmp_path / "play.txt"), "--sft-demo", "--tokenizer-from"]
+    argv += [str(tmp_path / "tokenizer.json"), "--out", str(tmp_path / "out"), *flags]
+    rc, err = _cli(argv, capsys)
+    assert rc == 2 and err.count("\n") == 1 and message in err, err
+    assert not (tmp_path / "out").exists()

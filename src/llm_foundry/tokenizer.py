@@ -232,7 +232,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     found = (
         f"top-level keys: {sorted(data)}"
         if isinstance(data, dict)
-        else f"it holds {_json_type(data)}"
+        else f"it holds {json_type(data)}"
     )
     raise ValueError(
         f"tokenizer file {path} is neither a char tokenizer ({{'type': 'char', ...}}) nor a "
@@ -246,7 +246,7 @@ _EXPECTED = (
 )
 
 
-def _json_type(value) -> str:
+def json_type(value) -> str:
     """The JSON name of a parsed value's type, for messages about a file."""
     if value is None:
         return "null"
@@ -269,7 +269,7 @@ def _load_char(path: Path, data: dict) -> CharTokenizer:
     chars = data["chars"]
     if not isinstance(chars, str):
         raise ValueError(
-            f"{where}: 'chars' is {_json_type(chars)}; expected a string of distinct characters"
+            f"{where}: 'chars' is {json_type(chars)}; expected a string of distinct characters"
         )
     if not chars:
         raise ValueError(f"{where}: 'chars' is empty; expected at least one character")
@@ -293,7 +293,7 @@ def _load_bpe(path: Path, text: str, model: dict) -> BPETokenizer:
     where = f"tokenizer file {path} (a BPE tokenizer.json)"
     vocab = model.get("vocab")
     if not isinstance(vocab, dict):
-        got = "missing" if "vocab" not in model else _json_type(vocab)
+        got = "missing" if "vocab" not in model else json_type(vocab)
         raise ValueError(f"{where}: 'model.vocab' is {got}; expected an object of token -> id")
     for token, i in vocab.items():
         if isinstance(i, bool) or not isinstance(i, int) or i < 0:
@@ -303,7 +303,7 @@ def _load_bpe(path: Path, text: str, model: dict) -> BPETokenizer:
             )
     merges = model.get("merges")
     if not isinstance(merges, list):
-        got = "missing" if "merges" not in model else _json_type(merges)
+        got = "missing" if "merges" not in model else json_type(merges)
         raise ValueError(
             f"{where}: 'model.merges' is {got}; expected a list of merges (empty for a "
             "vocabulary of bytes alone)"

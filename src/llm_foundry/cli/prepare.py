@@ -1,9 +1,16 @@
-"""``llm-foundry prepare``: a corpus into train.bin/val.bin, tokenizer.json and meta.json."""
+"""``llm-foundry prepare``: a corpus into train.bin/val.bin, tokenizer.json and meta.json.
+
+Ctrl-C stops it with one line and exit status 130; what it leaves is either complete (meta.json
+there, its files checked against it) or recognisably not (no meta.json)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
+from pathlib import Path
+
+DEMO_ROWS = 2000
 
 
 def main(argv: list[str]) -> int:
@@ -29,31 +36,48 @@ def main(argv: list[str]) -> int:
         help="with --dataset or --text: make fine-tuning rows from the play's speeches ('continue "
         "this speech', 'who speaks next'), write them to OUT/rows.jsonl and prepare them",
     )
-    p.add_argument("--rows", type=int, default=2000, help="--sft-demo: how many rows")
+    p.add_argument(
+        "--rows", type=int, default=None, help=f"--sft-demo: how many rows (default {DEMO_ROWS})"
+    )
     p.add_argument(
         "--tokenizer-from",
         metavar="PATH",
-        help="use this tokenizer.json (or the one of a run / checkpoint directory) instead of "
-        "training one; needed with --sft (the model's own tokenizer)",
+        help="--sft, --sft-demo (needed): the tokenizer of the model to tune, its tokenizer.json "
+        "or a run / checkpoint directory",
     )
-    p.add_argument("--tokenizer", choices=TOKENIZER_KINDS, default="char")
-    p.add_argument("--vocab-size", type=int, default=None, help="BPE vocabulary size")
+    p.add_argument(
+        "--tokenizer",
+        choices=TOKENIZER_KINDS,
+        default=None,
+        help="text: the tokenizer to train (default char)",
+    )
+    p.add_argument("--vocab-size", type=int, default=None, help="--tokenizer bpe: vocabulary size")
     p.add_argument("--val-fraction", type=float, default=0.1, help="last fraction kept for val")
     p.add_argument("--out", required=True, help="directory to write")
     p.add_argument("--json", action="store_true", help="print meta.json")
     ns = p.parse_args(argv)
-    if ns.sft_demo:
-        ns.sft = _demo_rows(ns)
-    if ns.sft:
-        return _prepare_sft(ns)
-    meta = prepare(
-        ns.out,
-        dataset=ns.dataset,
-        text_files=ns.text,
-        tokenizer=ns.tokenizer,
-        vocab_size=ns.vocab_size,
-        val_fraction=ns.val_fraction,
-    )
+    _check_flags(ns)
+    try:
+        if ns.sft_demo or ns.sft:
+            return _prepare_sft(ns)
+        meta = prepare(
+            ns.out,
+            dataset=ns.dataset,
+            text_files=ns.text,
+            tokenizer=ns.tokenizer or "char",
+            vocab_size=ns.vocab_size,
+            val_fraction=ns.val_fraction,
+        )
+    except KeyboardInterrupt:
+        out = Path(ns.out)
+        if (out / "meta.json").is_file():
+            state = f"{out} is complete (its meta.json matches its files)"
+        elif out.is_dir():
+            state = f"{out} is incomplete (no meta.json): run prepare again"
+        else:
+            state = "nothing was written"
+        print(f"llm-foundry prepare: interrupted; {state}", file=sys.stderr)
+        return 130
     if ns.json:
         print(json.dumps(meta, indent=2))
     else:
@@ -65,9 +89,39 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _prepare_sft(ns) -> int:
-    from pathlib import Path
+def _check_flags(ns) -> None:
+    """Flags out of range, or given where they do nothing: one line each."""
+    sft = bool(ns.sft or ns.sft_demo)
+    if not 0 < ns.val_fraction < 1:
+        raise ValueError(f"--val-fraction {ns.val_fraction}: must be strictly between 0 and 1")
+    if ns.rows is not None and not ns.sft_demo:
+        raise ValueError("--rows is for --sft-demo (how many demonstration rows to make)")
+    if ns.sft_demo and ns.rows is not None and ns.rows < 2:
+        raise ValueError(f"--rows {ns.rows}: must be at least 2 (a train and a val row)")
+    if sft and (ns.tokenizer is not None or ns.vocab_size is not None):
+        flag = "--tokenizer" if ns.tokenizer is not None else "--vocab-size"
+        raise ValueError(
+            f"{flag} does not apply to --sft/--sft-demo: their tokens are those of the model's "
+            "tokenizer (--tokenizer-from)"
+        )
+    if not sft and ns.tokenizer_from:
+        raise ValueError(
+            "--tokenizer-from is for --sft/--sft-demo; text prepare trains its tokenizer "
+            "(--tokenizer, --vocab-size)"
+        )
+    if ns.vocab_size is not None and (ns.tokenizer or "char") != "bpe":
+        raise ValueError(
+            f"--vocab-size {ns.vocab_size} is for --tokenizer bpe; a char tokenizer's vocabulary "
+            "is the corpus' characters"
+        )
+    if ns.vocab_size is not None and ns.vocab_size < 259:
+        raise ValueError(
+            f"--vocab-size {ns.vocab_size}: must be at least 259 (256 bytes + 3 special tokens)"
+        )
 
+
+def _prepare_sft(ns) -> int:
+    from llm_foundry import lock
     from llm_foundry.data.sft import prepare_sft
     from llm_foundry.rundir import checkpoint_dir
 
@@ -78,7 +132,12 @@ def _prepare_sft(ns) -> int:
         tok = checkpoint_dir(tok, "--tokenizer-from") / "tokenizer.json"
     if not tok.is_file():
         raise FileNotFoundError(f"--tokenizer-from {ns.tokenizer_from}: no tokenizer.json there")
-    meta = prepare_sft(ns.out, ns.sft, tok, ns.val_fraction)
+    if ns.sft_demo:
+        with lock.hold(ns.out, "data directory", readers=True):
+            rows = _demo_rows(ns)
+            meta = prepare_sft(ns.out, rows, tok, ns.val_fraction)
+    else:
+        meta = prepare_sft(ns.out, ns.sft, tok, ns.val_fraction)
     if ns.json:
         print(json.dumps(meta, indent=2))
     else:
@@ -91,19 +150,21 @@ def _prepare_sft(ns) -> int:
 
 
 def _demo_rows(ns) -> str:
-    """Write the demonstration rows made from --dataset / --text to OUT/rows.jsonl."""
-    from pathlib import Path
-
+    """Write the demonstration rows made from --dataset / --text to OUT/rows.jsonl (the caller
+    holds OUT's lock)."""
     from llm_foundry.data import load_shakespeare, read_text_files
+    from llm_foundry.data.sft import OUTPUTS
     from llm_foundry.data.sft_demo import demo_rows
+    from llm_foundry.data.sources import refuse_overwriting_inputs, write_atomic
 
     if not (ns.dataset or ns.text):
         raise ValueError("--sft-demo needs the play to make rows from: --dataset or --text")
+    out = Path(ns.out)
+    inputs = [("text file", Path(f)) for f in ns.text or ()]
+    refuse_overwriting_inputs(inputs, out, ["rows.jsonl", *OUTPUTS])
     text, _ = load_shakespeare() if ns.dataset else read_text_files(ns.text)
-    rows = demo_rows(text, ns.rows)
+    rows = demo_rows(text, DEMO_ROWS if ns.rows is None else ns.rows)
     if not rows:
         raise ValueError("no speeches found (paragraphs starting with a 'NAME:' or 'NAME.' line)")
-    out = Path(ns.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write_atomic(out / "rows.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
     return str(out / "rows.jsonl")

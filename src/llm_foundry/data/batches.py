@@ -1,16 +1,25 @@
 """Reading prepared data: ``meta.json`` (its one reader), the memmapped token splits, and
-``BatchSampler``, which reads random windows of ``block_size + 1`` tokens from them."""
+``BatchSampler``, which reads random windows of ``block_size + 1`` tokens from them.
+
+``meta.json`` lists the files written with it (``"files"``: each one's size and ``file_check``
+digest); a file that does not match, left by an interrupted or concurrent ``prepare`` or copied
+in from elsewhere, is refused. While token files are mapped, the directory is shared with
+``llm_foundry.lock`` so that ``prepare`` refuses to replace them under a running training.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import weakref
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from llm_foundry import lock
 from llm_foundry.data.sources import DataError
+from llm_foundry.tokenizer import json_type
 
 SPLITS = ("train", "val")
 
@@ -29,11 +38,15 @@ def load_meta(data_dir: str | Path) -> dict:
             "was interrupted; run `llm-foundry prepare` again"
         )
     try:
-        meta = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise DataError(
             f"{path} is not valid JSON ({e}); run `llm-foundry prepare` again"
         ) from None
+    if not isinstance(meta, dict):
+        raise DataError(
+            f"{path} holds {json_type(meta)}, not an object; run `llm-foundry prepare` again"
+        )
     missing = [k for k in ("dtype", "vocab_size") if k not in meta]
     if missing:
         raise DataError(f"{path} lacks {missing}; run `llm-foundry prepare` again")
@@ -55,17 +68,79 @@ def data_fingerprint(data_dir: str | Path) -> dict:
     }
 
 
+CHECK_BLOCKS = 64  # blocks of a file read by file_check
+CHECK_BLOCK_BYTES = 1 << 20
+
+
+def file_check(path: str | Path) -> str:
+    """A digest that tells a file from any other a ``prepare`` could leave in its place: sha256
+    of its size and of ``CHECK_BLOCKS`` blocks of ``CHECK_BLOCK_BYTES`` spread evenly over it
+    (the whole file up to 64 MiB), so that checking a large corpus costs a few reads."""
+    path = Path(path)
+    size = path.stat().st_size
+    digest = hashlib.sha256(size.to_bytes(8, "little"))
+    with open(path, "rb") as f:
+        if size <= CHECK_BLOCKS * CHECK_BLOCK_BYTES:
+            while block := f.read(CHECK_BLOCK_BYTES):
+                digest.update(block)
+        else:
+            step = (size - CHECK_BLOCK_BYTES) // (CHECK_BLOCKS - 1)
+            for k in range(CHECK_BLOCKS):
+                f.seek(k * step)
+                digest.update(f.read(CHECK_BLOCK_BYTES))
+    return digest.hexdigest()
+
+
+def file_entry(path: str | Path) -> dict:
+    """What meta.json's ``"files"`` records of a file written with it."""
+    return {"bytes": Path(path).stat().st_size, "check": file_check(path)}
+
+
+_checked: dict[tuple, str] = {}  # (path, inode, size, mtime) -> its file_check, in this process
+
+
+def check_files(data_dir: str | Path, meta: dict, names: list[str]) -> None:
+    """Refuse the files ``names`` of ``data_dir`` unless each is the one meta.json records (its
+    size and ``file_check``); a meta.json from before ``"files"`` was recorded checks nothing."""
+    data_dir = Path(data_dir)
+    files = meta.get("files")
+    if not isinstance(files, dict):
+        return
+    for name in names:
+        want, path = files.get(name), data_dir / name
+        if not isinstance(want, dict) or not path.is_file():
+            continue  # a missing file is reported by whoever opens it
+        st = path.stat()
+        if st.st_size != want.get("bytes"):
+            raise DataError(
+                f"{path} has {st.st_size:,} bytes; {data_dir / 'meta.json'} records "
+                f"{want.get('bytes')!r}: the file is from another or an interrupted `prepare`; "
+                "run `llm-foundry prepare` again"
+            )
+        key = (str(path.resolve()), st.st_ino, st.st_size, st.st_mtime_ns)
+        if key not in _checked:
+            _checked[key] = file_check(path)
+        if _checked[key] != want.get("check"):
+            raise DataError(
+                f"{path} is not the file {data_dir / 'meta.json'} records (its contents differ): "
+                "it is from another or an interrupted `prepare`; run `llm-foundry prepare` again"
+            )
+
+
 def load_split(data_dir: str | Path, split: str) -> np.memmap:
     """The ``split`` ("train" or "val") token stream: a read-only memmap of shape (n_tokens,)."""
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; valid: {', '.join(SPLITS)}")
     data_dir = Path(data_dir)
     meta = load_meta(data_dir)
+    check_files(data_dir, meta, [f"{split}.bin", meta.get("tokenizer_file", "tokenizer.json")])
     return open_tokens(data_dir / f"{split}.bin", meta["dtype"], meta.get(f"{split}_tokens"))
 
 
 def open_tokens(path: str | Path, dtype: str | np.dtype, expected: int | None = None) -> np.memmap:
-    """Memory-map a ``.bin`` token file read-only, checking it exists, is non-empty and whole."""
+    """Memory-map a ``.bin`` token file read-only, checking it exists, is non-empty and whole.
+    Its directory is shared (``lock.share``) for as long as the map lives: ``prepare`` is
+    refused it meanwhile."""
     path, dtype = Path(path), np.dtype(dtype)
     if not path.is_file():
         raise DataError(f"token file {path} is missing; run `llm-foundry prepare` again")
@@ -78,7 +153,14 @@ def open_tokens(path: str | Path, dtype: str | np.dtype, expected: int | None = 
             f"tokens); meta.json expects {expected} tokens: the file is truncated or from another "
             "run; run `llm-foundry prepare` again"
         )
-    return np.memmap(path, dtype=dtype, mode="r")
+    lock.share(path.parent)
+    try:
+        tokens = np.memmap(path, dtype=dtype, mode="r")
+    except BaseException:
+        lock.unshare(path.parent)
+        raise
+    weakref.finalize(tokens, lock.unshare, path.parent)
+    return tokens
 
 
 # ----------------------------------------------------------------------------------------------

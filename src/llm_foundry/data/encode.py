@@ -3,8 +3,14 @@
   train.bin, val.bin   the token stream (first 90% / last 10%, as nanoGPT), raw ``ndarray.tofile``
                        output: uint16 when vocab_size <= 65536, else uint32
   tokenizer.json       the tokenizer (see ``llm_foundry.tokenizer``)
-  meta.json            source, sha256 of the text, dtype, vocab size, token counts, split, tokenizer;
-                       written last, so its presence means the directory is complete
+  meta.json            source, sha256 of the text, dtype, vocab size, token counts, split, tokenizer,
+                       and each file's size and check digest (``files``); removed before the new
+                       files are put in place and written last, so its presence means the
+                       directory is complete
+
+Every file is written under a temporary name and renamed into place: a process that maps the old
+files keeps reading them whole. The directory is locked while it is written, and refused while a
+training reads it (``llm_foundry.lock``); an input that is one of the outputs is refused.
 
 The corpus is read twice as a stream of pieces (once to train the tokenizer, once to encode),
 never held whole: peak memory is a few chunks, whatever the corpus size.
@@ -24,13 +30,24 @@ import numpy as np
 from tqdm import tqdm
 
 from llm_foundry import lock
-from llm_foundry.data.sources import DATASETS, DataError, TextSource, load_shakespeare, write_atomic
+from llm_foundry.data.batches import file_entry
+from llm_foundry.data.sources import (
+    DATASETS,
+    DataError,
+    TextSource,
+    load_shakespeare,
+    publish,
+    refuse_overwriting_inputs,
+    remove_temporaries,
+    temporary,
+)
 from llm_foundry.tokenizer import TOKENIZER_KINDS, Tokenizer, build_tokenizer
 
 CHUNK_CHARS = 1 << 16  # characters per encoding chunk
 CHUNKS_PER_BATCH = 16  # chunks handed to the tokenizer at once (BPE encodes them in parallel)
 PROGRESS_MIN_CHARS = 1 << 20  # inputs shorter than this get no progress bar
 COPY_BYTES = 1 << 20  # bytes copied at a time when the validation tail is split off
+OUTPUTS = ("train.bin", "val.bin", "tokenizer.json", "meta.json")
 
 # A cut just before a single space or newline that stands between two non-space characters is
 # invisible to both tokenizers: byte-level BPE's pre-tokenizer (GPT-2's pattern) starts a token
@@ -139,7 +156,7 @@ def prepare(
         raise ValueError(f"unknown dataset {dataset!r}; valid: {', '.join(DATASETS)}")
     if tokenizer not in TOKENIZER_KINDS:
         raise ValueError(f"unknown tokenizer {tokenizer!r}; valid: {', '.join(TOKENIZER_KINDS)}")
-    if not 0 < val_fraction < 1:
+    if isinstance(val_fraction, bool) or not 0 < val_fraction < 1:
         raise ValueError(f"val_fraction must be strictly between 0 and 1; got {val_fraction}")
     if not str(out_dir).strip():
         raise ValueError("the output directory (--out) is empty: give a directory to write")
@@ -152,8 +169,9 @@ def prepare(
     else:
         source = TextSource(files=text_files)
     out = Path(out_dir)
+    refuse_overwriting_inputs([("text file", Path(f)) for f in text_files or ()], out, OUTPUTS)
     created = not out.exists()
-    with lock.hold(out, "data directory"):
+    with lock.hold(out, "data directory", readers=True):
         try:
             return _prepare_locked(
                 source, out, dataset, text_files, tokenizer, vocab_size, val_fraction, progress
@@ -180,7 +198,9 @@ def _prepare_locked(
     if not source.n_chars:
         raise DataError(f"the text from {source.name} is empty (0 characters); nothing to tokenize")
     dtype = token_dtype(tok.vocab_size)
+    remove_temporaries(out, ["tokens", *OUTPUTS])
     tokens = out / f".tokens.{os.getpid()}.tmp"
+    written = {name: temporary(out / name) for name in ("train.bin", "val.bin", "tokenizer.json")}
     n = 0
     try:
         with open(tokens, "wb") as f, _bar(source, "encode", progress) as bar:
@@ -194,36 +214,38 @@ def _prepare_locked(
                 f"{n} tokens from {source.name} cannot be split with val_fraction="
                 f"{val_fraction}: one split would be empty; use more text"
             )
-        (out / "meta.json").unlink(missing_ok=True)  # an interrupted run leaves no meta.json
-        _split_token_file(tokens, n_train, out / "train.bin", out / "val.bin", dtype)
+        _split_token_file(tokens, n_train, written["train.bin"], written["val.bin"], dtype)
+        tok.save(written["tokenizer.json"])
+        meta = {
+            "dataset": dataset,
+            "source": source.name,
+            "text_files": [str(Path(p).resolve()) for p in text_files] if text_files else None,
+            "sha256": source.sha256,
+            "n_chars": source.n_chars,
+            "tokenizer": tok.kind,
+            "tokenizer_file": "tokenizer.json",
+            "vocab_size": tok.vocab_size,
+            "bos_id": tok.bos_id,
+            "eos_id": tok.eos_id,
+            "pad_id": tok.pad_id,
+            "dtype": dtype.name,
+            "train_tokens": n_train,
+            "val_tokens": n - n_train,
+            "val_fraction": val_fraction,
+            "split": "train = first (1 - val_fraction) of the token stream, val = the rest",
+            "files": {name: file_entry(tmp) for name, tmp in written.items()},
+        }
+        publish(out, written, json.dumps(meta, indent=2) + "\n")
     finally:
-        tokens.unlink(missing_ok=True)
-    tok.save(out / "tokenizer.json")
-    meta = {
-        "dataset": dataset,
-        "source": source.name,
-        "text_files": [str(Path(p).resolve()) for p in text_files] if text_files else None,
-        "sha256": source.sha256,
-        "n_chars": source.n_chars,
-        "tokenizer": tok.kind,
-        "tokenizer_file": "tokenizer.json",
-        "vocab_size": tok.vocab_size,
-        "bos_id": tok.bos_id,
-        "eos_id": tok.eos_id,
-        "pad_id": tok.pad_id,
-        "dtype": dtype.name,
-        "train_tokens": n_train,
-        "val_tokens": n - n_train,
-        "val_fraction": val_fraction,
-        "split": "train = first (1 - val_fraction) of the token stream, val = the rest",
-    }
-    write_atomic(out / "meta.json", json.dumps(meta, indent=2) + "\n")
+        for tmp in [tokens, *written.values()]:
+            tmp.unlink(missing_ok=True)
     return meta
 
 
 def _split_token_file(tokens: Path, n_train: int, train: Path, val: Path, dtype) -> None:
-    """The first ``n_train`` tokens of ``tokens`` become ``train``, the rest ``val``: the tail is
-    copied out in blocks, then the file is cut short and renamed (no second full copy)."""
+    """The first ``n_train`` tokens of ``tokens`` become ``train``, the rest ``val`` (both new
+    files): the tail is copied out in blocks, then the file is cut short and renamed (no second
+    full copy)."""
     itemsize = np.dtype(dtype).itemsize
     with open(tokens, "rb") as src, open(val, "wb") as dst:
         src.seek(n_train * itemsize)

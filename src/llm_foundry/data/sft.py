@@ -16,7 +16,16 @@ encoded on its own, so a mask boundary is also a token boundary. ``prepare_sft``
   train.bin, val.bin                  the examples' tokens, one after another
   train.mask.bin, val.mask.bin        uint8, 1 where the token is a target of the loss
   train.offsets.bin, val.offsets.bin  int64, where each example starts (and one past the end)
-  tokenizer.json, meta.json           the tokenizer used; meta.json with "kind": "sft"
+  tokenizer.json, meta.json           the tokenizer used; meta.json with "kind": "sft" and
+                                      each file's size and check digest ("files")
+
+It streams: the rows are read one line at a time (twice: checked and counted, then encoded) and
+the tokens written as they come, so memory stays flat whatever the file's size. Lines end at
+``\n`` only (a U+2028 or U+0085 inside a string is text). A row that holds both formats, a key
+twice, or bytes that are not UTF-8 is refused with its file and line. The output appears as text
+``prepare``'s does (``llm_foundry.data.encode``): written under temporary names, meta.json removed,
+the files renamed into place, meta.json written last; the directory is locked while it is
+written and refused while a fine-tune reads it.
 
 ``SFTSampler`` draws whole examples (seeded, resumable like ``BatchSampler``), cut to
 block_size + 1 tokens and padded; padding and prompt tokens get the target -100 (ignored).
@@ -29,45 +38,105 @@ from __future__ import annotations
 
 import hashlib
 import json
+import numbers
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from llm_foundry import lock
 from llm_foundry.chat import load_chat_template, response_spans
-from llm_foundry.data.batches import BatchSampler, open_tokens
+from llm_foundry.data.batches import BatchSampler, check_files, file_entry, load_meta, open_tokens
 from llm_foundry.data.encode import token_dtype
-from llm_foundry.data.sources import DataError, write_atomic
+from llm_foundry.data.sources import (
+    DataError,
+    publish,
+    refuse_overwriting_inputs,
+    remove_temporaries,
+    temporary,
+)
+from llm_foundry.messages import shown
 from llm_foundry.tokenizer import load_any_tokenizer
 
 ROLES = ("system", "user", "assistant")
 IGNORE = -100  # the target of positions that do not count (the model's ignore_index)
+TOKEN_FILES = tuple(f"{s}.{k}bin" for s in ("train", "val") for k in ("", "mask.", "offsets."))
+OUTPUTS = (*TOKEN_FILES, "tokenizer.json", "meta.json")
+JSON_SPACE = " \t\r\n"  # what JSON counts as whitespace (str.strip would take U+2028 too)
+FLUSH_TOKENS = 1 << 16  # tokens buffered per split before they are written
+
+
+class _RepeatedKey(ValueError):
+    pass
+
+
+def _object(pairs: list) -> dict:
+    """A JSON object that names a key given twice (json.loads would keep the last silently)."""
+    row = {}
+    for key, value in pairs:
+        if key in row:
+            raise _RepeatedKey(key)
+        row[key] = value
+    return row
+
+
+def iter_rows(path: str | Path, digest=None) -> Iterator[tuple[int, dict]]:
+    """(line number, row) of every row of a JSONL file, read one line at a time and checked (see
+    ``read_rows``); ``digest`` (a hashlib object) is fed every byte read."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"SFT rows file {path} does not exist (or is not a file)")
+    with open(path, "rb") as f:
+        for i, raw in enumerate(f, start=1):  # binary lines end at b"\n" only
+            if digest is not None:
+                digest.update(raw)
+            where = f"{path}, line {i}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(
+                    f"{where}: not UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1}); "
+                    "convert the file to UTF-8"
+                ) from None
+            if i == 1:
+                line = line.removeprefix("\ufeff")  # a byte-order mark some editors write
+            if not line.strip(JSON_SPACE):
+                continue
+            try:
+                row = json.loads(line, object_pairs_hook=_object)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{where}: not JSON ({e.msg}, column {e.colno})") from None
+            except _RepeatedKey as e:
+                raise DataError(
+                    f"{where}: the key {shown(e.args[0])} is given twice in one object; give "
+                    "it once (JSON readers keep only one of them)"
+                ) from None
+            if not isinstance(row, dict):
+                raise DataError(f"{where}: a {type(row).__name__}, expected an object")
+            _check_row(row, where)
+            yield i, row
 
 
 def read_rows(path: str | Path) -> list[dict]:
     """Every row of a JSONL file, checked: a JSON object with a non-empty ``prompt`` and
-    ``completion``, or ``messages`` with known roles, string contents and an assistant turn."""
-    path = Path(path)
-    rows = []
-    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        where = f"{path}, line {i}"
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{where}: not JSON ({e.msg})") from None
-        if not isinstance(row, dict):
-            raise DataError(f"{where}: a {type(row).__name__}, expected an object")
-        _check_row(row, where)
-        rows.append(row)
+    ``completion``, or ``messages`` with known roles, string contents and an assistant turn
+    (not both)."""
+    rows = [row for _, row in iter_rows(path)]
     if not rows:
         raise DataError(f"{path} holds no rows; expected JSON objects, one a line")
     return rows
 
 
 def _check_row(row: dict, where: str) -> None:
+    both = [k for k in ("prompt", "completion") if k in row]
+    if "messages" in row and both:
+        raise DataError(
+            f"{where}: has both 'messages' and {' and '.join(map(repr, both))}; a row is "
+            '{"prompt": ..., "completion": ...} or {"messages": [...]}, not both (one would be '
+            "dropped): split it into two rows"
+        )
     if "messages" in row:
         msgs = row["messages"]
         if not isinstance(msgs, list) or not msgs:
@@ -75,7 +144,7 @@ def _check_row(row: dict, where: str) -> None:
         for j, m in enumerate(msgs):
             if not isinstance(m, dict) or m.get("role") not in ROLES:
                 raise DataError(
-                    f"{where}: messages[{j}] needs a 'role' of {', '.join(ROLES)}; got {m!r}"[:300]
+                    f"{where}: messages[{j}] needs a 'role' of {', '.join(ROLES)}; got {shown(m)}"
                 )
             if not isinstance(m.get("content"), str):
                 raise DataError(f"{where}: messages[{j}].content must be a string")
@@ -132,64 +201,158 @@ def encode_chat(tokenizer, template: str, specials: dict, row: dict) -> tuple[li
     return list(enc.ids), mask
 
 
+class _SplitWriter:
+    """One split's three files, written as the examples come (tokens buffered a little)."""
+
+    def __init__(self, paths: dict[str, Path], dtype: np.dtype):
+        self.files = {k: open(p, "wb") for k, p in paths.items()}  # noqa: SIM115 - closed by close
+        self.dtype = dtype
+        self.ids: list[int] = []
+        self.mask = bytearray()
+        self.offsets = [0]
+        self.tokens = self.examples = self.targets = 0
+
+    def add(self, ids: list[int], mask: list[int]) -> None:
+        self.ids += ids
+        self.mask += bytes(mask)
+        self.tokens += len(ids)
+        self.examples += 1
+        self.targets += sum(mask)
+        self.offsets.append(self.tokens)
+        if len(self.ids) >= FLUSH_TOKENS:
+            self.flush()
+
+    def flush(self) -> None:
+        np.asarray(self.ids, dtype=self.dtype).tofile(self.files["tokens"])
+        self.files["mask"].write(self.mask)
+        np.asarray(self.offsets, dtype=np.int64).tofile(self.files["offsets"])
+        self.ids, self.mask, self.offsets = [], bytearray(), []
+
+    def close(self) -> None:
+        for f in self.files.values():
+            f.close()
+
+
 def prepare_sft(
     out_dir: str | Path, jsonl: str | Path, tokenizer_file: str | Path, val_fraction: float = 0.1
 ) -> dict:
     """Tokenize the rows of ``jsonl`` with the tokenizer in ``tokenizer_file`` (the model's own;
     an HF tokenizer's chat template beside it, in ``tokenizer_config.json``, renders the chats)
     into ``out_dir``; the last ``val_fraction`` of the rows (at least one) are validation."""
-    out, jsonl = Path(out_dir), Path(jsonl)
+    if (
+        isinstance(val_fraction, bool)
+        or not isinstance(val_fraction, numbers.Real)
+        or not 0 < val_fraction < 1
+    ):
+        raise ValueError(
+            f"val_fraction must be strictly between 0 and 1; got {shown(val_fraction)}"
+        )
+    if not str(out_dir).strip():
+        raise ValueError("the output directory (--out) is empty: give a directory to write")
+    out, jsonl, tokenizer_file = Path(out_dir), Path(jsonl), Path(tokenizer_file)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"output directory {out} is a file; give a directory to write")
+    refuse_overwriting_inputs([("the SFT rows file", jsonl)], out, OUTPUTS)
+    # the model's tokenizer may be the one already there (it is then kept as it is)
+    refuse_overwriting_inputs(
+        [("the tokenizer file", tokenizer_file)], out, [o for o in OUTPUTS if o != "tokenizer.json"]
+    )
     tok = load_any_tokenizer(tokenizer_file)
     template, specials = (None, {})
-    if getattr(tok, "kind", "") == "hf":
-        template, specials = load_chat_template(Path(tokenizer_file).parent)
+    hf = getattr(tok, "kind", "") == "hf"
+    if hf:
+        template, specials = load_chat_template(tokenizer_file.parent)
         if tok.eos_id is None and "eos_token" in specials:
             tok.eos_id = tok.hf.token_to_id(specials["eos_token"])
-        if template is None and any("messages" in r for r in read_rows(jsonl)):
-            raise DataError(
-                f"{Path(tokenizer_file).parent} has no chat template (tokenizer_config.json "
-                "chat_template or chat_template.jinja) to render the chat rows with"
-            )
-    rows = read_rows(jsonl)
-    if len(rows) < 2:
-        raise DataError(f"{jsonl} has {len(rows)} row; at least 2 are needed (train and val)")
-    encoded = []
-    for i, row in enumerate(rows, start=1):
+    # first pass: every row checked and counted before anything is written
+    digest, n_rows, chats = hashlib.sha256(), 0, False
+    for _, row in iter_rows(jsonl, digest):
+        n_rows += 1
+        chats = chats or "messages" in row
+    if n_rows < 2:
+        raise DataError(f"{jsonl} has {n_rows} row(s); at least 2 are needed (train and val)")
+    if hf and template is None and chats:
+        raise DataError(
+            f"{tokenizer_file.parent} has no chat template (tokenizer_config.json "
+            "chat_template or chat_template.jinja) to render the chat rows with"
+        )
+    n_val = max(1, int(round(n_rows * val_fraction)))
+    if n_val >= n_rows:
+        raise DataError(
+            f"{jsonl} has {n_rows} rows: val_fraction={val_fraction} leaves none to train on; "
+            "use a smaller val_fraction or more rows"
+        )
+
+    def encode(row):
+        if hf:
+            return encode_chat(tok, template, specials, row)
+        return encode_row(tok, row)
+
+    created = not out.exists()
+    with lock.hold(out, "data directory", readers=True):
         try:
-            if template is not None or getattr(tok, "kind", "") == "hf":
-                encoded.append(encode_chat(tok, template, specials, row))
-            else:
-                encoded.append(encode_row(tok, row))
-        except (KeyError, ValueError) as e:
-            raise DataError(
-                f"{jsonl}, row {i}: cannot be encoded by {tokenizer_file}: {e}"
-            ) from None
-    n_val = max(1, int(round(len(rows) * val_fraction)))
-    splits = {"train": encoded[:-n_val], "val": encoded[-n_val:]}
+            return _write_sft(out, jsonl, tokenizer_file, tok, encode, n_rows - n_val, digest)
+        except BaseException:
+            if created:  # leave no directory behind a refused input
+                shutil.rmtree(out, ignore_errors=True)
+            raise
+
+
+def _write_sft(out, jsonl, tokenizer_file, tok, encode, n_train, first_digest) -> dict:
+    """The second pass, under the directory's lock: rows encoded into temporary files, then
+    published (``sources.publish``)."""
     dtype = token_dtype(tok.vocab_size)
-    out.mkdir(parents=True, exist_ok=True)
-    meta = dict(
-        kind="sft",
-        source=str(jsonl.resolve()),
-        sha256=hashlib.sha256(jsonl.read_bytes()).hexdigest(),
-        dtype=np.dtype(dtype).name,
-        vocab_size=tok.vocab_size,
-        tokenizer_file="tokenizer.json",
-    )
-    for split, examples in splits.items():
-        ids = np.array([t for e, _ in examples for t in e], dtype=dtype)
-        mask = np.array([m for _, ms in examples for m in ms], dtype=np.uint8)
-        offsets = np.cumsum([0] + [len(e) for e, _ in examples]).astype(np.int64)
-        ids.tofile(out / f"{split}.bin")
-        mask.tofile(out / f"{split}.mask.bin")
-        offsets.tofile(out / f"{split}.offsets.bin")
-        meta[f"{split}_tokens"] = int(len(ids))
-        meta[f"{split}_examples"] = len(examples)
-        meta[f"{split}_targets"] = int(mask.sum())
-    if Path(tokenizer_file).resolve() != (out / "tokenizer.json").resolve():
-        shutil.copyfile(tokenizer_file, out / "tokenizer.json")
-    write_atomic(out / "meta.json", json.dumps(meta, indent=2) + "\n")
-    return meta
+    remove_temporaries(out, OUTPUTS)
+    written = {name: temporary(out / name) for name in TOKEN_FILES}
+    copy_tokenizer = tokenizer_file.resolve() != (out / "tokenizer.json").resolve()
+    if copy_tokenizer:
+        written["tokenizer.json"] = temporary(out / "tokenizer.json")
+    writers = {}
+    try:
+        for split in ("train", "val"):
+            paths = {k: written[f"{split}.{k}bin"] for k in ("", "mask.", "offsets.")}
+            writers[split] = _SplitWriter(
+                {"tokens": paths[""], "mask": paths["mask."], "offsets": paths["offsets."]}, dtype
+            )
+        digest, n = hashlib.sha256(), 0
+        for line, row in iter_rows(jsonl, digest):
+            try:
+                ids, mask = encode(row)
+            except (KeyError, ValueError) as e:
+                raise DataError(
+                    f"{jsonl}, line {line}: cannot be encoded by {tokenizer_file}: {e}"
+                ) from None
+            writers["train" if n < n_train else "val"].add(ids, mask)
+            n += 1
+        if digest.hexdigest() != first_digest.hexdigest():
+            raise DataError(f"{jsonl} changed while it was being read; run prepare again")
+        for w in writers.values():
+            w.flush()
+            w.close()
+        if copy_tokenizer:
+            shutil.copyfile(tokenizer_file, written["tokenizer.json"])
+        meta = dict(
+            kind="sft",
+            source=str(jsonl.resolve()),
+            sha256=digest.hexdigest(),
+            dtype=np.dtype(dtype).name,
+            vocab_size=tok.vocab_size,
+            tokenizer_file="tokenizer.json",
+        )
+        for split, w in writers.items():
+            meta[f"{split}_tokens"] = w.tokens
+            meta[f"{split}_examples"] = w.examples
+            meta[f"{split}_targets"] = w.targets
+        meta["files"] = {name: file_entry(tmp) for name, tmp in written.items()}
+        if not copy_tokenizer:
+            meta["files"]["tokenizer.json"] = file_entry(out / "tokenizer.json")
+        publish(out, written, json.dumps(meta, indent=2) + "\n")
+        return meta
+    finally:
+        for w in writers.values():
+            w.close()
+        for tmp in written.values():
+            tmp.unlink(missing_ok=True)
 
 
 class SFTSampler(BatchSampler):
@@ -201,7 +364,15 @@ class SFTSampler(BatchSampler):
                  seed: int = 0, *, rank: int = 0, world_size: int = 1,
                  pack: bool = False):  # fmt: skip
         data_dir = Path(data_dir)
-        meta = json.loads((data_dir / "meta.json").read_text())
+        meta = load_meta(data_dir)
+        need = [f"{split}_tokens", f"{split}_examples"]
+        if meta.get("kind") != "sft" or any(not isinstance(meta.get(k), int) for k in need):
+            raise DataError(
+                f"{data_dir / 'meta.json'} is not fine-tuning data (kind 'sft' with {need}); "
+                "prepare it with `llm-foundry prepare --sft`"
+            )
+        names = [f"{split}.bin", f"{split}.mask.bin", f"{split}.offsets.bin", "tokenizer.json"]
+        check_files(data_dir, meta, names)
         tokens = open_tokens(data_dir / f"{split}.bin", meta["dtype"], meta[f"{split}_tokens"])
         super().__init__(tokens, 1, batch_size, seed, rank=rank, world_size=world_size)
         self.block_size = block_size

@@ -210,11 +210,55 @@ def _read_utf8(path: Path) -> str:
     return "".join(piece for piece, _ in _read_utf8_blocks(path, READ_BYTES))
 
 
+def temporary(path: Path) -> Path:
+    """Where ``path`` is written before it is renamed into place: a hidden name beside it."""
+    return path.with_name(f".{path.name}.{os.getpid()}.tmp")  # ranks writing at once don't clash
+
+
+def remove_temporaries(out: Path, names: Sequence[str]) -> None:
+    """Delete the temporaries of ``names`` that a prepare killed outright left in ``out`` (the
+    caller holds ``out``'s lock, so no other prepare is writing them)."""
+    for name in names:
+        for tmp in out.glob(f".{name}.*.tmp"):
+            tmp.unlink(missing_ok=True)
+
+
 def write_atomic(path: Path, text: str) -> None:
     """Write ``text`` so that ``path`` is either absent or complete (never half-written)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # ranks preparing at once don't clash
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    tmp = temporary(path)
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def refuse_overwriting_inputs(
+    inputs: Sequence[tuple[str, Path]], out: Path, outputs: Sequence[str]
+) -> None:
+    """A DataError when an input file (``inputs``: (what names it, path)) is one of the files
+    ``outputs`` that will be written in ``out``: a prepare never writes over what it reads."""
+    for name in outputs:
+        target = out / name
+        for what, path in inputs:
+            if Path(path).resolve() == target.resolve() or (
+                target.exists() and Path(path).exists() and os.path.samefile(path, target)
+            ):
+                raise DataError(
+                    f"{what} {path} is {name}, one of the files written in {out}; "
+                    "write to another --out or move the input elsewhere first"
+                )
+
+
+def publish(out: Path, written: dict[str, Path], meta_text: str) -> None:
+    """Put a prepare's output in place: ``written`` (final name -> the temporary it was written
+    to) renamed over the old files, so that a process mapping an old file keeps it whole, then
+    meta.json last; meta.json is removed first, so a run cut short in between leaves none (the
+    readers then refuse the directory)."""
+    (out / "meta.json").unlink(missing_ok=True)
+    for name, tmp in written.items():
+        os.replace(tmp, out / name)
+    write_atomic(out / "meta.json", meta_text)
 
 
 class TextSource:

@@ -9,13 +9,17 @@ from pathlib import Path
 HERE = Path(__file__).parent
 
 
+def rows(path: Path) -> list[dict]:
+    """The JSON rows of a JSONL file; lines end at "\\n" only (a U+2028 or U+0085 in a string
+    is text, which ``str.splitlines`` would cut at)."""
+    lines = path.read_text(encoding="utf-8").split("\n")
+    return [json.loads(x) for x in lines if x.strip(" \t\r")]
+
+
 def _split(name: str, **_):
     import datasets
 
-    lines = (HERE / name).read_text(encoding="utf-8").splitlines()
-    return datasets.DatasetDict(
-        {"test": datasets.Dataset.from_list([json.loads(x) for x in lines])}
-    )
+    return datasets.DatasetDict({"test": datasets.Dataset.from_list(rows(HERE / name))})
 
 
 def next_line(**kwargs):
