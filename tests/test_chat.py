@@ -162,3 +162,35 @@ def test_generate_chat_prompts_an_hf_model_through_its_template(tmp_path, capsys
         add_generation_prompt=True, tokenize=True, return_dict=False,
     )  # fmt: skip
     assert rec["tokens"][: len(want)] == list(want)
+
+
+def test_a_template_that_would_hang_stops_generate_chat_and_serve_in_one_line(tmp_path, capsys):
+    """A checkpoint whose chat template loops 10^9 times: `generate --chat` and the server's
+    start end with one line naming the template's file instead of hanging."""
+    import torch
+
+    from llm_foundry.cli import main
+    from llm_foundry.serve import load_served
+
+    directory = _hf_tokenizer_dir(tmp_path, "{% for i in range(10**9) %}{% endfor %}" + CHATML)
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(directory))
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=len(hf_tok), hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+        num_attention_heads=2, max_position_embeddings=128,
+    )  # fmt: skip
+    transformers.LlamaForCausalLM(cfg).save_pretrained(str(directory))
+    # transformers writes the template into tokenizer_config.json or chat_template.jinja
+    file = next(
+        f for f in ("chat_template.jinja", "tokenizer_config.json") if (directory / f).is_file()
+    )
+    origin = load_chat_template(directory)[0].origin
+    assert origin.startswith(str(directory / file))
+    where = f"chat template {origin}: range() of 1,000,000,000 items is past the limit"
+    capsys.readouterr()
+    argv = ["generate", "--checkpoint", str(directory), "--chat", "--prompt", "Who speaks next?"]
+    assert main([*argv, "--max-new-tokens", "4"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and where in err, err
+    with pytest.raises(ValueError, match=r"^" + where.replace("(", r"\(").replace(")", r"\)")):
+        load_served(directory)
