@@ -20,6 +20,7 @@ from conftest import assert_decisive
 
 from llm_foundry.checkpoint import save_checkpoint
 from llm_foundry.generate import generate
+from llm_foundry.messages import shown
 from llm_foundry.models import Transformer
 from llm_foundry.presets import get_preset
 from llm_foundry.tokenizer import CharTokenizer
@@ -64,14 +65,15 @@ def wait_healthy(url: str, seconds: float) -> None:
 
 
 @contextmanager
-def running(checkpoint, **kwargs):
+def running(checkpoint, app_options: dict | None = None, **kwargs):
     """A real server on a free 127.0.0.1 port; yields its base URL and the engine."""
     served = load_served(checkpoint, name="tiny", **kwargs)
     served.engine.start()
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    config = uvicorn.Config(create_app(served), log_level="warning", lifespan="off")
+    app = create_app(served, **(app_options or {}))
+    config = uvicorn.Config(app, log_level="warning", lifespan="off")
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
@@ -364,12 +366,15 @@ def test_the_serve_command_starts_a_server_a_client_can_use(checkpoint, tmp_path
 
 
 def test_without_fastapi_the_install_line_is_given(checkpoint, monkeypatch):
+    import re
+
     from llm_foundry.cli import main
+    from llm_foundry.package import install_line
 
     for name in [m for m in sys.modules if m.split(".")[0] in ("fastapi", "uvicorn")]:
         monkeypatch.setitem(sys.modules, name, None)
     monkeypatch.delitem(sys.modules, "llm_foundry.serve.app")
-    with pytest.raises(SystemExit, match=r"pip install 'llm-foundry\[serve\]'"):
+    with pytest.raises(SystemExit, match=re.escape(install_line("serve"))):
         main(["serve", "--checkpoint", str(checkpoint)])
 
 
@@ -388,3 +393,374 @@ def test_a_quantized_model_is_served_as_generate_decodes_it(checkpoint):
         r = client(url).completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=16,
                                            temperature=0)  # fmt: skip
         assert r.choices[0].text == want
+
+
+# ---- misuse: nothing a client sends ends the server, every error is OpenAI's ------------------
+
+SMALL_CHARS = "USERAINT: \na"  # what the built-in chat template writes around the message "a"
+SMALL_PROMPT = "USER: a"
+SMALL_MESSAGES = [{"role": "user", "content": "a"}]
+
+
+@pytest.fixture(scope="module")
+def small_checkpoint(tmp_path_factory):
+    """A random character model over 12 characters (64 positions): fewer tokens than the 20
+    alternatives a chat request may ask for, and enough to write a built-in chat prompt."""
+    path = tmp_path_factory.mktemp("serve-small") / "ckpt"
+    tok = CharTokenizer.train(SMALL_CHARS)
+    torch.manual_seed(2)
+    cfg = get_preset("llama-shakespeare-char", vocab_size=tok.vocab_size, n_layers=2, dim=64,
+                     n_heads=4, n_kv_heads=2, max_seq_len=64)  # fmt: skip
+    save_checkpoint(Transformer(cfg), path)
+    tok.save(path / "tokenizer.json")
+    return path
+
+
+@pytest.fixture(scope="module")
+def small_server(small_checkpoint):
+    """One server on the small model (2 slots, a queue of 2) and its solo greedy texts."""
+    from llm_foundry.chat import BUILTIN_TEMPLATE, render_chat
+
+    chat = render_chat(BUILTIN_TEMPLATE, SMALL_MESSAGES, add_generation_prompt=True)
+    with running(small_checkpoint, slots=2, max_queue=2) as (url, served):
+        reply = solo(small_checkpoint, chat, 8)
+        for stop in served.chat_stop:
+            reply = reply.split(stop)[0]
+        greedy = {"completions": solo(small_checkpoint, SMALL_PROMPT, 8), "chat": reply}
+        yield url, served, greedy
+
+
+def ask(url, endpoint: str, body: dict | None = None, **kw) -> httpx.Response:
+    """POST ``body`` as JSON text (NaN and Infinity included, as Python's json writes them)."""
+    import json
+
+    if body is not None:
+        kw = {"content": json.dumps(body), "headers": {"content-type": "application/json"}, **kw}
+    path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+    return httpx.post(url + path, timeout=60, **kw)
+
+
+def base_body(endpoint: str) -> dict:
+    what = {"messages": SMALL_MESSAGES} if endpoint == "chat" else {"prompt": SMALL_PROMPT}
+    return {"model": "tiny", **what, "max_tokens": 8, "temperature": 0}
+
+
+def assert_openai_error(r: httpx.Response, status: int) -> dict:
+    """``r`` is OpenAI's error body with ``status``, its message one line of bounded length."""
+    assert r.status_code == status, r.text[:300]
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and "\n" not in error["message"]
+    assert len(error["message"]) < 400, error["message"][:400]
+    return error
+
+
+def assert_still_serves(url, greedy) -> None:
+    """A normal request after the odd one gets its solo greedy text."""
+    for endpoint in ("completions", "chat"):
+        r = ask(url, endpoint, base_body(endpoint))
+        assert r.status_code == 200, r.text[:300]
+        choice = r.json()["choices"][0]
+        text = choice["message"]["content"] if endpoint == "chat" else choice["text"]
+        assert text == greedy[endpoint], endpoint
+
+
+BAD_PROMPTS = ([], [-1], [12], [10**30], [True], [1.5], ["U", "S"], [[1, 2]], "", "U" * 100,
+               list(range(12)) * 1000, [-1] * 10_000, ["a"] * 10_000, {"a": 1}, 5, None,
+               "\u6771")  # fmt: skip
+BAD_MESSAGES = ([], [{}], [{"role": "user"}], [{"role": "user", "content": None}],
+                [{"role": "user", "content": [{"type": "text", "text": "a"}]}],
+                [{"role": "x" * 10_000, "content": "a"}], SMALL_MESSAGES * 10_000, "hi",
+                [{"role": 5, "content": "a"}], [[[[[[["a"]]]]]]])  # fmt: skip
+GREEDY = "greedy"  # 200 with the solo greedy text
+NAN, INF = float("nan"), float("inf")
+C, CH = "completions", "chat"
+EXTREMES = [  # (endpoint, fields over the base request, the answer)
+    *[(e, {"temperature": t}, GREEDY) for e in (C, CH) for t in (1e-40, 5e-324, 1e-300)],
+    (C, {"temperature": 1e-40, "stream": True}, GREEDY),
+    (C, {"temperature": 2.0, "seed": 1}, 200),
+    *[(C, {"temperature": t}, 400) for t in (-1e-40, 2.0000001, NAN, INF, 1e308, "0", True)],
+    *[(C, {"temperature": 1.0, "top_p": p}, GREEDY) for p in (1e-40, 5e-324)],
+    *[(C, {"top_p": p}, 400) for p in (0, -0.0, 1.0000001, NAN, INF, "1")],
+    (C, {"temperature": 1.0, "seed": 2**63 - 1, "n": 2}, 200),
+    (C, {"temperature": 1.0, "seed": -(2**63)}, 200),
+    *[(C, {"seed": s}, 400) for s in (2**63, -(2**63) - 1, 10**30, 1.5, "7", True)],
+    (C, {"max_tokens": 1}, 200),
+    (C, {"max_tokens": 64}, 200),  # the context bounds the reply: no refusal
+    *[(C, {"max_tokens": m}, 400) for m in (0, -1, 65, 10**30, 1.0, NAN, "8")],
+    *[(CH, {"max_completion_tokens": m}, 400) for m in (0, 10**30)],
+    *[(C, {"logprobs": k}, 200) for k in (0, 5)],
+    *[(C, {"logprobs": k}, 400) for k in (6, -1, True, 10**20)],
+    *[(CH, {"logprobs": True, "top_logprobs": k}, 200) for k in (0, 12, 20)],
+    *[(CH, {"logprobs": True, "top_logprobs": k}, 400) for k in (21, -1, 10**20)],
+    *[(CH, {"logprobs": v}, 400) for v in ("yes", 1)],
+    (C, {"n": 4}, 200),  # slots + queue
+    *[(C, {"n": n}, 400) for n in (5, 16, 0, 10**9)],
+    (C, {"stop": "U" * 100_000}, GREEDY),  # never met
+    (C, {"stop": ["\n"] * 4}, 200),
+    *[(C, {"stop": s}, 400) for s in ("", [""], ["a"] * 5, ["a"] * 10_000, [1], [["a"]])],
+    (C, {"prompt": [0]}, 200),
+    (C, {"prompt": [11]}, 200),
+    *[(C, {"prompt": p}, 400) for p in BAD_PROMPTS],
+    *[(CH, {"messages": m}, 400) for m in BAD_MESSAGES],
+    *[(C, {"stream": v}, 400) for v in ("yes", 1, ["x"] * 10_000)],
+    (C, {"stream": True, "stream_options": {"include_usage": True}}, GREEDY),
+    *[(C, {"stream": True, "stream_options": o}, 400) for o in ("yes", {"include_usage": 1})],
+    *[(C, {"model": m}, 404) for m in (["x"] * 10_000, 5, "x" * 100_000)],
+]
+
+
+@pytest.mark.parametrize(
+    "endpoint, fields, want",
+    EXTREMES,
+    ids=[e + "-" + ",".join(f"{k}={shown(v, 24)}" for k, v in f.items()) for e, f, _ in EXTREMES],
+)
+def test_no_request_value_ends_the_server(small_server, endpoint, fields, want):
+    """Extreme values of every request field get an answer (200, or OpenAI's one-line error
+    that names no more than a line of the value) and the server goes on serving: a normal
+    request after each gets its solo greedy text."""
+    url, _, greedy = small_server
+    r = ask(url, endpoint, {**base_body(endpoint), **fields})
+    if want in (200, GREEDY):
+        assert r.status_code == 200, r.text[:300]
+        if fields.get("stream"):
+            import json
+
+            lines = [x[6:] for x in r.text.splitlines() if x.startswith("data: ")]
+            assert lines[-1] == "[DONE]"
+            chunks = [json.loads(x) for x in lines[:-1]]
+            text = "".join(ch["choices"][0]["text"] for ch in chunks if ch["choices"])
+        else:
+            choices = r.json()["choices"]
+            assert len(choices) == fields.get("n", 1)
+            choice = choices[0]
+            text = choice["message"]["content"] if endpoint == "chat" else choice["text"]
+            if fields.get("logprobs") is True:  # chat: every token's alternatives, up to all
+                k = min(fields["top_logprobs"], len(SMALL_CHARS))
+                assert all(len(t["top_logprobs"]) == k for t in choice["logprobs"]["content"])
+        if want == GREEDY:
+            assert text == greedy[endpoint]
+    else:
+        assert_openai_error(r, want)
+    assert_still_serves(url, greedy)
+
+
+def test_completion_logprobs_past_a_tiny_vocabulary_list_all_of_it(tmp_path):
+    """logprobs=5 over a 3-token vocabulary: the 3 alternatives of each token, a distribution
+    (their probabilities add up to 1), the chosen one among them."""
+    import math
+
+    path = tmp_path / "ckpt"
+    tok = CharTokenizer.train("ab ")
+    torch.manual_seed(0)
+    cfg = get_preset("llama-shakespeare-char", vocab_size=tok.vocab_size, n_layers=1, dim=32,
+                     n_heads=2, max_seq_len=32)  # fmt: skip
+    save_checkpoint(Transformer(cfg), path)
+    tok.save(path / "tokenizer.json")
+    with running(path, slots=1) as (url, _):
+        body = {"model": "tiny", "prompt": "ab", "max_tokens": 4, "logprobs": 5, "seed": 3}
+        r = ask(url, "completions", body)
+        assert r.status_code == 200, r.text[:300]
+        lp = r.json()["choices"][0]["logprobs"]
+        for token, chosen, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"],
+                                      strict=True):  # fmt: skip
+            assert set(top) == {"a", "b", " "}
+            assert sum(math.exp(v) for v in top.values()) == pytest.approx(1, abs=1e-5)
+            assert top[token] == pytest.approx(chosen, abs=1e-6)
+        assert ask(url, "completions", {**body, "logprobs": None}).status_code == 200
+
+
+def test_a_row_that_raises_fails_alone_and_the_engine_goes_on(small_server, monkeypatch):
+    """Whatever a row raises (here: decoding its text, then the shared decode step, then a
+    prompt past the model's vocabulary given to the engine directly) fails that request with
+    OpenAI's error body; the engine's loop survives and the next request is served."""
+    import threading as th
+
+    url, served, greedy = small_server
+    engine = served.engine
+
+    def broken(ids):
+        raise RuntimeError("the decoder broke")
+
+    monkeypatch.setattr(served.tokenizer, "decode", broken)
+    error = assert_openai_error(ask(url, "completions", base_body("completions")), 500)
+    assert error["type"] == "server_error" and "the decoder broke" in error["message"]
+    monkeypatch.undo()
+    assert_still_serves(url, greedy)
+
+    def failing_step(*args, **kwargs):
+        raise RuntimeError("the decode step broke")
+
+    monkeypatch.setattr(engine, "decode", failing_step)  # the one-row decode step
+    error = assert_openai_error(ask(url, "completions", base_body("completions")), 500)
+    assert "the decode step broke" in error["message"]
+    monkeypatch.undo()
+    assert_still_serves(url, greedy)
+
+    done, finished = {}, th.Event()
+
+    def emit(kind, payload):
+        if kind == "done":
+            done["reason"] = payload
+            finished.set()
+
+    vocab = engine.model.cfg.vocab_size
+    engine.submit([Sequence([1, vocab + 5], Params(max_tokens=4, temperature=0), emit)])
+    assert finished.wait(30)
+    assert done["reason"].startswith("error") and f"[0, {vocab})" in done["reason"]
+    assert_still_serves(url, greedy)
+
+
+UNSUPPORTED = [  # (endpoint, field, a value that is not its "off" one)
+    (C, "logit_bias", {"5": 100}),
+    (CH, "logit_bias", {"5": -100}),
+    (C, "presence_penalty", 1.5),
+    (CH, "frequency_penalty", -0.5),
+    (C, "best_of", 3),
+    (C, "echo", True),
+    (C, "suffix", "a"),
+    (CH, "response_format", {"type": "json_object"}),
+    (CH, "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+    (CH, "tool_choice", "required"),
+    (CH, "functions", [{"name": "f", "parameters": {}}]),
+    (CH, "function_call", "auto"),
+    (CH, "modalities", ["text", "audio"]),
+    (CH, "audio", {"voice": "alloy", "format": "wav"}),
+    (CH, "reasoning_effort", "high"),
+]
+
+
+@pytest.mark.parametrize("endpoint, field, value", UNSUPPORTED)
+def test_unsupported_openai_fields_are_refused_by_name(small_server, endpoint, field, value):
+    url, _, _ = small_server
+    error = assert_openai_error(ask(url, endpoint, {**base_body(endpoint), field: value}), 400)
+    assert error["param"] == field and f"'{field}'" in error["message"]
+
+
+def test_fields_unknown_to_openai_are_refused(small_server):
+    url, _, _ = small_server
+    for endpoint, fields in ((C, {"top_k": 5}), (CH, {"prompt": "a"}), (C, {"messages": []}),
+                             (C, {"x" * 10_000: 1, "y": 2})):  # fmt: skip
+        error = assert_openai_error(ask(url, endpoint, {**base_body(endpoint), **fields}), 400)
+        assert "Unrecognized request argument" in error["message"]
+        assert next(iter(fields))[:20] in error["message"]
+
+
+def test_off_values_of_unsupported_fields_work_through_the_openai_client(small_server):
+    """The official client with the unsupported fields at their defaults gets the greedy text;
+    with a value that would change the result, openai.BadRequestError naming the field."""
+    url, _, greedy = small_server
+    c = client(url)
+    r = c.completions.create(model="tiny", prompt=SMALL_PROMPT, max_tokens=8, temperature=0,
+                             presence_penalty=0, frequency_penalty=0.0, best_of=1, echo=False,
+                             logit_bias={}, user="someone")  # fmt: skip
+    assert r.choices[0].text == greedy["completions"]
+    r = c.chat.completions.create(model="tiny", messages=SMALL_MESSAGES, max_tokens=8,
+                                  temperature=0, response_format={"type": "text"},
+                                  tool_choice="none", presence_penalty=0, logit_bias={},
+                                  store=False)  # fmt: skip
+    assert r.choices[0].message.content == greedy["chat"]
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model="tiny", prompt=SMALL_PROMPT, max_tokens=8, logit_bias={"3": 50})
+    assert e.value.param == "logit_bias"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model="tiny", messages=SMALL_MESSAGES, max_tokens=8,
+                                  response_format={"type": "json_object"})  # fmt: skip
+    assert e.value.param == "response_format"
+
+
+def test_a_body_over_the_size_limit_gets_413_before_it_is_read(small_server):
+    """5 MB of prompt (over the default 4 MiB): refused by its Content-Length, and when sent
+    without one (chunked), once the bytes read pass the limit; nothing is tokenized."""
+    import json
+
+    url, served, greedy = small_server
+    body = json.dumps({**base_body(C), "prompt": "a" * 5_000_000}).encode()
+    before = served.engine.stats.prompt_tokens
+    error = assert_openai_error(ask(url, C, content=body), 413)
+    assert error["code"] == "request_too_large" and "--max-request-bytes" in error["message"]
+
+    def chunks():
+        for i in range(0, len(body), 2**16):
+            yield body[i : i + 2**16]
+
+    error = assert_openai_error(ask(url, C, content=chunks()), 413)
+    assert error["code"] == "request_too_large"
+    assert served.engine.stats.prompt_tokens == before
+    assert_still_serves(url, greedy)
+
+
+def test_a_body_nested_too_deeply_is_a_400_not_a_crash(small_server):
+    url, _, greedy = small_server
+    for raw in ("[" * 100_000 + "]" * 100_000,
+                '{"model": "tiny", "prompt": ' + "[" * 100_000 + "]" * 100_000 + "}"):  # fmt: skip
+        r = ask(url, C, content=raw.encode(), headers={"content-type": "application/json"})
+        assert "nested too deeply" in assert_openai_error(r, 400)["message"]
+    assert_still_serves(url, greedy)
+
+
+def test_every_error_the_app_answers_is_openai_shaped(small_server, monkeypatch):
+    """Unknown routes (404), wrong methods (405) and a failure inside a handler (500) answer
+    OpenAI's error body, as the request errors do; n past what the server can ever run at once
+    is a 400 (not a 503 a client would retry forever)."""
+    url, served, greedy = small_server
+    assert_openai_error(httpx.get(url + "/v1/nope", timeout=10), 404)
+    assert_openai_error(httpx.post(url + "/v1/embeddings", json={}, timeout=10), 404)
+    assert_openai_error(httpx.get(url + "/v1/completions", timeout=10), 405)
+    assert_openai_error(httpx.post(url + "/health", timeout=10), 405)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the tokenizer broke")
+
+    monkeypatch.setattr(served.tokenizer, "encode", broken)
+    error = assert_openai_error(ask(url, C, base_body(C)), 500)
+    assert error["type"] == "server_error" and "the tokenizer broke" in error["message"]
+    monkeypatch.undo()
+    r = ask(url, C, {**base_body(C), "n": 5})
+    assert "retry-after" not in r.headers
+    assert assert_openai_error(r, 400)["param"] == "n"
+    assert_still_serves(url, greedy)
+
+
+def test_serve_refuses_a_kv_cache_larger_than_memory_before_allocating(tmp_path, capsys):
+    """A config with a 10^9-token context: `serve` says in one line what the cache would take
+    and which flag to use; with --max-context the same model serves (its greedy text is
+    generate's) and refuses prompts past that context. Flags out of range: one line each."""
+    from llm_foundry.cli import main
+
+    path = tmp_path / "long"
+    tok = CharTokenizer.train(SMALL_CHARS)
+    torch.manual_seed(2)
+    cfg = get_preset("llama-shakespeare-char", vocab_size=tok.vocab_size, n_layers=2, dim=64,
+                     n_heads=4, n_kv_heads=2, max_seq_len=10**9)  # fmt: skip
+    save_checkpoint(Transformer(cfg), path)
+    tok.save(path / "tokenizer.json")
+    assert main(["serve", "--checkpoint", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "would take" in err and "--max-context" in err, err
+    for flags, named in ((["--slots", "1000000"], "--slots"), (["--slots", "0"], "--slots"),
+                         (["--max-queue", "-1"], "--max-queue"),
+                         (["--max-context", "1"], "--max-context"),
+                         (["--max-context", str(10**10)], "--max-context"),
+                         (["--max-request-bytes", "0"], "--max-request-bytes")):  # fmt: skip
+        assert main(["serve", "--checkpoint", str(path), *flags]) == 2, flags
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and named in err, err
+    with running(path, max_context=48) as (url, served):
+        assert served.engine.context == 48 and served.engine.cache.k[0].shape[2] == 96
+        r = ask(url, C, {**base_body(C), "max_tokens": 10})
+        assert r.json()["choices"][0]["text"] == solo(path, SMALL_PROMPT, 10)
+        r = ask(url, C, {**base_body(C), "prompt": "a" * 48})
+        assert assert_openai_error(r, 400)["code"] == "context_length_exceeded"
+
+
+@pytest.mark.parametrize("device", ["cuda", "cuda:99", "banana", "mps"])
+def test_serve_on_a_device_this_machine_lacks_is_one_line(checkpoint, capsys, monkeypatch, device):
+    from llm_foundry.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: device == "cuda:99")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    assert main(["serve", "--checkpoint", str(checkpoint), "--device", device]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("llm-foundry serve: error: --device") and err.count("\n") == 1, err

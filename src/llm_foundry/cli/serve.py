@@ -9,6 +9,9 @@ import time
 
 from llm_foundry.cli.options import add_quantize_flags, quantize_choice
 
+MAX_SLOTS = 4096  # sequences decoded together: far past what one forward batches usefully
+MAX_QUEUE = 1_000_000  # requests waiting
+
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(
@@ -23,6 +26,12 @@ def main(argv: list[str]) -> int:
     p.add_argument("--slots", type=int, default=8, help="sequences decoded together")
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond the "
                    "slots before new ones get 503")  # fmt: skip
+    p.add_argument("--max-context", type=int, default=None, metavar="N", help="tokens (prompt "
+                   "+ reply) a request may use, which sizes the KV cache (slots x 2N positions); "
+                   "default: the model's max_seq_len, refused when that cache would not fit in "
+                   "memory")  # fmt: skip
+    p.add_argument("--max-request-bytes", type=int, default=None, metavar="B", help="largest "
+                   "request body taken (larger ones get 413; default 4 MiB)")  # fmt: skip
     p.add_argument("--model-name", default=None, help="the id clients ask for (default: the "
                    "checkpoint directory's name)")  # fmt: skip
     p.add_argument("--device", default="cpu")
@@ -32,27 +41,35 @@ def main(argv: list[str]) -> int:
     ns = p.parse_args(argv)
     if not 0 < ns.port < 65536:
         raise ValueError(f"--port {ns.port} must be in 1..65535")
+    if not 1 <= ns.slots <= MAX_SLOTS:
+        raise ValueError(f"--slots {ns.slots} must be in 1..{MAX_SLOTS}")
+    if not 0 <= ns.max_queue <= MAX_QUEUE:
+        raise ValueError(f"--max-queue {ns.max_queue} must be in 0..{MAX_QUEUE:,}")
+    if ns.max_context is not None and ns.max_context < 2:
+        raise ValueError(f"--max-context {ns.max_context} must be >= 2 (a prompt and a reply)")
+    if ns.max_request_bytes is not None and ns.max_request_bytes < 1:
+        raise ValueError(f"--max-request-bytes {ns.max_request_bytes} must be >= 1")
     try:
         import uvicorn
 
-        from llm_foundry.serve import load_served
-        from llm_foundry.serve.app import create_app
+        from llm_foundry.serve import check_device, load_served
+        from llm_foundry.serve.app import MAX_REQUEST_BYTES, create_app
     except ImportError as e:
         from llm_foundry.package import install_line
 
         raise SystemExit(
             f"serve needs FastAPI and uvicorn: {install_line('serve')} ({e})"
         ) from None
+    check_device(ns.device)
     scheme, group = quantize_choice(ns.quantize, ns.group_size)
     served = load_served(ns.checkpoint, ns.slots, ns.max_queue, ns.model_name, ns.device,
-                         ns.compile, scheme, group)  # fmt: skip
+                         ns.compile, scheme, group, ns.max_context)  # fmt: skip
+    app = create_app(served, ns.max_request_bytes or MAX_REQUEST_BYTES)
     if ns.compile:
         print("compiling the decode step ...", flush=True)
         served.engine.warm_up()
     # HTTP in a thread, the model loop in this (main) thread, where compiled kernels run fastest
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(served), host=ns.host, port=ns.port, log_level="warning")
-    )
+    server = uvicorn.Server(uvicorn.Config(app, host=ns.host, port=ns.port, log_level="warning"))
     thread = threading.Thread(target=server.run, name="http", daemon=True)
     thread.start()
     while not server.started and thread.is_alive():
@@ -60,8 +77,8 @@ def main(argv: list[str]) -> int:
     if not thread.is_alive():
         raise OSError(f"could not serve on {ns.host}:{ns.port} (is the port in use?)")
     weights = f", {scheme} weights" if scheme else ""
-    print(f"serving {served.name} on http://{ns.host}:{ns.port}/v1 ({ns.slots} slots{weights})",
-          flush=True)  # fmt: skip
+    print(f"serving {served.name} on http://{ns.host}:{ns.port}/v1 ({ns.slots} slots, context "
+          f"{served.engine.context}{weights})", flush=True)  # fmt: skip
     watcher = threading.Thread(target=lambda: (thread.join(), served.engine.stop()), daemon=True)
     watcher.start()  # the HTTP server ending (e.g. on SIGTERM) ends the loop
     try:

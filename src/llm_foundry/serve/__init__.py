@@ -6,11 +6,41 @@ from __future__ import annotations
 from pathlib import Path
 
 
+def check_device(device: str) -> None:
+    """Raise ValueError (one line, naming --device) unless ``device`` is a device this machine
+    has: a string torch parses, of a kind that is present (cuda, cuda:N, mps) or cpu."""
+    import torch
+
+    from llm_foundry.messages import shown
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(
+            f"--device {shown(device)} is not a device: use cpu, cuda, cuda:N or mps"
+        ) from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {device}: CUDA is not available here (use --device cpu)")
+        count = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= count:
+            raise ValueError(f"--device {device}: this machine has CUDA devices 0..{count - 1}")
+    elif dev.type == "mps":
+        if not torch.backends.mps.is_available():
+            raise ValueError(f"--device {device}: MPS is not available here (use --device cpu)")
+    elif dev.type != "cpu":
+        raise ValueError(f"--device {device}: the server runs on cpu, cuda, cuda:N or mps")
+
+
 def load_served(checkpoint: str | Path, slots: int = 8, max_queue: int = 64,
                 name: str | None = None, device: str = "cpu", compile: bool = False,
-                quantize: str | None = None, group_size: int = 64):  # fmt: skip
+                quantize: str | None = None, group_size: int = 64,
+                max_context: int | None = None):  # fmt: skip
     """The model of ``checkpoint`` behind an engine, with its tokenizer and chat template, as
-    ``app.Served`` (the engine not yet started)."""
+    ``app.Served`` (the engine not yet started). ``max_context`` caps the tokens (prompt and
+    reply) a request may use, and with it the KV cache (default: the model's max_seq_len; a
+    cache larger than the memory left is refused before it is allocated)."""
+    check_device(device)
     from llm_foundry.chat import BUILTIN_TEMPLATE, end_of_turn, load_chat_template
     from llm_foundry.rundir import load
     from llm_foundry.serve.app import Served
@@ -27,7 +57,8 @@ def load_served(checkpoint: str | Path, slots: int = 8, max_queue: int = 64,
     eot_id = tok.hf.token_to_id(eot) if hf else None
     if eot_id is not None:
         eos.add(eot_id)  # a special token ends the reply by its id
-    engine = Engine(model, tok, slots=slots, max_queue=max_queue, eos_ids=eos, compile=compile)
+    engine = Engine(model, tok, slots=slots, max_queue=max_queue, eos_ids=eos, compile=compile,
+                    max_context=max_context)  # fmt: skip
     served = Served(engine, tok, name or Path(checkpoint).resolve().name, template, specials)
     served.chat_stop = () if eot_id is not None else (eot,)  # a plain-text end of turn
     return served

@@ -2,8 +2,12 @@
 /v1/chat/completions (both with server-sent-event streaming), /health and /metrics.
 
 Requests are checked here (types, ranges, context length) and refused with OpenAI's error body
-and HTTP 400 (404 for an unknown model, 503 with Retry-After when the queue is full); a request
-that fails never reaches the engine, so it cannot disturb the others.
+and HTTP 400 (404 for an unknown model, 413 for a body over the size limit, 503 with Retry-After
+when the queue is full); a request that fails never reaches the engine, so it cannot disturb the
+others. OpenAI fields this server does not implement (``logit_bias``, ``tools``, ...) are refused
+by name unless they hold the value that means "off", and unknown fields are refused as OpenAI
+does: nothing a client asks for is silently ignored. Every error the app answers (unknown
+routes and methods, failures) has OpenAI's body, ``{"error": {message, type, param, code}}``.
 """
 
 from __future__ import annotations
@@ -15,17 +19,63 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from llm_foundry.messages import shown
 from llm_foundry.serve.engine import Engine, Params, QueueFull, Sequence
 
 try:
     from fastapi import FastAPI, Request
+    from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from starlette.exceptions import HTTPException
 except ImportError as e:  # the optional [serve] extra
     from llm_foundry.package import install_line
 
     raise ImportError(f"serving needs FastAPI and uvicorn: {install_line('serve')}; {e}") from None
 
 MAX_LOGPROBS = 5  # OpenAI's bound for completions
+MAX_REQUEST_BYTES = 4 * 2**20  # default bound on a request body (--max-request-bytes)
+
+# the request fields each endpoint implements (besides those in OFF)
+COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop",
+          "seed", "logprobs", "user"}  # fmt: skip
+FIELDS = {
+    False: COMMON | {"prompt"},
+    True: COMMON | {"messages", "max_completion_tokens", "top_logprobs",
+                    # about OpenAI's own service (storage, billing, caching): no effect here
+                    "metadata", "store", "service_tier", "safety_identifier",
+                    "prompt_cache_key", "parallel_tool_calls"},
+}  # fmt: skip
+
+
+def _cut(text: str, limit: int = 60) -> str:
+    """A name or path a client sent, cut to a length a line can hold."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
+
+
+def _is_zero(v) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and v == 0
+
+
+# OpenAI fields not implemented here: accepted only at the value that means "off" (or null)
+OFF: dict[str, tuple[str, object]] = {
+    "logit_bias": ("{}", lambda v: v == {}),
+    "presence_penalty": ("0", _is_zero),
+    "frequency_penalty": ("0", _is_zero),
+    "best_of": ("1", lambda v: type(v) is int and v == 1),
+    "echo": ("false", lambda v: v is False),
+    "suffix": ('""', lambda v: v == ""),
+    "response_format": ('{"type": "text"}', lambda v: v == {"type": "text"}),
+    "tools": ("[]", lambda v: v == []),
+    "functions": ("[]", lambda v: v == []),
+    "tool_choice": ('"none"', lambda v: v == "none"),
+    "function_call": ('"none"', lambda v: v == "none"),
+    "modalities": ('["text"]', lambda v: v == ["text"]),
+    "audio": ("", lambda v: False),
+    "prediction": ("", lambda v: False),
+    "reasoning_effort": ("", lambda v: False),
+    "web_search_options": ("", lambda v: False),
+    "verbosity": ("", lambda v: False),
+}
 
 
 class BadRequest(Exception):
@@ -53,6 +103,25 @@ class Served:
 
 
 # ---- request fields ---------------------------------------------------------------------------
+def _check_fields(body: dict, chat: bool) -> None:
+    """Refuse fields this endpoint does not know, and implemented-nowhere OpenAI fields unless
+    they hold their "off" value: a request is never answered as if they were not there."""
+    unknown = [k for k in body if k not in FIELDS[chat] and k not in OFF]
+    if unknown:
+        names = ", ".join(_cut(k) for k in unknown[:3])
+        more = f" and {len(unknown) - 3} more" if len(unknown) > 3 else ""
+        plural = "s" if len(unknown) > 1 else ""
+        raise BadRequest(f"Unrecognized request argument{plural} supplied: {names}{more}")
+    for key, (off, accepts) in OFF.items():
+        value = body.get(key)
+        if value is not None and not accepts(value):
+            allowed = f"null or {off}" if off else "null"
+            raise BadRequest(
+                f"'{key}' is not supported by this server (it accepts only {allowed}), got "
+                f"{shown(value)}", key,
+            )  # fmt: skip
+
+
 def _number(body, key, default, lo, hi, integer=False):
     value = body.get(key, default)
     if value is None:
@@ -60,7 +129,7 @@ def _number(body, key, default, lo, hi, integer=False):
     ok = isinstance(value, int) if integer else isinstance(value, int | float)
     if isinstance(value, bool) or not ok or not lo <= value <= hi:
         kind = "an integer" if integer else "a number"
-        raise BadRequest(f"'{key}' must be {kind} in [{lo}, {hi}], got {value!r}", key)
+        raise BadRequest(f"'{key}' must be {kind} in [{lo}, {hi}], got {shown(value)}", key)
     return value
 
 
@@ -72,12 +141,12 @@ def _params(body: dict, chat: bool, context: int) -> tuple[Params, int]:
         isinstance(stop, list) and len(stop) <= 4 and all(isinstance(s, str) and s for s in stop)
     ):
         raise BadRequest(
-            f"'stop' must be a string or up to 4 non-empty strings, got {stop!r}", "stop"
+            f"'stop' must be a string or up to 4 non-empty strings, got {shown(stop)}", "stop"
         )
     if chat:
         want = body.get("logprobs")
         if want is not None and not isinstance(want, bool):
-            raise BadRequest(f"'logprobs' must be true or false, got {want!r}", "logprobs")
+            raise BadRequest(f"'logprobs' must be true or false, got {shown(want)}", "logprobs")
         top = _number(body, "top_logprobs", 0, 0, 20, integer=True)
         logprobs = top if want else None
         limit = body.get("max_completion_tokens", body.get("max_tokens"))
@@ -130,8 +199,11 @@ def _prompt_ids(served: Served, body: dict, chat: bool) -> list[int]:
             and all(isinstance(i, int) and not isinstance(i, bool) for i in text)
         ):
             vocab = served.engine.model.cfg.vocab_size
-            if not all(0 <= i < vocab for i in text):
-                raise BadRequest(f"'prompt' token ids must be in [0, {vocab})", "prompt")
+            bad = next((i for i in text if not 0 <= i < vocab), None)
+            if bad is not None:
+                raise BadRequest(
+                    f"'prompt' token ids must be in [0, {vocab}), got {shown(bad)}", "prompt"
+                )
             return list(text)
         if not isinstance(text, str) or not text:
             raise BadRequest(
@@ -170,10 +242,63 @@ def _finish_reason(reason: str) -> str:
     return reason if reason in ("stop", "length") else "stop"
 
 
-def create_app(served: Served) -> FastAPI:
+def create_app(served: Served, max_request_bytes: int = MAX_REQUEST_BYTES) -> FastAPI:
+    """The app over ``served``; a request body over ``max_request_bytes`` is refused (413)
+    before it is read whole."""
+    if max_request_bytes < 1:
+        raise ValueError(f"--max-request-bytes {max_request_bytes} must be >= 1")
     app = FastAPI(title="llm-foundry", docs_url=None, redoc_url=None)
     engine = served.engine
     relays: dict = {}
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException):
+        path = _cut(request.url.path)
+        if e.status_code == 404:
+            message = f"Invalid URL ({request.method} {path})"
+        elif e.status_code == 405:
+            message = f"Method {request.method} is not allowed for {path}"
+        else:
+            message = str(e.detail)
+        kind = "server_error" if e.status_code >= 500 else "invalid_request_error"
+        return JSONResponse(error_body(message, kind=kind), e.status_code, headers=e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, e: RequestValidationError):
+        first = (e.errors() or [{}])[0]
+        where = ".".join(str(x) for x in first.get("loc", ()))
+        message = f"{where}: {first.get('msg', 'invalid request')}" if where else str(e)
+        return JSONResponse(error_body(shown(message, 300), where or None), 422)
+
+    @app.exception_handler(Exception)
+    async def failed(request: Request, e: Exception):
+        message = f"the server failed on this request ({type(e).__name__}: {shown(str(e), 300)})"
+        return JSONResponse(error_body(message, kind="server_error"), 500)
+
+    async def read_json(request: Request):
+        """The request body as JSON, read up to ``max_request_bytes`` (413 past it)."""
+
+        def too_big(size: str) -> BadRequest:
+            return BadRequest(
+                f"the request body is {size}; the most this server takes is "
+                f"{max_request_bytes:,} bytes (--max-request-bytes)", status=413,
+                code="request_too_large",
+            )  # fmt: skip
+
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > max_request_bytes:
+            raise too_big(f"{int(declared):,} bytes")
+        data = bytearray()
+        async for chunk in request.stream():
+            data += chunk
+            if len(data) > max_request_bytes:
+                raise too_big(f"more than {max_request_bytes:,} bytes")
+        try:
+            return json.loads(data)
+        except RecursionError:
+            raise BadRequest("the request body is JSON nested too deeply to read") from None
+        except (UnicodeDecodeError, ValueError):
+            raise BadRequest("the request body is not valid JSON") from None
 
     def relay(loop):
         """post(queue, item) from the engine's thread: items gathered and handed to the event
@@ -252,20 +377,25 @@ def create_app(served: Served) -> FastAPI:
     async def generate(request: Request, chat: bool):
         endpoint = "chat" if chat else "completions"
         try:
-            try:
-                body = await request.json()
-            except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
-                raise BadRequest("the request body is not valid JSON") from None
+            body = await read_json(request)
             if not isinstance(body, dict):
                 raise BadRequest("the request body must be a JSON object")
             model = body.get("model", served.name)
             if model != served.name:
-                raise BadRequest(f"The model '{model}' does not exist; this server has "
+                raise BadRequest(f"The model {shown(model)} does not exist; this server has "
                                  f"'{served.name}'", "model", 404, "model_not_found")  # fmt: skip
+            _check_fields(body, chat)
             params, n = _params(body, chat, engine.context)
+            bound = engine.slots + engine.max_queue
+            if n > bound:
+                raise BadRequest(
+                    f"'n' is {n}; this server runs at most {bound} sequences of one request "
+                    f"({engine.slots} slots + a queue of {engine.max_queue})", "n",
+                )  # fmt: skip
             if chat:
                 params.stop = tuple(dict.fromkeys(params.stop + served.chat_stop))
-            prompt = _prompt_ids(served, body, chat)
+            # encoding a long prompt takes a while: in a worker thread, not the event loop
+            prompt = await asyncio.to_thread(_prompt_ids, served, body, chat)
             if len(prompt) >= engine.context:
                 raise BadRequest(
                     f"the prompt is {len(prompt)} tokens; the model's context is "
@@ -275,9 +405,16 @@ def create_app(served: Served) -> FastAPI:
             params.max_tokens = min(params.max_tokens, engine.context - len(prompt))
             stream = body.get("stream", False)
             if not isinstance(stream, bool):
-                raise BadRequest(f"'stream' must be true or false, got {stream!r}", "stream")
+                raise BadRequest(f"'stream' must be true or false, got {shown(stream)}", "stream")
             options = body.get("stream_options") or {}
-            usage_chunk = isinstance(options, dict) and options.get("include_usage") is True
+            if not isinstance(options, dict) or not isinstance(
+                options.get("include_usage", False), bool
+            ):  # fmt: skip
+                raise BadRequest(
+                    "'stream_options' must be an object whose 'include_usage' is true or "
+                    f"false, got {shown(options)}", "stream_options",
+                )  # fmt: skip
+            usage_chunk = options.get("include_usage") is True
         except BadRequest as e:
             return refuse(endpoint, e)
 

@@ -14,6 +14,11 @@ not depend on where its slots lie and rows can be moved:
     compact  when t reaches the capacity, every row moves left by the smallest pad
 
 Requests wait in a bounded queue; a full queue refuses new ones (``QueueFull``).
+
+Nothing a request holds can stop the loop: whatever one row raises (its prefill, its sampling,
+decoding its text, telling its client) finishes that row with an error, and a failure of the
+shared decode step (or of anything else in a step) finishes the rows in flight; the loop goes on
+with the next request.
 """
 
 from __future__ import annotations
@@ -28,9 +33,20 @@ import torch
 
 from llm_foundry.sampling import check_sampling, sample_next
 
+LOGPROB_FLOOR = -9999.0  # OpenAI's stand-in for a token the model rules out (JSON has no -inf)
+ERROR_CHARS = 300  # of an exception's message in a request's error
+
 
 class QueueFull(Exception):
     """The waiting queue is at its bound: try again later."""
+
+
+def _error(e: BaseException) -> str:
+    """A request's "error: ..." finish reason for ``e``: one line, of bounded length."""
+    text = " ".join(str(e).split())
+    if len(text) > ERROR_CHARS:
+        text = text[:ERROR_CHARS] + "..."
+    return f"error: {type(e).__name__}: {text}"
 
 
 @dataclass
@@ -91,17 +107,26 @@ class Engine:
         eos_ids: set[int] | frozenset = frozenset(),
         capacity: int | None = None,
         compile: bool = False,
+        max_context: int | None = None,
     ):
         cfg = model.cfg
-        self.context = cfg.max_seq_len
+        if slots < 1 or max_queue < 0:
+            raise ValueError(f"slots={slots} must be >= 1 and max_queue={max_queue} >= 0")
+        if max_context is not None and not 2 <= max_context <= cfg.max_seq_len:
+            raise ValueError(
+                f"--max-context {max_context} must be in [2, {cfg.max_seq_len}] (the model's "
+                "max_seq_len)"
+            )
+        self.context = max_context or cfg.max_seq_len  # prompt + reply, per request
         self.capacity = capacity or 2 * self.context
         if cfg.sliding_window is not None and cfg.sliding_window < self.capacity:
             raise ValueError(
                 f"serving a sliding-window model (window {cfg.sliding_window}) needs its window "
                 f">= the cache capacity {self.capacity}; not supported yet"
             )
-        if slots < 1 or max_queue < 0:
-            raise ValueError(f"slots={slots} must be >= 1 and max_queue={max_queue} >= 0")
+        device = next(model.parameters()).device
+        dtype = model.tok_emb.weight.dtype
+        self._check_memory(cfg, slots, device, dtype, capacity is None)
         self.model, self.tok, self.slots, self.max_queue = model.eval(), tokenizer, slots, max_queue
         self.eos_ids = set(eos_ids)
         # one busy row decodes through the compiled step, whose fused matvec streams weights
@@ -113,12 +138,11 @@ class Engine:
             self.decode = _compiled(model)
         else:
             self.decode = model
-        device = next(model.parameters()).device
         self.device = device
         from llm_foundry.models.kv_cache import KVCache
 
         self.cache = KVCache(cfg.replace(sliding_window=None), slots, self.capacity, device,
-                             model.tok_emb.weight.dtype)  # fmt: skip
+                             dtype)  # fmt: skip
         model.pos.reserve(self.capacity)
         self.t = 0  # the shared write position
         self.pad = torch.zeros(slots, dtype=torch.long, device=device)
@@ -128,6 +152,28 @@ class Engine:
         self._wake = threading.Condition()
         self._thread: threading.Thread | None = None
         self._running = False
+
+    def _check_memory(self, cfg, slots: int, device, dtype, doubled: bool) -> None:
+        """Refuse, before allocating, a cache larger than the memory left on ``device``: say
+        what it would take and which context would fit."""
+        from llm_foundry.models.kv_cache import available_memory, cache_bytes, size_text
+
+        need = cache_bytes(cfg.replace(sliding_window=None), slots, self.capacity, dtype)
+        have = available_memory(device)
+        if have is None or need <= have:
+            return
+        per_position = need // (slots * self.capacity)
+        fits = have // (slots * per_position * (2 if doubled else 1))
+        fix = (
+            f"serve a shorter context (--max-context N: at most {fits} fits) or fewer --slots"
+            if fits >= 2
+            else "serve fewer --slots"
+        )
+        raise ValueError(
+            f"the KV cache for {slots} slots x {self.capacity} positions (2 x the context of "
+            f"{self.context}) would take {size_text(need)}, more than the {size_text(have)} of "
+            f"memory left on {device}: {fix}"
+        )
 
     # ---- the server's side (any thread) ---------------------------------------------------
     def submit(self, seqs: list[Sequence]) -> None:
@@ -198,7 +244,19 @@ class Engine:
                     self._wake.wait(timeout=0.5)
                 if not self._running:
                     return
-            self.step()
+            try:
+                self.step()
+            except Exception as e:  # noqa: BLE001 - the rows in flight fail, the loop goes on
+                self._fail_all(e)
+
+    def _fail_all(self, e: BaseException) -> None:
+        """Finish every row in flight with ``e`` and start the cache over empty."""
+        for seq in list(self.rows):
+            if seq is not None:
+                self._finish(seq, _error(e))
+        self.rows = [None] * self.slots
+        self.t = 0
+        self.pad.zero_()
 
     @torch.no_grad()
     def step(self) -> None:
@@ -232,8 +290,7 @@ class Engine:
             step = self.decode if n == 1 else self.model
             logits = step(last, cache=cache, last_only=True)[0][:, -1]
         except Exception as e:  # noqa: BLE001 - every request in flight is told
-            for r in active:
-                self._finish(self.rows[r], f"error: {type(e).__name__}: {e}")
+            self._fail_all(e)
             return
         self.t += 1
         self.stats.decode_steps += 1
@@ -242,15 +299,36 @@ class Engine:
             self._accept(self.rows[r], logits[r : r + 1])
 
     def _join(self, seq: Sequence) -> None:
-        """Prefill ``seq`` alone and place its keys/values in a free row ending at slot t."""
-        P = len(seq.prompt)
+        """Prefill ``seq`` alone and place its keys/values in a free row ending at slot t; what
+        fails before it holds a row fails this request only."""
         try:
-            small = self.model.new_cache(1, P)
-            idx = torch.tensor([seq.prompt], device=self.device)
-            logits = self.model(idx, cache=small, last_only=True)[0][:, -1]
+            logits, small = self._prefill(seq)
         except Exception as e:  # noqa: BLE001 - this request fails, the others go on
-            self._finish(seq, f"error: {type(e).__name__}: {e}")
+            self._finish(seq, _error(e))
             return
+        try:
+            self._place(seq, small)
+        except Exception as e:
+            self._finish(seq, _error(e))
+            raise  # rows may be half moved: the loop fails the others too
+        self._accept(seq, logits)
+
+    def _prefill(self, seq: Sequence):
+        """The logits after ``seq``'s prompt and its keys/values in a cache of its own."""
+        P, vocab = len(seq.prompt), self.model.cfg.vocab_size
+        if not 0 < P < self.context:
+            raise ValueError(f"the prompt is {P} tokens; the context is {self.context}")
+        low, high = min(seq.prompt), max(seq.prompt)
+        if low < 0 or high >= vocab:  # an embedding lookup out of range kills a CUDA context
+            bad = low if low < 0 else high
+            raise ValueError(f"token id {bad} is outside the model's vocabulary [0, {vocab})")
+        small = self.model.new_cache(1, P)
+        idx = torch.tensor([seq.prompt], device=self.device)
+        return self.model(idx, cache=small, last_only=True)[0][:, -1], small
+
+    def _place(self, seq: Sequence, small) -> None:
+        """Copy a prefilled cache into a free row ending at slot t (rows move right if t < P)."""
+        P = len(seq.prompt)
         if not any(s is not None for s in self.rows):
             self.t = 0
         if self.t < P:
@@ -264,7 +342,6 @@ class Engine:
         if seq.params.seed is not None:
             seq.generator = torch.Generator(device=self.device).manual_seed(seq.params.seed)
         self.stats.prompt_tokens += P
-        self._accept(seq, logits)
 
     def _shift(self, d: int) -> None:
         """Move every row's slots by ``d`` (right when > 0) and the write position with them."""
@@ -283,21 +360,24 @@ class Engine:
         self.t = t + d
 
     def _accept(self, seq: Sequence, logits: torch.Tensor) -> None:
-        """Pick ``seq``'s next token from its logits (1, V), emit the text that is final."""
-        p = seq.params
+        """Pick ``seq``'s next token from its logits (1, V), emit the text that is final; what
+        fails here fails this request only."""
         try:
-            token = int(
-                sample_next(
-                    logits,
-                    temperature=p.temperature,
-                    top_k=p.top_k,
-                    top_p=p.top_p,
-                    generator=seq.generator,
-                )[0]  # fmt: skip
-            )
-        except ValueError as e:
-            self._finish(seq, f"error: {e}")
-            return
+            self._next_token(seq, logits)
+        except Exception as e:  # noqa: BLE001 - sampling, decoding, the client's queue
+            self._finish(seq, _error(e))
+
+    def _next_token(self, seq: Sequence, logits: torch.Tensor) -> None:
+        p = seq.params
+        token = int(
+            sample_next(
+                logits,
+                temperature=p.temperature,
+                top_k=p.top_k,
+                top_p=p.top_p,
+                generator=seq.generator,
+            )[0]  # fmt: skip
+        )
         now = time.perf_counter()
         if seq.first_token_s is None:
             seq.first_token_s = now - seq.submitted
@@ -306,8 +386,9 @@ class Engine:
         seq.tokens.append(token)
         self.stats.generated_tokens += 1
         if p.logprobs is not None:
-            lp = torch.log_softmax(logits[0].float(), -1)
-            top = lp.topk(p.logprobs) if p.logprobs else None
+            lp = torch.log_softmax(logits[0].float(), -1).clamp(min=LOGPROB_FLOOR)
+            k = min(p.logprobs, lp.shape[-1])  # a vocabulary smaller than asked: all of it
+            top = lp.topk(k) if k else None
             alternatives = (
                 [(int(i), float(v)) for v, i in zip(top.values, top.indices, strict=True)]
                 if top is not None
@@ -359,4 +440,7 @@ class Engine:
             seq.slot = None
         if reason == "cancelled":
             self.stats.cancelled += 1
-        seq.emit("done", reason)
+        try:
+            seq.emit("done", reason)
+        except Exception:  # noqa: BLE001 - the client is gone (its event loop closed)
+            pass
