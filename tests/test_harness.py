@@ -210,3 +210,19 @@ def test_the_harness_command_line_runs_our_model(tmp_path):
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "shakespeare_next_line" in done.stdout and "acc" in done.stdout
+
+
+def test_a_tokenizer_config_that_is_not_an_object_is_one_line(tmp_path):
+    """The hf backend's prefix token comes from tokenizer_config.json when the tokenizer has no
+    BOS: a config that is a list is named, not an AttributeError."""
+    from tokenizers import Tokenizer, models
+
+    from llm_foundry.export import convert_to_hf
+
+    vocab = {c: i for i, c in enumerate(sorted(set(_task_text())))}
+    tok = CharTokenizer.train(_task_text())
+    hf = convert_to_hf(_checkpoint(tmp_path / "ours", tok), tmp_path / "hf")
+    Tokenizer(models.WordLevel(vocab, unk_token=None)).save(str(hf / "tokenizer.json"))
+    (hf / "tokenizer_config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match=r"tokenizer_config\.json holds a list, not a JSON object"):
+        harness.FoundryLM(str(hf))

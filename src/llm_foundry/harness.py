@@ -275,13 +275,12 @@ def _prefix_token(tok, info) -> int | None:
     tokenizer's BOS, else its EOS (for an HF directory: tokenizer_config.json's tokens)."""
     if getattr(tok, "bos_id", None) is not None:
         return tok.bos_id
-    conf = info.checkpoint / "tokenizer_config.json"
-    if getattr(tok, "kind", None) == "hf" and conf.is_file():
-        names = json.loads(conf.read_text(encoding="utf-8"))
+    if getattr(tok, "kind", None) == "hf":
+        from llm_foundry.chat import load_chat_template
+
+        names = load_chat_template(info.checkpoint)[1]  # the one reader of tokenizer_config.json
         for key in ("bos_token", "eos_token"):
-            value = names.get(key)
-            value = value.get("content") if isinstance(value, dict) else value
-            if isinstance(value, str) and (i := tok.hf.token_to_id(value)) is not None:
+            if key in names and (i := tok.hf.token_to_id(names[key])) is not None:
                 return i
     return tok.eos_id
 
