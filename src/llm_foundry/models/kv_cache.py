@@ -42,12 +42,30 @@ def available_memory(device: torch.device | str | None = None) -> int | None:
     try:
         with open("/proc/meminfo") as f:
             line = next(x for x in f if x.startswith("MemAvailable:"))
-        return int(line.split()[1]) * 1024
+        host = int(line.split()[1]) * 1024
     except (OSError, StopIteration, ValueError):
         try:
-            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            host = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         except (OSError, ValueError, AttributeError):
             return None
+    room = _cgroup_room()
+    return host if room is None else min(host, room)
+
+
+def _cgroup_room() -> int | None:
+    """What this process's memory cgroup (a container's limit) has left, when it has a limit."""
+    for limit, usage in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                         ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                          "/sys/fs/cgroup/memory/memory.usage_in_bytes")):  # fmt: skip
+        try:
+            with open(limit) as f, open(usage) as g:
+                cap, used = f.read().strip(), int(g.read().strip())
+        except (OSError, ValueError):
+            continue
+        if cap.isdigit() and int(cap) < 2**60:  # "max" or a huge number: no limit
+            return max(0, int(cap) - used)
+        return None
+    return None
 
 
 def size_text(n: float) -> str:
