@@ -373,3 +373,8 @@ def test_extreme_flag_values_are_one_line_refusals(ckpt, capsys, flags, named):
     path, _, _ = ckpt
     err = _fails(capsys, "--checkpoint", str(path), "--prompt", "to be", *flags)
     assert named in err and err.count("\n") == 1, err
+
+
+def test_a_long_bad_prompt_ids_value_is_cut_in_its_error(ckpt, capsys):
+    err = _fails(capsys, "--checkpoint", str(ckpt[0]), "--prompt-ids", "x," * 10_000)
+    assert len(err) < 300 and "(20,000 characters)" in err, err

@@ -9,13 +9,14 @@ import sys
 from pathlib import Path
 
 from llm_foundry.cli.options import add_quantize_flags, quantize_choice
+from llm_foundry.messages import shown
 
 
 def _parse_ids(text: str, vocab_size: int) -> list[int]:
     try:
         ids = [int(t) for t in text.replace(",", " ").split()]
     except ValueError:
-        raise ValueError(f"--prompt-ids {text!r}: expected integers like 1,2,3") from None
+        raise ValueError(f"--prompt-ids {shown(text)}: expected integers like 1,2,3") from None
     bad = [i for i in ids if not 0 <= i < vocab_size]
     if bad:
         raise ValueError(f"prompt id {bad[0]} is out of range for vocab_size={vocab_size}")
