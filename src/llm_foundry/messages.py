@@ -21,3 +21,15 @@ def shown(value: object, limit: int = LIMIT) -> str:
         unit = {str: "characters", bytes: "bytes"}.get(type(value), "items")
         size = f" ({len(value):,} {unit})"
     return f"{text[:limit]}...{size}"
+
+
+MAX_ERROR = 2000  # characters of an error the command line prints
+
+
+def capped(text: str, limit: int = MAX_ERROR) -> str:
+    """``text`` whole when it fits ``limit``, else its start and end with what was cut between:
+    the last guard for an error that echoes a value no check cut with ``shown``."""
+    if len(text) <= limit:
+        return text
+    half = limit // 2
+    return f"{text[:half]} ... ({len(text) - 2 * half:,} characters cut) ... {text[-half:]}"

@@ -14,6 +14,8 @@ import logging
 import os
 import sys
 
+from llm_foundry.messages import capped, shown
+
 # name -> (module in this package, one line of help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "prepare": ("prepare", "tokenize a corpus into train/val token files"),
@@ -67,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
-        print(f"llm-foundry: unknown command {name!r}\n\n{usage}", file=sys.stderr)
+        print(f"llm-foundry: unknown command {shown(name)}\n\n{usage}", file=sys.stderr)
         return 2
     show_library_messages()
     from llm_foundry.config import ConfigError
@@ -81,14 +83,14 @@ def main(argv: list[str] | None = None) -> int:
     except argparse.ArgumentError as e:  # a settings flag unknown or mistyped
         from llm_foundry.cli.options import flag_hint
 
-        print(f"llm-foundry {name}: error: {e}{flag_hint(str(e))}", file=sys.stderr)
+        print(f"llm-foundry {name}: error: {capped(str(e))}{flag_hint(str(e))}", file=sys.stderr)
         return 2
     except (ConfigError, KeyError, ValueError, OSError) as e:  # OSError: a file in the way, ...
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
-        print(f"llm-foundry {name}: error: {msg}", file=sys.stderr)
+        print(f"llm-foundry {name}: error: {capped(str(msg))}", file=sys.stderr)
         return 2
     except _run_stops() as e:
-        print(f"llm-foundry {name}: {e}", file=sys.stderr)
+        print(f"llm-foundry {name}: {capped(str(e))}", file=sys.stderr)
         return 1
 
 
