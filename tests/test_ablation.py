@@ -347,3 +347,219 @@ def test_a_listing_cut_short_by_its_reader_ends_quietly():
     r = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True)
     assert r.returncode == 0 and r.stderr == "", r.stderr
     assert r.stdout.startswith(recipe_names()[0])
+
+
+# ----------------------------------------------------------------------------------------------
+# misuse: names that would be paths, wrong types, checks that came only after training
+
+
+def _recipe(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "study.yaml"
+    path.write_text(text)
+    return path
+
+
+BASE_RECIPE = "name: ok\nvariants:\n  - name: a\n  - name: b\n    model: {norm: layernorm}\n"
+
+
+@pytest.mark.parametrize(
+    "text, key",
+    [
+        ("name: ../../escaped\nvary: {norm: [layernorm, rmsnorm]}\n", "name="),
+        ("name: a/b\nvary: {norm: [layernorm, rmsnorm]}\n", "name="),
+        ("name: ..\nvary: {norm: [layernorm, rmsnorm]}\n", "name="),
+        ("name: ''\nvary: {norm: [layernorm, rmsnorm]}\n", "name="),
+        ("variants:\n  - name: ..\n  - name: b\n", "variants[0].name="),
+        ("variants:\n  - name: a\n  - name: ../../b\n", "variants[1].name="),
+        ("variants:\n  - name: 'a\\\\b'\n", "variants[0].name="),
+        ('variants:\n  - name: "a\\nb"\n', "variants[0].name="),
+        ("variants:\n  - name: .\n", "variants[0].name="),
+    ],
+)
+def test_a_name_that_would_be_a_path_is_refused_in_one_line(tmp_path, text, key):
+    path = _recipe(tmp_path, text)
+    with pytest.raises(ValueError) as e:
+        load_study(path)
+    msg = str(e.value)
+    assert msg.startswith(f"{path}: {key}") and "\n" not in msg, msg
+    assert "would be a path, not a name" in msg or "must be a name" in msg
+
+
+def test_names_that_differ_only_in_characters_a_directory_cannot_hold_are_refused():
+    with pytest.raises(ValueError, match=r"variants 'a b' and 'a_b' would train in one directory"):
+        tiny_study(variants=[Variant("a b"), Variant("a_b")])
+    assert ablation.spec.run_dir_name("norm=a/b..") == "norm=a_b.."  # a grid value's slash
+
+
+def test_a_path_name_given_in_code_is_refused_before_anything_is_written(data_dir, tmp_path):
+    study = tiny_study(variants=[Variant("a")])
+    study.variants.append(Variant(".."))  # changed after it was built: run_study checks again
+    with pytest.raises(ValueError, match=r"variants\[1\]\.name='\.\.' would be a path"):
+        ablation.run_study(study, data_dir, tmp_path / "out" / "deeper")
+    assert not (tmp_path / "out").exists()
+
+
+def test_ablate_refuses_a_recipe_named_as_a_path_and_writes_nothing(data_dir, tmp_path, capsys):
+    path = _recipe(tmp_path, "name: ../../escaped\nvary: {norm: [layernorm, rmsnorm]}\n")
+    work = tmp_path / "cwd"
+    work.mkdir()
+    os.chdir(work)  # the default --out is runs/ablate-NAME, relative to here
+    try:
+        assert cli(["ablate", "--recipe", str(path), "--data", str(data_dir)]) == 2
+    finally:
+        os.chdir(Path(__file__).parent.parent)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{path}: name='../../escaped' would be a path" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cwd", "study.yaml"]
+    assert list(work.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "text, key",
+    [
+        ("seeds: two\n", "seeds='two' must be a positive integer"),
+        ("seeds: true\n", "seeds=True must be a positive integer"),
+        ("variants: 5\n", "variants=5 must be a list"),
+        ("variants: [5]\n", "variants[0]=5 must be a mapping"),
+        ("variants: [{model: {dim: 64}}]\n", "variants[0] has no name"),
+        ("variants: [{name: a, modle: {}}]\n", "variants[0]: unknown key(s) ['modle']"),
+        ("variants: [{name: a, train: [1]}]\n", "variants[0].train=[1] must be a mapping"),
+        ("variants: [{name: a, preset: gpt5}]\n", "variants[0].preset='gpt5' is not a preset"),
+        ("train: {max_steps: '100'}\n", "train.max_steps='100' must be a positive integer"),
+        ("train: {max_steps: 1e23}\n", "train.max_steps=1e+23 must be a positive integer"),
+        ("train: {seed: 4611686018427387904}\nseeds: 2\n", "reaches seed 4611686018427387905"),
+        ("model: [1]\n", "model=[1] must be a mapping"),
+        ("model: {dimm: 3}\n", "model: 'model.dimm': model has no field 'dimm'"),
+        ("target_loss: low\n", "target_loss='low' must be a positive number"),
+        ("target_loss: .nan\n", "target_loss=nan must be a positive number"),
+        ("speed_rounds: five\n", "speed_rounds='five' must be an integer >= 0"),
+        ("extrapolation: [two]\n", "extrapolation=['two'] must be a list of positive numbers"),
+        ("extrapolation: 2\n", "extrapolation=2 must be a list of positive numbers"),
+        ("extrapolation: [0.001]\n", "extrapolation factor(s) [0.001] x block_size 64"),
+        ("eval_tokens: 1.5\n", "eval_tokens=1.5 must be a positive integer"),
+        ("description: 5\n", "description=5 must be text"),
+        ("claim: [a]\n", "claim=['a'] must be text"),
+        ("probes: init_grad_norms\n", "probes='init_grad_norms' must be a list"),
+        ("compare: 1\n", "compare=1: valid values are 'first', 'previous'"),
+        ("preset: gpt5\n", "preset='gpt5' is not a preset"),
+        ("vary: {norm: layernorm}\n", "vary.norm='layernorm' must be a non-empty list"),
+        ("vary: {nrom: [a, b]}\n", "vary: 'nrom': model has no field 'nrom'"),
+        ("vary: [norm]\n", "vary=['norm'] must be a mapping"),
+        ("vary: {dim: [[1, 2]]}\n", "vary.dim=[[1, 2]] must list plain values"),
+        (
+            "vary: {dim: [64, 1e23]}\n",
+            "variant 'dim=1e+23': model.dim=1e+23 must be a positive integer",
+        ),
+        ("sedes: 2\n", "unknown study field(s) ['sedes']"),
+    ],
+)
+def test_a_recipe_field_of_the_wrong_type_is_one_line_naming_the_file_and_key(tmp_path, text, key):
+    """Every field, report and target fields included, is checked when the recipe is read:
+    before any variant trains, not after all of them did."""
+    base = "" if text.startswith(("variants:", "vary:")) else BASE_RECIPE
+    path = _recipe(tmp_path, base + text)
+    with pytest.raises(ValueError) as e:
+        load_study(path)
+    msg = str(e.value)
+    assert msg.startswith(f"{path}: ") and "\n" not in msg, msg
+    assert key in msg, msg
+
+
+def test_a_recipe_that_is_not_a_mapping_is_named(tmp_path):
+    path = _recipe(tmp_path, "- name: a\n- name: b\n")
+    with pytest.raises(
+        ValueError, match=r"study\.yaml: a study must be a mapping of fields, got \["
+    ):
+        load_study(path)
+
+
+@pytest.mark.parametrize(
+    "field", ["speed_rounds: five", "description: 5", "extrapolation: [two]", "target_loss: low"]
+)
+def test_ablate_checks_report_fields_before_training_anything(data_dir, tmp_path, capsys, field):
+    model = "{" + ", ".join(f"{k}: {v}" for k, v in TINY_MODEL.items()) + "}"
+    train = "{" + ", ".join(f"{k}: {json.dumps(v)}" for k, v in TINY_TRAIN.items()) + "}"
+    path = _recipe(tmp_path, f"{BASE_RECIPE}model: {model}\ntrain: {train}\n{field}\n")
+    out = tmp_path / "out"
+    assert cli(["ablate", "--recipe", str(path), "--data", str(data_dir), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"llm-foundry ablate: error: {path}: {field.split(':')[0]}=")
+    assert err.count("\n") == 1 and not out.exists()
+
+
+def test_a_variant_too_large_for_the_machine_is_refused_before_any_variant_trains(
+    data_dir, tmp_path, monkeypatch
+):
+    def never(*args, **kwargs):
+        raise AssertionError("a variant trained before the study was checked")
+
+    monkeypatch.setattr(Trainer, "run", never)
+    huge = {"dim": 2**20, "hidden_dim": 2**20, "n_heads": 2, "n_kv_heads": 2}
+    study = tiny_study(variants=[Variant("small"), Variant("huge", huge)])
+    with pytest.raises(ValueError) as e:
+        ablation.run_study(study, data_dir, tmp_path / "out")
+    msg = str(e.value)
+    assert msg.startswith("variant 'huge': training this model (") and "\n" not in msg
+    assert "bytes" in msg and "this machine has" in msg
+    assert not (tmp_path / "out" / "runs").exists()
+
+
+def test_an_extrapolation_longer_than_the_validation_split_is_refused_up_front(data_dir, tmp_path):
+    val = len(ablation.runner.load_split(data_dir, "val"))
+    factor = (val // TINY_TRAIN["block_size"]) + 1
+    study = tiny_study(vary={"pos_encoding": ["rope", "alibi"]}, extrapolation=[1, factor])
+    with pytest.raises(
+        ValueError, match=rf"extrapolation factor {factor} x block_size 16 .*has {val:,}"
+    ):
+        ablation.run_study(study, data_dir, tmp_path / "out")
+    assert not (tmp_path / "out" / "runs").exists()
+
+
+def test_a_seed_out_of_range_and_bad_seeds_flags_are_one_line(data_dir, tmp_path, capsys):
+    argv = ["ablate", "--vary", "norm=layernorm,rmsnorm", "--data", str(data_dir)]
+    argv += ["--out", str(tmp_path / "out")]
+    for extra, expected in [
+        (["--seeds", "0"], "--seeds 0: give a positive number of seeds per variant"),
+        (["--seeds", "1e23"], "argument --seeds: invalid int value: '1e23'"),
+        (["--seed", "-3"], "--seeds -3: give a positive number"),  # argparse's abbreviation
+        (["--set", "train.seed=1e23"], "train.seed=1e+23 must be an integer in [0, 2**62]"),
+        (["--set", "train.seed=-1"], "train.seed=-1 must be an integer in [0, 2**62]"),
+        (["--set", "train.seed=100000000000000000000000"], "train.seed=100000000000000000000000"),
+        (
+            ["--set", "train.seed=4611686018427387904", "--seeds", "2"],
+            "reaches seed 4611686018427387905",
+        ),
+        (["--set", "train.lr=1e-3,2e-3"], "one value per --set"),
+    ]:
+        assert cli(argv + extra) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("llm-foundry ablate: error: ") and err.count("\n") == 1, err
+        assert expected in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_ablate_stopped_by_a_signal_exits_with_its_status_on_one_line(
+    data_dir, tmp_path, capsys, monkeypatch
+):
+    original = Trainer._train_step
+
+    def sigint_at_step_3(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        if self.step == 2:  # the third step
+            os.kill(os.getpid(), signal.SIGINT)
+        return out
+
+    monkeypatch.setattr(Trainer, "_train_step", sigint_at_step_3)
+    sets = [f"--set=train.{k}={v}" for k, v in TINY_TRAIN.items()]
+    sets += [f"--set={k}={v}" for k, v in TINY_MODEL.items()]
+    argv = ["ablate", "--vary", "mlp=gelu,swiglu", "--data", str(data_dir)]
+    try:
+        code = cli([*argv, "--out", str(tmp_path), *sets])
+    except KeyboardInterrupt as e:  # would end the whole test session
+        pytest.fail(f"the interrupt escaped the command as a traceback: {e}")
+    assert code == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "llm-foundry ablate: stopped by SIGINT: mlp=gelu seed 0 interrupted; rerun to resume"
+    ]
+    assert (tmp_path / "runs" / "mlp=gelu" / "seed0" / "checkpoints" / "latest.json").exists()

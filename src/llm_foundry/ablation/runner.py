@@ -17,7 +17,7 @@ import torch
 import llm_foundry
 from llm_foundry import lock
 from llm_foundry.ablation.report import summarise, training_seconds, write_report
-from llm_foundry.ablation.spec import Study, Variant, configs, expand
+from llm_foundry.ablation.spec import Study, Variant, configs, expand, run_dir_name
 from llm_foundry.data import data_fingerprint, load_split
 from llm_foundry.models.transformer import Transformer
 from llm_foundry.plots import read_metrics
@@ -175,7 +175,9 @@ def run_one(study: Study, variant: Variant, seed_index: int, data: Path, run_dir
     t0 = time.perf_counter()
     res = trainer.run()
     if res.interrupted:
-        raise KeyboardInterrupt(f"{variant.name} seed {seed_index} interrupted; rerun to resume")
+        raise StudyInterrupted(
+            res.stopped_by, f"{variant.name} seed {seed_index} interrupted; rerun to resume"
+        )
     model = trainer.model.eval()
     train, evals = read_metrics(run_dir / "metrics.jsonl")
     tail = [r["loss"] for r in train[-max(1, len(train) // 20) :]]
@@ -221,16 +223,53 @@ def _final_expert_cv(run_dir: Path) -> float | None:
     return statistics.fmean(records[-1]["experts"]["cv"]) if records else None
 
 
+class StudyInterrupted(KeyboardInterrupt):
+    """A signal stopped a variant's training (saved: rerunning the study resumes it)."""
+
+    def __init__(self, signal_name: str | None, message: str):
+        super().__init__(message)
+        self.signal_name = signal_name
+
+
 def run_study(study: Study, data: str | Path, out: str | Path) -> dict:
-    """Train every variant x seed (skipping finished ones), then write the table and plots."""
+    """Train every variant x seed (skipping finished ones), then write the table and plots.
+    Everything is checked before the first variant trains: the study's fields (as a recipe's
+    are), and each variant against the data and this machine's memory."""
     data, out = Path(data), Path(out)
+    study = Study.from_dict(study.to_dict())  # a study built in code is checked as a recipe is
     with lock.hold(out, "ablation directory"):
         return _run_study(study, data, out)
+
+
+def preflight(study: Study, variants: list[Variant], data: Path) -> None:
+    """Refuse (one line) what would fail only after some variants trained: a variant too large
+    for this machine's memory, an extrapolation context longer than the validation split."""
+    from llm_foundry.train.memory import check_training_memory
+    from llm_foundry.train.trainer import resolve_device
+
+    val = len(load_split(data, "val"))
+    for v in variants:
+        mc, tc = configs(study, v, 0)
+        try:
+            check_training_memory(mc, tc, resolve_device(tc.device))
+        except ValueError as e:
+            raise ValueError(f"variant {v.name!r}: {e}") from None
+        for f in study.extrapolation:
+            ctx = int(round(f * tc.block_size))
+            if mc.pos_encoding == "learned" and ctx > mc.max_seq_len:
+                continue  # reported as "cannot run", not an error
+            if ctx + 1 > val:
+                raise ValueError(
+                    f"extrapolation factor {f:g} x block_size {tc.block_size} of variant "
+                    f"{v.name!r} is a context of {ctx:,} tokens; {data}/val.bin has {val:,} "
+                    f"(one window needs {ctx + 1:,}): use smaller factors"
+                )
 
 
 def _run_study(study: Study, data: Path, out: Path) -> dict:
     study = dataclasses.replace(study, model={**study.model, "vocab_size": _vocab(data)})
     variants = expand(study)
+    preflight(study, variants, data)
     (out / "study.json").write_text(json.dumps(study.to_dict(), indent=1))
     budgets = {v.name: configs(study, v, 0)[1].tokens_per_step for v in variants}
     if len(set(budgets.values())) > 1:
@@ -241,7 +280,7 @@ def _run_study(study: Study, data: Path, out: Path) -> dict:
     for i, (v, s) in enumerate(itertools.product(variants, range(study.seeds))):
         log.info(f"=== [{i + 1}/{len(variants) * study.seeds}] {v.name}, seed index {s}")
         runs.setdefault(v.name, []).append(
-            run_one(study, v, s, data, out / "runs" / _slug(v.name) / f"seed{s}")
+            run_one(study, v, s, data, out / "runs" / run_dir_name(v.name) / f"seed{s}")
         )
     log.info("=== timing every variant's training step, interleaved")
     models = {v.name: Transformer(configs(study, v, 0)[0]) for v in variants}
@@ -255,10 +294,6 @@ def _run_study(study: Study, data: Path, out: Path) -> dict:
         report[probe] = PROBE_FUNCS[probe](study, variants, data)
     write_report(report, out)
     return report
-
-
-def _slug(name: str) -> str:
-    return "".join(c if c.isalnum() or c in "-_.=" else "_" for c in name)[:120] or "base"
 
 
 def machine() -> dict:

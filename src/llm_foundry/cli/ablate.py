@@ -7,21 +7,29 @@ from pathlib import Path
 
 from llm_foundry.ablation import (
     Study,
-    configs,
-    expand,
     load_study,
     markdown,
     recipe_names,
     run_study,
     write_report,
 )
+from llm_foundry.cli.options import SettingsParser, stopped
 from llm_foundry.settings import parse_assignment
 
 
 def main(argv: list[str]) -> int:
-    import argparse
+    try:
+        return _main(argv)
+    except KeyboardInterrupt as e:  # a variant stopped by a signal saved its checkpoint
+        from llm_foundry.ablation.runner import StudyInterrupted
 
-    p = argparse.ArgumentParser(
+        name = e.signal_name if isinstance(e, StudyInterrupted) else "SIGINT"
+        what = str(e) or "interrupted; finished variants are kept: rerun to go on"
+        return stopped("llm-foundry ablate", name, what)
+
+
+def _main(argv: list[str]) -> int:
+    p = SettingsParser(
         prog="llm-foundry ablate",
         description="Train variants of one model with the same seeds, data and budget; write a "
         "table (markdown + JSON) and the validation curves. Rerunning skips finished variants.",
@@ -60,20 +68,28 @@ def main(argv: list[str]) -> int:
             s = load_study(name)
             print(f"{name:<20} {s.description.strip().splitlines()[0] if s.description else ''}")
         return 0
-    study = load_study(ns.recipe) if ns.recipe else Study()
+    study = load_study(ns.recipe) if ns.recipe else Study()  # a recipe's problems name its file
     if ns.preset:
         study.preset = ns.preset
     if ns.seeds is not None:
+        if ns.seeds < 1:
+            raise ValueError(f"--seeds {ns.seeds}: give a positive number of seeds per variant")
         study.seeds = ns.seeds
     for item in ns.set:
         section, name, values = parse_assignment(item)
+        if len(values) > 1:
+            raise ValueError(f"--set {item}: one value per --set (a grid is --vary)")
         getattr(study, section)[name] = values[0]
     for item in ns.vary:
         section, name, values = parse_assignment(item)
         study.vary[name if section == "model" else f"train.{name}"] = values
     if not study.variants and not study.vary:
         raise ValueError("nothing to compare: give --recipe NAME or at least one --vary FIELD=A,B")
-    study = Study.from_dict(study.to_dict())  # validate
+    try:  # every field and variant, before anything trains
+        study = Study.from_dict(study.to_dict())
+    except ValueError as e:
+        source = f"--recipe {ns.recipe}" if ns.recipe else "the study"
+        raise ValueError(f"{source} with --preset/--seeds/--set/--vary: {e}") from None
     data = Path(ns.data)
     if not (data / "meta.json").exists():
         if ns.data != "data/shakespeare_char":
@@ -84,9 +100,7 @@ def main(argv: list[str]) -> int:
 
         print(f"preparing the default corpus (tiny Shakespeare, characters) in {data}")
         prepare(data, dataset="shakespeare", tokenizer="char")
-    for v in expand(study):  # fail on a bad variant before training anything
-        configs(study, v, 0)
-    out = Path(ns.out or f"runs/ablate-{study.name}")
+    out = Path(ns.out or f"runs/ablate-{study.name}")  # the name is a plain name: checked
     report = run_study(study, data, out)
     print(f"wrote {out / 'results.md'}, {out / 'results.json'} and plots")
     print(markdown(report))

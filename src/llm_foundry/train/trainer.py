@@ -35,6 +35,7 @@ from llm_foundry.models.lora import add_lora, apply_lora_settings, lora_settings
 from llm_foundry.train import distributed as D
 from llm_foundry.train import tensor_parallel as TP
 from llm_foundry.train.config import TrainConfig
+from llm_foundry.train.memory import check_training_memory
 from llm_foundry.train.metrics import MetricsLog
 from llm_foundry.train.monitor import ExpertLoad, Monitor, layer_grad_norms, rest_grad_norm
 from llm_foundry.train.optim import MuonWithAdamW, muon_groups
@@ -115,6 +116,8 @@ class Trainer:
         self.world, self.device = D.init_world(
             resolve_device(train_cfg.device), train_cfg.parallel, train_cfg.tp_size
         )
+        # a config that cannot fit is refused here, before the model is built
+        check_training_memory(model_cfg, train_cfg, self.device, self.world)
         torch.manual_seed(train_cfg.seed)  # every rank builds the same initial weights
         self.model = Transformer(model_cfg).to(self.device)
         if train_cfg.init_from and not resume:  # a resumed run's weights come from its checkpoint
