@@ -173,7 +173,7 @@ def test_values_that_would_pass_a_type_check_but_break_later_are_named(changes, 
     with pytest.raises(ConfigError) as e:
         ModelConfig(**changes)
     assert e.value.problems == [expected]
-    assert str(e.value) == f"invalid ModelConfig: {expected}"  # one problem, one line
+    assert str(e.value) == f"invalid ModelConfig (1 problem): {expected}"  # one line
 
 
 def test_a_long_value_is_shown_cut_with_its_size():

@@ -178,7 +178,7 @@ def test_a_seed_torch_cannot_take_is_refused_on_one_line(tmp_path, capsys, text,
     assert main([*argv, f"--train.seed={text}"]) == 2
     err = capsys.readouterr().err
     assert err == (
-        f"llm-foundry train: error: invalid train settings: train.seed={shown} must be an "
+        f"llm-foundry train: error: invalid train settings (1 problem): train.seed={shown} must be an "
         "integer in [0, 2**62]\n"
     )
 

@@ -40,7 +40,7 @@ class ConfigError(ValueError):
     def __init__(self, problems: list[str], name: str = "ModelConfig"):
         self.problems = problems
         if len(problems) == 1:  # one problem, one line
-            super().__init__(f"invalid {name}: {problems[0]}")
+            super().__init__(f"invalid {name} (1 problem): {problems[0]}")
             return
         lines = "\n".join(f"  - {p}" for p in problems)
         super().__init__(f"invalid {name} ({len(problems)} problem(s)):\n{lines}")
