@@ -193,3 +193,18 @@ def test_the_largest_seed_allowed_seeds_torch_and_numpy_with_room_for_offsets():
         torch.manual_seed(seed)
         np.random.Generator(np.random.PCG64(seed))
     assert TrainConfig(seed=SEED_MAX).seed == SEED_MAX
+
+
+def test_a_config_file_holding_a_huge_value_is_named_with_the_value_cut(tmp_path):
+    listed = _write(tmp_path / "big.yaml", json.dumps(list(range(10_000))))
+    with pytest.raises(ConfigError) as e:
+        resolve(files=[listed])
+    assert "\n" not in str(e.value) and "(10,000 items)" in str(e.value)
+    assert len(str(e.value)) < 250
+    section = _write(tmp_path / "sec.yaml", json.dumps({"model": list(range(10_000))}))
+    with pytest.raises(ConfigError, match=r"the model section must be a mapping of fields, got "):
+        resolve(files=[section])
+    with pytest.raises(ConfigError) as e:
+        resolve(overrides={"model": {"dim": list(range(10_000))}})
+    assert "model.dim=[0, 1, 2" in str(e.value) and "(10,000 items)" in str(e.value)
+    assert len(str(e.value)) < 250

@@ -96,12 +96,12 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     if conf is None:
         return {}
     if not isinstance(conf, dict):
-        raise ConfigError([f"{path} must hold a mapping (model:, train:, ...), got {conf!r}"])
+        raise ConfigError([f"{path} must hold a mapping (model:, train:, ...), got {shown(conf)}"])
     for section in SECTIONS:
         value = conf.get(section)
         if value is not None and not isinstance(value, dict):
             raise ConfigError(
-                [f"{path}: the {section} section must be a mapping of fields, got {value!r}"]
+                [f"{path}: the {section} section must be a mapping of fields, got {shown(value)}"]
             )
         known = set(field_names(section))
         unknown = sorted(set(value or {}) - known)
