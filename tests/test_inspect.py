@@ -163,8 +163,11 @@ def test_out_gets_png_added_and_other_formats_are_refused(tmp_path, capsys, ckpt
         main(["rope", "--length", "0", "--out", str(tmp_path / "r.png")])
     bpe = tmp_path / "big.json"  # a tokenizer with ids past the checkpoint's vocabulary
     CharTokenizer.train(TEXT + "".join(chr(c) for c in range(0x4E00, 0x4E40))).save(bpe)
-    with pytest.raises(ValueError, match="past the model's vocab_size"):
+    with pytest.raises(ValueError, match="has 80 tokens but the model's vocab_size is 16"):
         main(["attention", "--checkpoint", str(ckpt), "--tokenizer", str(bpe), "--prompt", "丿"])
+    with pytest.raises(ValueError, match="token id 7., past the model's vocab_size 16"):
+        main(["attention", "--preset", "llama-shakespeare-char", "--model.vocab_size", "16",
+              "--tokenizer", str(bpe), "--prompt", "丿"])  # fmt: skip
 
 
 def test_attention_of_an_hf_directory_equals_its_source_checkpoint(ckpt, tmp_path, capsys):

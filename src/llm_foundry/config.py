@@ -274,6 +274,23 @@ class ModelConfig:
             p.append(f"experts_per_token={k} is more than n_experts={n}; valid: 1..{n}")
         return p
 
+    # --- comparison
+    # fields no weight depends on: weights saved under one value load under another
+    WEIGHT_FREE = ("dropout", "attn_impl", "moe_dispatch", "moe_aux_loss_coef",
+                   "router_z_loss_coef", "router_jitter")  # fmt: skip
+
+    def weight_differences(self, other: ModelConfig) -> list[str]:
+        """'field: A there, B here' (there = ``other``) for every field on which the two configs
+        would not compute the same function with the same weights; empty when ``other``'s
+        weights fit this model (max_seq_len may differ unless positions are learned)."""
+        free = set(self.WEIGHT_FREE) | (
+            {"max_seq_len"} if self.pos_encoding != "learned" else set()
+        )
+        there, here = other.to_dict(), self.to_dict()
+        there["n_kv_heads"], here["n_kv_heads"] = other.kv_heads, self.kv_heads
+        return [f"{k}: {v!r} there, {here[k]!r} here" for k, v in there.items()
+                if here[k] != v and k not in free]  # fmt: skip
+
     # --- serialisation
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

@@ -248,7 +248,7 @@ def put_adapter(model, adapter: str | Path) -> dict:
                 f"--adapter {path}: neither a PEFT adapter (adapter_config.json) nor a LoRA run "
                 "or checkpoint (config.json with 'lora')"
             )
-        diff = _differences(read_config(ckpt), model.cfg)
+        diff = model.cfg.weight_differences(read_config(ckpt))
         if diff:
             raise ValueError(
                 f"--adapter {path} was trained on another model ({'; '.join(diff[:3])}): give "
@@ -264,11 +264,3 @@ def put_adapter(model, adapter: str | Path) -> dict:
                 ours[name].lora_B.copy_(layer.lora_B)
     fold_lora(model)
     return settings
-
-
-def _differences(there, here) -> list[str]:
-    """'field: A there, B here' for the architecture fields two model configs disagree on."""
-    free = {"dropout", "attn_impl", "moe_dispatch", "max_seq_len"}
-    a, b = there.to_dict(), here.to_dict()
-    a["n_kv_heads"], b["n_kv_heads"] = there.kv_heads, here.kv_heads
-    return [f"{k}: {v!r} there, {b[k]!r} here" for k, v in a.items() if b[k] != v and k not in free]

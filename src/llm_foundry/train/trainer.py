@@ -289,19 +289,12 @@ class Trainer:
 
             source = from_hf(path)
         # settings no weight depends on may change (e.g. a longer context for relative positions)
-        free = {"dropout", "attn_impl", "moe_dispatch", "moe_aux_loss_coef", "router_z_loss_coef",
-                "router_jitter"} | ({"max_seq_len"} if self.mc.pos_encoding != "learned" else set())  # fmt: skip
-        there, here = source.cfg.to_dict(), self.mc.to_dict()
-        there["n_kv_heads"], here["n_kv_heads"] = source.cfg.kv_heads, self.mc.kv_heads
-        diff = [
-            f"{k}: {v!r} there, {here[k]!r} here"
-            for k, v in there.items()
-            if here[k] != v and k not in free
-        ]
+        diff = self.mc.weight_differences(source.cfg)
         if diff:
             hint = ""
             if source.cfg.vocab_size != self.mc.vocab_size:
-                hint = "; prepare the data with that model's tokenizer (prepare --tokenizer-from)"
+                hint = ("; the data must be tokenized with that model's tokenizer (chat/SFT rows: "
+                        "prepare --sft ... --tokenizer-from MODEL)")  # fmt: skip
             raise ConfigError(diff, f"train.init_from {path} holds another model{hint}")
         with torch.no_grad():
             self.model.load_state_dict(source.state_dict())
