@@ -563,7 +563,7 @@ def test_chat_templates(llama_cpp, tmp_path):
 
     tok = BPETokenizer.train(TEXT, 400)
     model = _tiny_model(tok.vocab_size)
-    path = convert_to_gguf(_run_dir(tmp_path / "run", model, tok), tmp_path / "ours.gguf")
+    path, _ = convert_to_gguf(_run_dir(tmp_path / "run", model, tok), tmp_path / "ours.gguf")
     stored = _reader_fields(path)["tokenizer.chat_template"]
     assert stored == BUILTIN_TEMPLATE
     chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
@@ -577,7 +577,7 @@ def test_chat_templates(llama_cpp, tmp_path):
     hf_dir = to_hf(_tiny_model(hf_tok.vocab_size), tmp_path / "hf", eos_token_id=eot)
     hf_tok.hf.save(str(hf_dir / "tokenizer.json"))
     (hf_dir / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
-    path = convert_to_gguf(hf_dir, tmp_path / "hf.gguf")
+    path, _ = convert_to_gguf(hf_dir, tmp_path / "hf.gguf")
     llm = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
     try:
         assert llm.metadata["tokenizer.chat_template"] == template
@@ -712,6 +712,6 @@ def test_an_out_that_is_a_directory_is_refused(tmp_path):
     from llm_foundry.cli import main
 
     (tmp_path / "dir").mkdir()
-    with pytest.raises(GGUFError, match="is a directory; give the .gguf file"):
+    with pytest.raises(ValueError, match="is a directory; give the file to write"):
         convert_to_gguf(tmp_path, tmp_path / "dir")
     assert main(["convert", "--to-gguf", str(tmp_path), "--out", str(tmp_path / "dir")]) == 2

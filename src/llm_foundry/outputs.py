@@ -18,9 +18,12 @@ def check_new_output(path: str | Path, flag: str = "--out", kind: str = "directo
     """Refuse (one line) an output ``path`` that exists (an empty directory is fine) or lies in
     a training run's checkpoints/; returns it as a Path."""
     path = Path(path)
-    if path.is_dir() and (kind == "file" or any(path.iterdir())):
-        hint = "give the .gguf file to write" if kind == "file" else "give a new directory"
-        raise ValueError(f"{flag} {path} is a directory that exists and is not empty; {hint}")
+    if path.is_dir() and kind == "file":
+        raise ValueError(f"{flag} {path} is a directory; give the file to write")
+    if path.is_dir() and any(path.iterdir()):
+        raise ValueError(
+            f"{flag} {path} is a directory that exists and is not empty; give a new one"
+        )
     if path.exists() and not path.is_dir():
         raise ValueError(
             f"{flag} {path} is a file that exists; exports never overwrite: give a new path"
