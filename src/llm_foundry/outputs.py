@@ -21,9 +21,7 @@ def check_new_output(path: str | Path, flag: str = "--out", kind: str = "directo
     if path.is_dir() and kind == "file":
         raise ValueError(f"{flag} {path} is a directory; give the file to write")
     if path.is_dir() and any(path.iterdir()):
-        raise ValueError(
-            f"{flag} {path} is a directory that exists and is not empty; give a new one"
-        )
+        raise ValueError(f"{flag} {path} is not empty; give a new directory")
     if path.exists() and not path.is_dir():
         raise ValueError(
             f"{flag} {path} is a file that exists; exports never overwrite: give a new path"

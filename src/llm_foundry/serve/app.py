@@ -47,11 +47,6 @@ FIELDS = {
 }  # fmt: skip
 
 
-def _cut(text: str, limit: int = 60) -> str:
-    """A name or path a client sent, cut to a length a line can hold."""
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
-
-
 def _is_zero(v) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool) and v == 0
 
@@ -108,7 +103,7 @@ def _check_fields(body: dict, chat: bool) -> None:
     they hold their "off" value: a request is never answered as if they were not there."""
     unknown = [k for k in body if k not in FIELDS[chat] and k not in OFF]
     if unknown:
-        names = ", ".join(_cut(k) for k in unknown[:3])
+        names = ", ".join(shown(k) for k in unknown[:3])
         more = f" and {len(unknown) - 3} more" if len(unknown) > 3 else ""
         plural = "s" if len(unknown) > 1 else ""
         raise BadRequest(f"Unrecognized request argument{plural} supplied: {names}{more}")
@@ -253,7 +248,7 @@ def create_app(served: Served, max_request_bytes: int = MAX_REQUEST_BYTES) -> Fa
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException):
-        path = _cut(request.url.path)
+        path = shown(request.url.path)
         if e.status_code == 404:
             message = f"Invalid URL ({request.method} {path})"
         elif e.status_code == 405:
