@@ -399,15 +399,14 @@ def test_a_path_name_given_in_code_is_refused_before_anything_is_written(data_di
     assert not (tmp_path / "out").exists()
 
 
-def test_ablate_refuses_a_recipe_named_as_a_path_and_writes_nothing(data_dir, tmp_path, capsys):
+def test_ablate_refuses_a_recipe_named_as_a_path_and_writes_nothing(
+    data_dir, tmp_path, capsys, monkeypatch
+):
     path = _recipe(tmp_path, "name: ../../escaped\nvary: {norm: [layernorm, rmsnorm]}\n")
     work = tmp_path / "cwd"
     work.mkdir()
-    os.chdir(work)  # the default --out is runs/ablate-NAME, relative to here
-    try:
-        assert cli(["ablate", "--recipe", str(path), "--data", str(data_dir)]) == 2
-    finally:
-        os.chdir(Path(__file__).parent.parent)
+    monkeypatch.chdir(work)  # the default --out is runs/ablate-NAME, relative to here
+    assert cli(["ablate", "--recipe", str(path), "--data", str(data_dir)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"{path}: name='../../escaped' would be a path" in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cwd", "study.yaml"]

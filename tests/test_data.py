@@ -715,7 +715,7 @@ def test_ctrl_c_while_the_files_are_put_in_place_is_one_line_and_leaves_no_meta_
     assert rc == 130
     assert (
         err
-        == f"llm-foundry prepare: interrupted; {out} is incomplete (no meta.json): run prepare again\n"
+        == f"llm-foundry prepare: stopped by SIGINT: {out} is incomplete (no meta.json): run prepare again\n"
     )
     with pytest.raises(DataError, match="meta.json is missing"):
         load_split(out, "train")

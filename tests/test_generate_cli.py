@@ -378,3 +378,16 @@ def test_extreme_flag_values_are_one_line_refusals(ckpt, capsys, flags, named):
 def test_a_long_bad_prompt_ids_value_is_cut_in_its_error(ckpt, capsys):
     err = _fails(capsys, "--checkpoint", str(ckpt[0]), "--prompt-ids", "x," * 10_000)
     assert len(err) < 300 and "(20,000 characters)" in err, err
+
+
+def test_ctrl_c_in_any_command_is_one_line_and_exit_130(ckpt, capsys, monkeypatch):
+    import llm_foundry.rundir
+
+    def interrupted(*args, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(llm_foundry.rundir, "load", interrupted)
+    assert main(["generate", "--checkpoint", str(ckpt[0]), "--prompt", "to"]) == 130
+    assert (
+        capsys.readouterr().err == "llm-foundry generate: stopped by SIGINT: before it finished\n"
+    )

@@ -4,7 +4,7 @@ command line caps whatever error it prints, so no value is echoed back whole."""
 from __future__ import annotations
 
 from llm_foundry.cli import main
-from llm_foundry.messages import MAX_ERROR, capped, shown
+from llm_foundry.messages import MAX_ERROR, capped, one_line, shown
 
 
 def test_shown_keeps_short_values_and_names_the_size_of_long_ones():
@@ -12,6 +12,11 @@ def test_shown_keeps_short_values_and_names_the_size_of_long_ones():
     assert shown(list(range(10_000))).endswith("... (10,000 items)")
     assert shown("x" * 500).endswith("... (500 characters)") and len(shown("x" * 500)) < 90
     assert shown(b"y" * 500).endswith("(500 bytes)")
+
+
+def test_one_line_joins_whitespace_and_cuts():
+    assert one_line("a\n  b\tc") == "a b c"
+    assert one_line("x" * 500, limit=10) == "x" * 10 + "..."
 
 
 def test_capped_keeps_both_ends():

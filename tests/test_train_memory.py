@@ -12,6 +12,7 @@ from conftest import TINY
 from llm_foundry.accounting import memory_report, meta_model
 from llm_foundry.cli import main
 from llm_foundry.config import ModelConfig
+from llm_foundry.models import Transformer
 from llm_foundry.presets import get_preset
 from llm_foundry.train.config import TrainConfig
 from llm_foundry.train.trainer import Trainer
@@ -51,12 +52,25 @@ def test_the_estimate_is_the_accountings_for_the_whole_model(model, train):
     assert got["total"] == sum(got[k] for k in (*ROWS, "batches"))
 
 
-def test_a_lora_run_counts_no_gradients_or_optimizer_state_for_its_frozen_base():
+@pytest.mark.parametrize("base_dtype", ["fp32", "bf16", "int8"])
+def test_a_lora_run_counts_its_frozen_base_as_it_is_held(base_dtype):
+    """No gradients or optimizer state for the frozen base, whose adapted projections weigh
+    what the built model's tensors weigh (bf16, or int8 + scales), not fp32."""
+    from llm_foundry.models.lora import add_lora
     from llm_foundry.train.memory import training_bytes
 
     model = get_preset("llama-shakespeare-char")
-    full, lora = training_bytes(model, TrainConfig()), training_bytes(model, TrainConfig(lora_r=4))
-    assert lora["gradients"] == lora["optimizer"] == 0 and lora["weights"] == full["weights"]
+    tc = TrainConfig(lora_r=4, lora_targets="wq,wv,w2", lora_base_dtype=base_dtype)
+    full, lora = training_bytes(model, TrainConfig()), training_bytes(model, tc)
+    assert lora["gradients"] == lora["optimizer"] == 0
+    torch.manual_seed(0)
+    built = Transformer(model)
+    plain = sum(t.nbytes for t in [*built.parameters(), *built.buffers()])
+    add_lora(built, ("wq", "wv", "w2"), r=4, base_dtype=base_dtype)
+    frozen = [t for n, t in [*built.named_parameters(), *built.named_buffers()] if "lora_" not in n]
+    held = sum(t.nbytes for t in frozen)
+    assert full["weights"] - lora["weights"] == plain - held
+    assert (held < plain) == (base_dtype != "fp32")
 
 
 def test_the_refusal_is_one_line_at_exactly_the_memory_there_is():

@@ -28,7 +28,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from llm_foundry.messages import shown
+from llm_foundry.messages import one_line, shown
 from llm_foundry.tokenizer import json_type
 
 TEMPLATE_FILE = "chat_template.jinja"
@@ -71,18 +71,7 @@ def load_chat_template(directory: str | Path) -> tuple[str | None, dict[str, str
     directory; (None, {}) when it has none. The template is a ``ChatTemplate`` naming its file.
     A config that is not a JSON object, or a template that is not text, is a one-line error."""
     directory = Path(directory)
-    config, path = {}, directory / CONFIG_FILE
-    if path.is_file():
-        try:
-            config = json.loads(_read_text(path))
-        except json.JSONDecodeError as e:
-            raise ValueError(
-                f"{path} is not valid JSON ({e.msg}: line {e.lineno} column {e.colno})"
-            ) from None
-        if not isinstance(config, dict):
-            raise ValueError(
-                f"{path} holds {json_type(config)}, not a JSON object of tokenizer settings"
-            )
+    config, path = tokenizer_config(directory), directory / CONFIG_FILE
     template = config.get("chat_template")
     origin = f"{path} (chat_template)"
     if isinstance(template, list):  # named templates: the default one
@@ -101,6 +90,31 @@ def load_chat_template(directory: str | Path) -> tuple[str | None, dict[str, str
         template, origin = _read_text(directory / TEMPLATE_FILE), str(directory / TEMPLATE_FILE)
     if template is not None:
         template = ChatTemplate(template, origin)
+    return template, special_tokens(config)
+
+
+def tokenizer_config(directory: str | Path) -> dict:
+    """An HF tokenizer directory's tokenizer_config.json ({} when it has none); a file that is
+    not a JSON object is a one-line error naming it."""
+    path = Path(directory) / CONFIG_FILE
+    if not path.is_file():
+        return {}
+    try:
+        config = json.loads(_read_text(path))
+    except json.JSONDecodeError as e:
+        raise ValueError(
+            f"{path} is not valid JSON ({e.msg}: line {e.lineno} column {e.colno})"
+        ) from None
+    if not isinstance(config, dict):
+        raise ValueError(
+            f"{path} holds {json_type(config)}, not a JSON object of tokenizer settings"
+        )
+    return config
+
+
+def special_tokens(config: dict) -> dict[str, str]:
+    """The special tokens a tokenizer config names (bos_token, ...: their text), as a chat
+    template's variables."""
     specials = {}
     for key in ("bos_token", "eos_token", "unk_token", "pad_token"):
         value = config.get(key)
@@ -108,7 +122,7 @@ def load_chat_template(directory: str | Path) -> tuple[str | None, dict[str, str
             value = value.get("content")
         if isinstance(value, str):
             specials[key] = value
-    return template, specials
+    return specials
 
 
 class _Stop(Exception):
@@ -256,11 +270,6 @@ def _chars(value) -> int:
     return 0
 
 
-def _one_line(text: str, limit: int = 300) -> str:
-    text = " ".join(str(text).split())
-    return text if len(text) <= limit else text[:limit] + "..."
-
-
 def render_chat(
     template: str, messages: list[dict], add_generation_prompt: bool = False, **variables
 ) -> str:
@@ -289,7 +298,7 @@ def render_chat(
             f"{where}: stopped: {type(e).__name__} (it nests or grows without bound)"
         ) from None
     except Exception as e:  # noqa: BLE001 - whatever the template's code raises is named
-        raise ValueError(f"{where}: {type(e).__name__}: {_one_line(e)}") from None
+        raise ValueError(f"{where}: {type(e).__name__}: {one_line(e)}") from None
     finally:
         sys.settrace(previous)
 

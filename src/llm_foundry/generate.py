@@ -135,15 +135,17 @@ def _cached_step(model, idx, max_new_tokens, pad, compile):
 def _check_cache_fits(model, rows: int, total: int, max_new_tokens: int) -> None:
     """Refuse, before allocating, a KV cache of ``rows`` x ``total`` positions larger than the
     memory left on the model's device."""
-    from llm_foundry.models.kv_cache import available_memory, cache_bytes, size_text
+    from llm_foundry.accounting import human
+    from llm_foundry.machine import memory_left
+    from llm_foundry.models.kv_cache import cache_bytes
 
     w = model.tok_emb.weight
     need = cache_bytes(model.cfg, rows, total, w.dtype)
-    have = available_memory(w.device)
+    have = memory_left(w.device)
     if have is not None and need > have:
         raise ValueError(
             f"prompt + max_new_tokens ({max_new_tokens}) = {total} positions: their KV cache "
-            f"would take {size_text(need)}, more than the {size_text(have)} of memory left on "
+            f"would take {human(need, 'B')}, more than the {human(have, 'B')} of memory left on "
             f"{w.device}; ask for fewer new tokens (or feed a window of the last N tokens, "
             "context=N, which needs no cache)"
         )

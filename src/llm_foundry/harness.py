@@ -276,9 +276,9 @@ def _prefix_token(tok, info) -> int | None:
     if getattr(tok, "bos_id", None) is not None:
         return tok.bos_id
     if getattr(tok, "kind", None) == "hf":
-        from llm_foundry.chat import load_chat_template
+        from llm_foundry.chat import special_tokens, tokenizer_config
 
-        names = load_chat_template(info.checkpoint)[1]  # the one reader of tokenizer_config.json
+        names = special_tokens(tokenizer_config(info.checkpoint))
         for key in ("bos_token", "eos_token"):
             if key in names and (i := tok.hf.token_to_id(names[key])) is not None:
                 return i

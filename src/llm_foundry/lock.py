@@ -321,3 +321,14 @@ def unshare(directory: str | Path) -> None:
     except OSError:
         pass  # another reader holds it; the last one out deletes it
     f.close()
+
+
+@contextmanager
+def sharing(directory: str | Path, what: str = "data directory"):
+    """``share`` for the ``with`` block: what is read inside (meta.json, then the files it
+    names) comes from one version of the directory; maps opened inside keep their own share."""
+    share(directory, what)
+    try:
+        yield
+    finally:
+        unshare(directory)

@@ -33,3 +33,10 @@ def capped(text: str, limit: int = MAX_ERROR) -> str:
         return text
     half = limit // 2
     return f"{text[:half]} ... ({len(text) - 2 * half:,} characters cut) ... {text[-half:]}"
+
+
+def one_line(text: object, limit: int = 300) -> str:
+    """``text`` (an exception's message, say) on one line: whitespace runs made one space, cut
+    to ``limit`` characters."""
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[:limit] + "..."

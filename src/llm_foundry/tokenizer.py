@@ -21,6 +21,7 @@ from pathlib import Path
 TOKENIZER_KINDS = ("char", "bpe")
 SPECIAL_TOKENS = ("<bos>", "<eos>", "<pad>")
 BYTE_ALPHABET = 256
+MIN_BPE_VOCAB = BYTE_ALPHABET + len(SPECIAL_TOKENS)  # every byte and the specials
 DEFAULT_BPE_VOCAB = 4096
 
 
@@ -132,7 +133,7 @@ class BPETokenizer(Tokenizer):
         from tokenizers import Tokenizer as HFTokenizer
         from tokenizers import decoders, models, pre_tokenizers, trainers
 
-        minimum = BYTE_ALPHABET + len(SPECIAL_TOKENS)
+        minimum = MIN_BPE_VOCAB
         if not isinstance(vocab_size, numbers.Integral) or vocab_size < minimum:
             raise ValueError(
                 f"BPE vocab_size must be an integer >= {minimum} (256 bytes + "

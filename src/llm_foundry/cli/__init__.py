@@ -89,6 +89,10 @@ def main(argv: list[str] | None = None) -> int:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"llm-foundry {name}: error: {capped(str(msg))}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C where a command has no handler of its own
+        from llm_foundry.cli.options import stopped
+
+        return stopped(f"llm-foundry {name}", "SIGINT", "before it finished")
     except _run_stops() as e:
         print(f"llm-foundry {name}: {capped(str(e))}", file=sys.stderr)
         return 1

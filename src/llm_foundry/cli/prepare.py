@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 DEMO_ROWS = 2000
 
 
 def main(argv: list[str]) -> int:
+    from llm_foundry.cli.options import stopped
     from llm_foundry.data import DATASETS, prepare
     from llm_foundry.tokenizer import TOKENIZER_KINDS
 
@@ -76,8 +76,7 @@ def main(argv: list[str]) -> int:
             state = f"{out} is incomplete (no meta.json): run prepare again"
         else:
             state = "nothing was written"
-        print(f"llm-foundry prepare: interrupted; {state}", file=sys.stderr)
-        return 130
+        return stopped("llm-foundry prepare", "SIGINT", state)
     if ns.json:
         print(json.dumps(meta, indent=2))
     else:
@@ -114,9 +113,12 @@ def _check_flags(ns) -> None:
             f"--vocab-size {ns.vocab_size} is for --tokenizer bpe; a char tokenizer's vocabulary "
             "is the corpus' characters"
         )
-    if ns.vocab_size is not None and ns.vocab_size < 259:
+    from llm_foundry.tokenizer import MIN_BPE_VOCAB
+
+    if ns.vocab_size is not None and ns.vocab_size < MIN_BPE_VOCAB:
         raise ValueError(
-            f"--vocab-size {ns.vocab_size}: must be at least 259 (256 bytes + 3 special tokens)"
+            f"--vocab-size {ns.vocab_size}: must be at least {MIN_BPE_VOCAB} (every byte and "
+            "the special tokens)"
         )
 
 

@@ -52,7 +52,7 @@ def main(argv: list[str]) -> int:
     try:
         import uvicorn
 
-        from llm_foundry.serve import check_device, load_served
+        from llm_foundry.serve import load_served
         from llm_foundry.serve.app import MAX_REQUEST_BYTES, create_app
     except ImportError as e:
         from llm_foundry.package import install_line
@@ -60,7 +60,6 @@ def main(argv: list[str]) -> int:
         raise SystemExit(
             f"serve needs FastAPI and uvicorn: {install_line('serve')} ({e})"
         ) from None
-    check_device(ns.device)
     scheme, group = quantize_choice(ns.quantize, ns.group_size)
     served = load_served(ns.checkpoint, ns.slots, ns.max_queue, ns.model_name, ns.device,
                          ns.compile, scheme, group, ns.max_context)  # fmt: skip

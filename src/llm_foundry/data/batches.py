@@ -132,9 +132,10 @@ def load_split(data_dir: str | Path, split: str) -> np.memmap:
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; valid: {', '.join(SPLITS)}")
     data_dir = Path(data_dir)
-    meta = load_meta(data_dir)
-    check_files(data_dir, meta, [f"{split}.bin", meta.get("tokenizer_file", "tokenizer.json")])
-    return open_tokens(data_dir / f"{split}.bin", meta["dtype"], meta.get(f"{split}_tokens"))
+    with lock.sharing(data_dir):  # no prepare may publish between reading meta.json and mapping
+        meta = load_meta(data_dir)
+        check_files(data_dir, meta, [f"{split}.bin", meta.get("tokenizer_file", "tokenizer.json")])
+        return open_tokens(data_dir / f"{split}.bin", meta["dtype"], meta.get(f"{split}_tokens"))
 
 
 def open_tokens(path: str | Path, dtype: str | np.dtype, expected: int | None = None) -> np.memmap:
@@ -159,7 +160,7 @@ def open_tokens(path: str | Path, dtype: str | np.dtype, expected: int | None = 
     except BaseException:
         lock.unshare(path.parent)
         raise
-    weakref.finalize(tokens, lock.unshare, path.parent)
+    weakref.finalize(tokens, lock.unshare, path.parent.resolve())  # cwd may change meanwhile
     return tokens
 
 

@@ -364,21 +364,23 @@ class SFTSampler(BatchSampler):
                  seed: int = 0, *, rank: int = 0, world_size: int = 1,
                  pack: bool = False):  # fmt: skip
         data_dir = Path(data_dir)
-        meta = load_meta(data_dir)
-        need = [f"{split}_tokens", f"{split}_examples"]
-        if meta.get("kind") != "sft" or any(not isinstance(meta.get(k), int) for k in need):
-            raise DataError(
-                f"{data_dir / 'meta.json'} is not fine-tuning data (kind 'sft' with {need}); "
-                "prepare it with `llm-foundry prepare --sft`"
-            )
-        names = [f"{split}.bin", f"{split}.mask.bin", f"{split}.offsets.bin", "tokenizer.json"]
-        check_files(data_dir, meta, names)
-        tokens = open_tokens(data_dir / f"{split}.bin", meta["dtype"], meta[f"{split}_tokens"])
+        with lock.sharing(data_dir):  # meta.json and the files it names: of one prepare
+            meta = load_meta(data_dir)
+            need = [f"{split}_tokens", f"{split}_examples"]
+            if meta.get("kind") != "sft" or any(not isinstance(meta.get(k), int) for k in need):
+                raise DataError(
+                    f"{data_dir / 'meta.json'} is not fine-tuning data (kind 'sft' with {need}); "
+                    "prepare it with `llm-foundry prepare --sft`"
+                )
+            names = [f"{split}.bin", f"{split}.mask.bin", f"{split}.offsets.bin", "tokenizer.json"]
+            check_files(data_dir, meta, names)
+            n_tokens, n = meta[f"{split}_tokens"], meta[f"{split}_examples"]
+            tokens = open_tokens(data_dir / f"{split}.bin", meta["dtype"], n_tokens)
+            self.mask = open_tokens(data_dir / f"{split}.mask.bin", np.uint8, n_tokens)
+            offsets = open_tokens(data_dir / f"{split}.offsets.bin", np.int64, n + 1)
         super().__init__(tokens, 1, batch_size, seed, rank=rank, world_size=world_size)
         self.block_size = block_size
-        self.mask = open_tokens(data_dir / f"{split}.mask.bin", np.uint8, meta[f"{split}_tokens"])
-        n = meta[f"{split}_examples"]
-        self.offsets = np.asarray(open_tokens(data_dir / f"{split}.offsets.bin", np.int64, n + 1))
+        self.offsets = np.asarray(offsets)
         self.pad_id = 0
         self.pack = pack
         # examples longer than a window are cut; one whose targets all lie past the cut is left

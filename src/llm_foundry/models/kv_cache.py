@@ -4,14 +4,12 @@ Each layer's keys and values are stored as (B, n_kv_heads, L, head_dim): GQA and
 store n_heads / n_kv_heads times fewer bytes than MHA. With a sliding window (Mistral) the cache
 holds only the last ``window`` positions, as a ring: position p lives in slot p % window.
 
-A cache larger than the memory its device has left is refused before anything is allocated
-(``cache_bytes``, ``available_memory``): a ValueError saying how much it would take, not an
-allocator's traceback or the host's OOM killer.
+``cache_bytes`` is a cache's size before it is built: what callers check against the memory
+their device has left (``llm_foundry.machine``) before they allocate one.
 """
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -22,59 +20,16 @@ if TYPE_CHECKING:
 EMPTY = 2**62  # position recorded for an unused ring slot: "in the future", so always masked
 
 
+def bytes_per_position(cfg: ModelConfig, bytes_per_value: int) -> int:
+    """Bytes of K and V one position takes across all layers: 2 * n_layers * n_kv_heads * hd."""
+    return 2 * cfg.n_layers * cfg.kv_heads * cfg.head_size * bytes_per_value
+
+
 def cache_bytes(cfg: ModelConfig, batch_size: int, max_len: int, dtype=torch.float32) -> int:
     """Bytes a ``KVCache(cfg, batch_size, max_len, dtype=dtype)`` holds (keys and values of
     every layer; a sliding window stores at most ``window`` positions)."""
     size = min(max_len, cfg.sliding_window) if cfg.sliding_window else max_len
-    per_position = 2 * cfg.n_layers * cfg.kv_heads * cfg.head_size * dtype.itemsize
-    return batch_size * size * per_position
-
-
-def available_memory(device: torch.device | str | None = None) -> int | None:
-    """Bytes that can still be allocated on ``device``: CUDA's free memory plus what its caching
-    allocator holds unused; the host's MemAvailable for the CPU; None when unknown."""
-    device = torch.device(device if device is not None else "cpu")
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    if device.type != "cpu":
-        return None
-    try:
-        with open("/proc/meminfo") as f:
-            line = next(x for x in f if x.startswith("MemAvailable:"))
-        host = int(line.split()[1]) * 1024
-    except (OSError, StopIteration, ValueError):
-        try:
-            host = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        except (OSError, ValueError, AttributeError):
-            return None
-    room = _cgroup_room()
-    return host if room is None else min(host, room)
-
-
-def _cgroup_room() -> int | None:
-    """What this process's memory cgroup (a container's limit) has left, when it has a limit."""
-    for limit, usage in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                         ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
-                          "/sys/fs/cgroup/memory/memory.usage_in_bytes")):  # fmt: skip
-        try:
-            with open(limit) as f, open(usage) as g:
-                cap, used = f.read().strip(), int(g.read().strip())
-        except (OSError, ValueError):
-            continue
-        if cap.isdigit() and int(cap) < 2**60:  # "max" or a huge number: no limit
-            return max(0, int(cap) - used)
-        return None
-    return None
-
-
-def size_text(n: float) -> str:
-    """Bytes in the unit a reader takes in at once: '3.2 GB', '512 KB' (powers of 1000)."""
-    for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
-        if n < 1000 or unit == "PB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    raise AssertionError("unreachable")
+    return batch_size * size * bytes_per_position(cfg, dtype.itemsize)
 
 
 class KVCache:
@@ -86,14 +41,6 @@ class KVCache:
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.float32,
     ):
-        need = cache_bytes(cfg, batch_size, max_len, dtype)
-        have = available_memory(device)
-        if have is not None and need > have:
-            raise ValueError(
-                f"a KV cache of {batch_size} x {max_len} positions would take {size_text(need)}, "
-                f"more than the {size_text(have)} of memory left on {torch.device(device or 'cpu')}"
-                ": ask for fewer positions (a shorter prompt or fewer new tokens) or fewer rows"
-            )
         self.window = cfg.sliding_window
         self.max_len = max_len
         self.size = min(max_len, self.window) if self.window else max_len

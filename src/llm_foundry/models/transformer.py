@@ -23,7 +23,7 @@ from torch.utils.checkpoint import checkpoint
 from llm_foundry.models.attention import attention_mask, document_mask, padding_mask
 from llm_foundry.models.block import build_block
 from llm_foundry.models.fast_decode import Linear
-from llm_foundry.models.kv_cache import KVCache
+from llm_foundry.models.kv_cache import KVCache, bytes_per_position
 from llm_foundry.models.moe import MoE, load_balancing_loss, router_z_loss
 from llm_foundry.models.norm import build_norm, init_norm
 from llm_foundry.models.position import build_position
@@ -207,8 +207,7 @@ class Transformer(nn.Module):
 
     def kv_cache_bytes_per_token(self, bytes_per_value: int = 2) -> int:
         """Bytes of K and V cached per token across all layers: 2 * n_layers * n_kv_heads * hd."""
-        c = self.cfg
-        return 2 * c.n_layers * c.kv_heads * c.head_size * bytes_per_value
+        return bytes_per_position(self.cfg, bytes_per_value)
 
     def param_groups(self, weight_decay: float) -> list[dict]:
         """AdamW groups: decay matrices; no decay for norms, biases and embedding tables."""

@@ -19,12 +19,11 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from llm_foundry.messages import shown
+from llm_foundry.messages import one_line, shown
 from llm_foundry.serve.engine import Engine, Params, QueueFull, Sequence
 
 try:
     from fastapi import FastAPI, Request
-    from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
     from starlette.exceptions import HTTPException
 except ImportError as e:  # the optional [serve] extra
@@ -258,16 +257,9 @@ def create_app(served: Served, max_request_bytes: int = MAX_REQUEST_BYTES) -> Fa
         kind = "server_error" if e.status_code >= 500 else "invalid_request_error"
         return JSONResponse(error_body(message, kind=kind), e.status_code, headers=e.headers)
 
-    @app.exception_handler(RequestValidationError)
-    async def invalid(request: Request, e: RequestValidationError):
-        first = (e.errors() or [{}])[0]
-        where = ".".join(str(x) for x in first.get("loc", ()))
-        message = f"{where}: {first.get('msg', 'invalid request')}" if where else str(e)
-        return JSONResponse(error_body(shown(message, 300), where or None), 422)
-
     @app.exception_handler(Exception)
     async def failed(request: Request, e: Exception):
-        message = f"the server failed on this request ({type(e).__name__}: {shown(str(e), 300)})"
+        message = f"the server failed on this request ({type(e).__name__}: {one_line(str(e))})"
         return JSONResponse(error_body(message, kind="server_error"), 500)
 
     async def read_json(request: Request):

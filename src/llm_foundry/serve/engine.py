@@ -31,10 +31,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from llm_foundry.messages import one_line
 from llm_foundry.sampling import check_sampling, sample_next
 
 LOGPROB_FLOOR = -9999.0  # OpenAI's stand-in for a token the model rules out (JSON has no -inf)
-ERROR_CHARS = 300  # of an exception's message in a request's error
 
 
 class QueueFull(Exception):
@@ -43,10 +43,7 @@ class QueueFull(Exception):
 
 def _error(e: BaseException) -> str:
     """A request's "error: ..." finish reason for ``e``: one line, of bounded length."""
-    text = " ".join(str(e).split())
-    if len(text) > ERROR_CHARS:
-        text = text[:ERROR_CHARS] + "..."
-    return f"error: {type(e).__name__}: {text}"
+    return f"error: {type(e).__name__}: {one_line(e)}"
 
 
 @dataclass
@@ -156,10 +153,12 @@ class Engine:
     def _check_memory(self, cfg, slots: int, device, dtype, doubled: bool) -> None:
         """Refuse, before allocating, a cache larger than the memory left on ``device``: say
         what it would take and which context would fit."""
-        from llm_foundry.models.kv_cache import available_memory, cache_bytes, size_text
+        from llm_foundry.accounting import human
+        from llm_foundry.machine import memory_left
+        from llm_foundry.models.kv_cache import cache_bytes
 
         need = cache_bytes(cfg.replace(sliding_window=None), slots, self.capacity, dtype)
-        have = available_memory(device)
+        have = memory_left(device)
         if have is None or need <= have:
             return
         per_position = need // (slots * self.capacity)
@@ -171,7 +170,7 @@ class Engine:
         )
         raise ValueError(
             f"the KV cache for {slots} slots x {self.capacity} positions (2 x the context of "
-            f"{self.context}) would take {size_text(need)}, more than the {size_text(have)} of "
+            f"{self.context}) would take {human(need, 'B')}, more than the {human(have, 'B')} of "
             f"memory left on {device}: {fix}"
         )
 

@@ -12,13 +12,13 @@ still not fit; one it refuses cannot.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from llm_foundry.accounting import human, memory_report
 from llm_foundry.checkpoint import meta_transformer
 from llm_foundry.config import ModelConfig
+from llm_foundry.machine import memory_total
+from llm_foundry.models.lora import frozen_base_bytes
 from llm_foundry.train.config import TrainConfig
 
 ROWS = ("weights", "working_weights", "gradients", "optimizer", "activations")
@@ -37,12 +37,16 @@ def training_bytes(
     dtype = "fp32" if tc.dtype == "fp32" else "bf16"
 
     def rows(n_layers: int) -> dict[str, int]:
-        rep = memory_report(mc.replace(n_layers=n_layers), devices, tp, tc.optimizer, dtype,
+        cfg = mc.replace(n_layers=n_layers)
+        rep = memory_report(cfg, devices, tp, tc.optimizer, dtype,
                             tc.batch_size, tc.block_size, tc.activation_checkpointing)  # fmt: skip
-        return {
-            **{k: rep["strategies"][strategy][k] for k in ROWS},
-            "params": rep["params"]["total"],
-        }
+        chosen = rep["strategies"][strategy]
+        out = {**{k: chosen[k] for k in ROWS}, "params": rep["params"]["total"]}
+        if tc.lora_r and tc.lora_base_dtype != "fp32":  # the adapted projections held smaller
+            held, fp32 = frozen_base_bytes(meta_transformer(cfg, lora=_lora(tc)))
+            whole = 4 * rep["params"]["total"]  # fp32 weights on one device; sharded alike
+            out["weights"] -= (fp32 - held) * chosen["weights"] // whole
+        return out
 
     one, two = rows(1), rows(2)
     out = {k: one[k] + (mc.n_layers - 1) * (two[k] - one[k]) for k in one}
@@ -53,17 +57,10 @@ def training_bytes(
     return out
 
 
-def device_memory(device: torch.device) -> tuple[int, str] | None:
-    """(bytes, what they are) of the memory ``device`` trains in: a CUDA device's own, else the
-    machine's RAM (MPS shares it); None where that cannot be read."""
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        return props.total_memory, f"memory on {props.name}"
-    try:
-        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, ValueError, OSError):  # no sysconf (Windows), or no such name
-        return None
-    return (total, "RAM") if total > 0 else None
+def _lora(tc: TrainConfig) -> dict:
+    """The LoRA settings ``tc`` fine-tunes with, as ``add_lora`` takes them."""
+    return dict(r=tc.lora_r, alpha=tc.lora_alpha, dropout=tc.lora_dropout, rslora=tc.lora_rslora,
+                targets=tc.lora_targets.split(","), base_dtype=tc.lora_base_dtype)  # fmt: skip
 
 
 def check_training_memory(
@@ -77,7 +74,7 @@ def check_training_memory(
     what ``device`` has, before the model is built; returns the estimate (None when it cannot
     be made: a distributed layout the accounting does not cover). ``world`` (the trainer's
     ``distributed.World``) gives the devices and the layout; ``available`` overrides
-    ``device_memory``."""
+    ``machine.memory_total``."""
     if world is not None and world.distributed and tc.parallel != "none":
         try:
             need = training_bytes(mc, tc, world.world_size, world.tp, tc.parallel)
@@ -86,7 +83,7 @@ def check_training_memory(
             return None
     else:
         need = training_bytes(mc, tc)
-    have = available or device_memory(device)
+    have = available or memory_total(device)
     if have is None or need["total"] <= have[0]:
         return need
     model = "the model's size (model.dim, model.n_layers, model.vocab_size, model.hidden_dim)"
