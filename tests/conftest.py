@@ -104,3 +104,16 @@ def char_data(tmp_path_factory):
         return made[n_chars]
 
     return make
+
+
+def cli_status(argv: list[str], capsys) -> tuple[int | str, str]:
+    """(exit status, stderr) of ``llm-foundry ARGV`` run in this process; a KeyboardInterrupt
+    that gets out of the command is reported as such, not passed on to end the test session."""
+    from llm_foundry.cli import main
+
+    capsys.readouterr()
+    try:
+        rc = main(argv)
+    except KeyboardInterrupt:
+        rc = "KeyboardInterrupt escaped"
+    return rc, capsys.readouterr().err

@@ -37,6 +37,20 @@ MESSAGES = [
 ]
 
 
+def _with_random_llama(directory):
+    """Save a tiny random Llama beside the tokenizer in ``directory``; returns the tokenizer."""
+    import torch
+
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(directory))
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=len(hf_tok), hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+        num_attention_heads=2, max_position_embeddings=128,
+    )  # fmt: skip
+    transformers.LlamaForCausalLM(cfg).save_pretrained(str(directory))
+    return hf_tok
+
+
 def _hf_tokenizer_dir(tmp_path, template):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -141,18 +155,10 @@ def test_the_builtin_template_is_the_fine_tuning_format_and_each_template_ends_i
 def test_generate_chat_prompts_an_hf_model_through_its_template(tmp_path, capsys):
     import json
 
-    import torch
-
     from llm_foundry.cli import main
 
     directory = _hf_tokenizer_dir(tmp_path, CHATML)
-    hf_tok = transformers.AutoTokenizer.from_pretrained(str(directory))
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=len(hf_tok), hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-        num_attention_heads=2, max_position_embeddings=128,
-    )  # fmt: skip
-    transformers.LlamaForCausalLM(cfg).save_pretrained(str(directory))
+    hf_tok = _with_random_llama(directory)
     capsys.readouterr()
     argv = ["generate", "--checkpoint", str(directory), "--chat", "--prompt", "Who speaks next?"]
     assert main([*argv, "--max-new-tokens", "4", "--temperature", "0", "--json"]) == 0
@@ -167,19 +173,12 @@ def test_generate_chat_prompts_an_hf_model_through_its_template(tmp_path, capsys
 def test_a_template_that_would_hang_stops_generate_chat_and_serve_in_one_line(tmp_path, capsys):
     """A checkpoint whose chat template loops 10^9 times: `generate --chat` and the server's
     start end with one line naming the template's file instead of hanging."""
-    import torch
 
     from llm_foundry.cli import main
     from llm_foundry.serve import load_served
 
     directory = _hf_tokenizer_dir(tmp_path, "{% for i in range(10**9) %}{% endfor %}" + CHATML)
-    hf_tok = transformers.AutoTokenizer.from_pretrained(str(directory))
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=len(hf_tok), hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-        num_attention_heads=2, max_position_embeddings=128,
-    )  # fmt: skip
-    transformers.LlamaForCausalLM(cfg).save_pretrained(str(directory))
+    _with_random_llama(directory)
     # transformers writes the template into tokenizer_config.json or chat_template.jinja
     file = next(
         f for f in ("chat_template.jinja", "tokenizer_config.json") if (directory / f).is_file()

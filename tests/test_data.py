@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import cli_status
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -679,19 +680,6 @@ def test_prepare_never_writes_over_its_input(tmp_path):
     ]
 
 
-def _cli(argv, capsys):
-    """(exit status, stderr) of ``llm-foundry ARGV`` run here; a KeyboardInterrupt that gets out
-    of the command is reported as such, not passed on to pytest."""
-    from llm_foundry.cli import main
-
-    capsys.readouterr()
-    try:
-        rc = main(argv)
-    except KeyboardInterrupt:
-        rc = "KeyboardInterrupt escaped"
-    return rc, capsys.readouterr().err
-
-
 def test_ctrl_c_while_the_files_are_put_in_place_is_one_line_and_leaves_no_meta_json(
     tmp_path, monkeypatch, capsys
 ):
@@ -710,7 +698,7 @@ def test_ctrl_c_while_the_files_are_put_in_place_is_one_line_and_leaves_no_meta_
         replace(src, dst)
 
     monkeypatch.setattr(os, "replace", ctrl_c_on_the_third)
-    rc, err = _cli(["prepare", "--text", str(tmp_path / "b.txt"), "--out", str(out)], capsys)
+    rc, err = cli_status(["prepare", "--text", str(tmp_path / "b.txt"), "--out", str(out)], capsys)
     monkeypatch.undo()
     assert rc == 130
     assert (
@@ -736,6 +724,6 @@ def test_ctrl_c_while_the_files_are_put_in_place_is_one_line_and_leaves_no_meta_
 def test_prepare_flags_out_of_range_or_out_of_place_are_one_line(tmp_path, capsys, flags, message):
     (tmp_path / "a.txt").write_text(TEXT)
     argv = ["prepare", "--text", str(tmp_path / "a.txt"), "--out", str(tmp_path / "d"), *flags]
-    rc, err = _cli(argv, capsys)
+    rc, err = cli_status(argv, capsys)
     assert rc == 2 and err.count("\n") == 1 and message in err, err
     assert not (tmp_path / "d").exists()

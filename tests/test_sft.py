@@ -9,6 +9,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from conftest import cli_status
 
 from llm_foundry.data import DataError
 from llm_foundry.data.sft import IGNORE, SFTSampler, encode_row, prepare_sft, read_rows
@@ -537,19 +538,6 @@ def test_bytes_that_are_not_utf8_are_named_by_file_and_line(tmp_path):
         read_rows(path)
 
 
-def _cli(argv, capsys):
-    """(exit status, stderr) of ``llm-foundry ARGV`` run here; a KeyboardInterrupt that gets out
-    of the command is reported as such, not passed on to pytest."""
-    from llm_foundry.cli import main
-
-    capsys.readouterr()
-    try:
-        rc = main(argv)
-    except KeyboardInterrupt:
-        rc = "KeyboardInterrupt escaped"
-    return rc, capsys.readouterr().err
-
-
 def test_ctrl_c_during_prepare_sft_is_one_line_and_exit_130(sft_dir, monkeypatch, capsys):
     import llm_foundry.data.sft as sft_module
 
@@ -569,7 +557,7 @@ def test_ctrl_c_during_prepare_sft_is_one_line_and_exit_130(sft_dir, monkeypatch
     ctrl_c.__wrapped__ = sft_module.encode_row
     monkeypatch.setattr(sft_module, "encode_row", ctrl_c)
     argv = ["prepare", "--sft", str(rows), "--tokenizer-from", str(data.parent / "tokenizer.json")]
-    rc, err = _cli([*argv, "--out", str(data)], capsys)
+    rc, err = cli_status([*argv, "--out", str(data)], capsys)
     assert rc == 130
     assert err.count("\n") == 1 and err.startswith("llm-foundry prepare: stopped by SIGINT: ")
     # cut short while encoding: the old data is still there, whole and checked
@@ -596,6 +584,6 @@ def test_out_of_range_demo_flags_are_one_line(tmp_path, capsys, flags, message):
     CharTokenizer.train(TEXT + "WhatlighIseayO.?!\nwk").save(tmp_path / "tokenizer.json")
     argv = ["prepare", "--text", str(tmp_path / "play.txt"), "--sft-demo", "--tokenizer-from"]
     argv += [str(tmp_path / "tokenizer.json"), "--out", str(tmp_path / "out"), *flags]
-    rc, err = _cli(argv, capsys)
+    rc, err = cli_status(argv, capsys)
     assert rc == 2 and err.count("\n") == 1 and message in err, err
     assert not (tmp_path / "out").exists()
