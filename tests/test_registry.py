@@ -113,3 +113,27 @@ def test_config_accepts_exactly_the_registered_names(monkeypatch):
     model = Transformer(cfg)
     assert type(model.pos).__name__ == "ReverseLinearBias" and model.needs_mask
     assert torch.isfinite(model(torch.randint(0, 11, (1, 5)))[0]).all()
+
+
+def test_what_is_asked_of_a_position_kind_comes_from_its_class(monkeypatch):
+    """Other modules ask a scheme's traits, never its name: a new kind with a per-head bias is
+    refused by tensor parallelism and left out of the memory report's tp rows, with no edit
+    outside its own file; trained rows fix max_seq_len for an init_from."""
+    from llm_foundry.accounting import memory_report
+    from llm_foundry.models.position import position_traits
+    from llm_foundry.train.tensor_parallel import tp_problems
+
+    monkeypatch.setitem(POSITIONS, "reverse-linear", None)
+    exec(REVERSE_LINEAR, {})
+    cfg = ModelConfig(vocab_size=11, dim=16, n_layers=1, n_heads=2, pos_encoding="reverse-linear")
+    assert position_traits(cfg).has_bias
+    assert any("'reverse-linear': its per-head bias" in p for p in tp_problems(cfg, 2))
+    assert "tp" in memory_report(cfg, 2, 2)["unavailable"]
+    learned, rope = (cfg.replace(pos_encoding=k) for k in ("learned", "rope"))
+    assert position_traits(learned).trained_rows and position_traits(learned).absolute
+    assert not position_traits(rope).trained_rows
+    longer = {"max_seq_len": cfg.max_seq_len * 2}
+    assert learned.weight_differences(learned.replace(**longer))  # a bigger table
+    assert not rope.weight_differences(rope.replace(**longer))
+    monkeypatch.setitem(POSITIONS, "none-factory", lambda c: POSITIONS["none"](c))
+    assert position_traits(cfg.replace(pos_encoding="none-factory")).__name__ == "NoPosition"

@@ -10,6 +10,7 @@ import torch
 
 from llm_foundry.config import ModelConfig
 from llm_foundry.models import Transformer
+from llm_foundry.models.position import position_traits
 
 # What each parameter tensor is, in the config's own words (module path within its owner -> formula).
 FORMULAS = {
@@ -380,8 +381,8 @@ def memory_report(
         check_tp_degree(cfg, devices)
     except ValueError as e:
         unavailable["tp"] = str(e)
-    if cfg.n_experts or cfg.pos_encoding == "alibi":  # tensor_parallel refuses both
-        why = "expert banks are" if cfg.n_experts else "ALiBi's per-head bias is"
+    if cfg.n_experts or position_traits(cfg).has_bias:  # tensor_parallel refuses both
+        why = "expert banks are" if cfg.n_experts else f"{cfg.pos_encoding}'s per-head bias is"
         for s in ("tp", "fsdp+tp"):
             unavailable[s] = f"{why} not split by tensor parallelism"
     gather = 2 if dtype == "bf16" else 4

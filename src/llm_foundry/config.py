@@ -283,9 +283,10 @@ class ModelConfig:
         """'field: A there, B here' (there = ``other``) for every field on which the two configs
         would not compute the same function with the same weights; empty when ``other``'s
         weights fit this model (max_seq_len may differ unless positions are learned)."""
-        free = set(self.WEIGHT_FREE) | (
-            {"max_seq_len"} if self.pos_encoding != "learned" else set()
-        )
+        from llm_foundry.models.position import position_traits
+
+        sized = position_traits(self).trained_rows  # max_seq_len sizes a weight
+        free = set(self.WEIGHT_FREE) | (set() if sized else {"max_seq_len"})
         there, here = other.to_dict(), self.to_dict()
         there["n_kv_heads"], here["n_kv_heads"] = other.kv_heads, self.kv_heads
         return [f"{k}: {v!r} there, {here[k]!r} here" for k, v in there.items()

@@ -110,11 +110,8 @@ def evaluate_tokens(
 
 
 def with_rope_scaling(model: Transformer, scaling: str, factor: float) -> Transformer:
-    """The same weights in a model whose RoPE uses ``scaling`` (linear | ntk) by ``factor``."""
-    if model.cfg.pos_encoding != "rope":
-        raise ValueError(
-            f"rope scaling needs pos_encoding='rope'; this model has {model.cfg.pos_encoding!r}"
-        )
+    """The same weights in a model whose RoPE uses ``scaling`` (linear | ntk) by ``factor``
+    (the config refuses scaling on a model without RoPE)."""
     cfg = model.cfg.replace(rope_scaling=scaling, rope_factor=factor)
     scaled = Transformer(cfg).to(next(model.parameters()).device)
     scaled.load_state_dict(model.state_dict())

@@ -19,6 +19,7 @@ from llm_foundry import lock
 from llm_foundry.ablation.report import summarise, training_seconds, write_report
 from llm_foundry.ablation.spec import Study, Variant, configs, expand, run_dir_name
 from llm_foundry.data import data_fingerprint, load_split
+from llm_foundry.models.position import position_traits
 from llm_foundry.models.transformer import Transformer
 from llm_foundry.plots import read_metrics
 from llm_foundry.train.config import TrainConfig
@@ -256,7 +257,7 @@ def preflight(study: Study, variants: list[Variant], data: Path) -> None:
             raise ValueError(f"variant {v.name!r}: {e}") from None
         for f in study.extrapolation:
             ctx = int(round(f * tc.block_size))
-            if mc.pos_encoding == "learned" and ctx > mc.max_seq_len:
+            if position_traits(mc).trained_rows and ctx > mc.max_seq_len:
                 continue  # reported as "cannot run", not an error
             if ctx + 1 > val:
                 raise ValueError(

@@ -85,7 +85,10 @@ class NoPosition(nn.Module):
     so nothing is read back from a tensor and ``torch.compile`` sees no graph break.
     """
 
-    has_bias = False  # whether ``bias`` returns a tensor
+    # what the rest of the project asks of a scheme (``position_traits``), never its name
+    has_bias = False  # whether ``bias`` returns a tensor (a per-head bias on the scores)
+    absolute = False  # added to the embeddings: a token's position is its slot in the row
+    trained_rows = False  # a trained table of max_seq_len rows: the weights fix the context
     max_positions: int | None = None  # positions it can encode; None: any
 
     def embed(self, x: torch.Tensor, start: int, pad: torch.Tensor | None = None) -> torch.Tensor:
@@ -126,6 +129,8 @@ def _row_positions(start: int, T: int, pad: torch.Tensor, limit: int | None = No
 class LearnedPosition(NoPosition):
     """A trained table of max_seq_len position vectors (GPT-2); it has no row past the end."""
 
+    absolute = trained_rows = True
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.max_positions = cfg.max_seq_len  # one trained row per position
@@ -150,6 +155,8 @@ class LearnedPosition(NoPosition):
 
 class SinusoidalPosition(NoPosition):
     """Fixed sin/cos table added to the embeddings; defined for any position, nothing to train."""
+
+    absolute = True
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -235,6 +242,17 @@ POSITIONS = {
 POSITION_NAMES = (
     POSITIONS.keys()
 )  # ``ModelConfig.pos_encoding``'s values (live: a name added later counts)
+
+
+def position_traits(cfg: ModelConfig) -> type[NoPosition]:
+    """The class of the scheme ``cfg.pos_encoding`` names, whose class attributes (has_bias,
+    absolute, trained_rows) answer what other modules ask of it; a registry entry that is a
+    factory is built once on the meta device to find its class."""
+    entry = POSITIONS[cfg.pos_encoding]
+    if isinstance(entry, type):
+        return entry
+    with torch.device("meta"):
+        return type(entry(cfg))
 
 
 def build_position(cfg: ModelConfig) -> NoPosition:

@@ -37,6 +37,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from llm_foundry.models.position import position_traits
+
 
 def tp_problems(cfg, tp: int, block_size: int | None = None) -> list[str]:
     """Why ``cfg`` cannot be split over ``tp`` ranks (one line each; empty when it can). Query
@@ -58,10 +60,10 @@ def tp_problems(cfg, tp: int, block_size: int | None = None) -> list[str]:
             f"model.n_experts={cfg.n_experts}: expert banks are not split across tensor-parallel "
             "ranks (no expert parallelism); use parallel=fsdp or ddp"
         )
-    if cfg.pos_encoding == "alibi":
+    if position_traits(cfg).has_bias:
         p.append(
-            "model.pos_encoding='alibi': its per-head bias is not split across tensor-parallel "
-            "ranks; use parallel=fsdp or ddp"
+            f"model.pos_encoding={cfg.pos_encoding!r}: its per-head bias is not split across "
+            "tensor-parallel ranks; use parallel=fsdp or ddp"
         )
     return p
 

@@ -32,6 +32,7 @@ from llm_foundry.data import BatchSampler, data_fingerprint, load_meta, load_spl
 from llm_foundry.data.sft import IGNORE, SFTSampler
 from llm_foundry.models import Transformer
 from llm_foundry.models.lora import add_lora, apply_lora_settings, lora_settings
+from llm_foundry.models.position import position_traits
 from llm_foundry.train import distributed as D
 from llm_foundry.train import tensor_parallel as TP
 from llm_foundry.train.config import TrainConfig
@@ -181,7 +182,7 @@ class Trainer:
             raise ValueError(
                 f"train.sft_packing needs fine-tuning data (prepare --sft); {data_dir} is text"
             )
-        if train_cfg.sft_packing and self.mc.pos_encoding in ("learned", "sinusoidal"):
+        if train_cfg.sft_packing and position_traits(self.mc).absolute:
             raise ConfigError(
                 [f"pos_encoding={self.mc.pos_encoding!r}: packed documents would see absolute "
                  "positions past their start; packing needs rope, alibi or none"],
