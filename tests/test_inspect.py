@@ -10,8 +10,8 @@ from PIL import Image
 from llm_foundry.checkpoint import save_checkpoint
 from llm_foundry.cli.inspect import main
 from llm_foundry.config import ConfigError, ModelConfig
-from llm_foundry.inspection import png_size
 from llm_foundry.models import Transformer
+from llm_foundry.plots import png_size
 from llm_foundry.tokenizer import CharTokenizer
 from llm_foundry.train.config import TrainConfig
 from llm_foundry.train.schedule import lr_at

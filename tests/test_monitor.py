@@ -19,10 +19,9 @@ from llm_foundry.checkpoint import load_checkpoint
 from llm_foundry.cli import main as cli_main
 from llm_foundry.cli.inspect import main as inspect_main
 from llm_foundry.config import ConfigError, ModelConfig
-from llm_foundry.inspection import png_size
 from llm_foundry.models import Transformer
 from llm_foundry.models.lora import LoRALinear
-from llm_foundry.plots import plot_losses, read_metrics
+from llm_foundry.plots import plot_losses, png_size, read_metrics
 from llm_foundry.train.config import TrainConfig
 from llm_foundry.train.monitor import (
     attention_entropy,

@@ -1,5 +1,5 @@
 """``llm-foundry inspect WHAT``: PNG plots (lr schedule, attention, RoPE, sinusoidal, ALiBi,
-training dynamics), drawn by ``llm_foundry.inspection``; ``--json`` prints the plotted numbers."""
+training dynamics), drawn by ``llm_foundry.plots``; ``--json`` prints the plotted numbers."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from llm_foundry.cli.options import SettingsParser, add_settings_arguments, settings_from
-from llm_foundry.inspection import (
+from llm_foundry.plots import (
     lr_curves,
     plot_alibi,
     plot_attention,
