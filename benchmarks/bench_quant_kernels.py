@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from llm_foundry.bench import cpu_model
-from llm_foundry.models.fast_decode import matvec
+from llm_foundry.models.linear import matvec
 from llm_foundry.models.quant import Int4Linear, Int8Linear
 
 D, H, KV, V, LAYERS = 768, 2048, 256, 32000, 12

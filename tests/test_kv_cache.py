@@ -127,7 +127,7 @@ def test_compiled_decode_equals_eager(tiny_config, batch):
 
 
 def test_linear_matvec_equals_linear():
-    from llm_foundry.models.fast_decode import Linear, matvec
+    from llm_foundry.models.linear import Linear, matvec
 
     layer = Linear(24, 40, bias=True)
     x = torch.randn(1, 1, 24)

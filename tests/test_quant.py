@@ -20,7 +20,7 @@ from llm_foundry.checkpoint import read_safetensors_header
 from llm_foundry.cli import main
 from llm_foundry.config import ModelConfig
 from llm_foundry.models import Transformer
-from llm_foundry.models.fast_decode import Linear
+from llm_foundry.models.linear import Linear
 from llm_foundry.models.quant import (
     KERNEL_ROWS,
     Int4Linear,

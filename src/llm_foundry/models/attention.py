@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from llm_foundry.models.fast_decode import Linear
+from llm_foundry.models.linear import Linear
 from llm_foundry.models.norm import RMSNorm, init_norm
 
 if TYPE_CHECKING:

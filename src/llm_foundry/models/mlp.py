@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch.nn as nn
 import torch.nn.functional as F
 
-from llm_foundry.models.fast_decode import Linear
+from llm_foundry.models.linear import Linear
 
 if TYPE_CHECKING:
     from llm_foundry.config import ModelConfig

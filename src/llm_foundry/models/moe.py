@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from llm_foundry.models.fast_decode import Linear
+from llm_foundry.models.linear import Linear
 from llm_foundry.models.mlp import activation, is_gated
 
 if TYPE_CHECKING:

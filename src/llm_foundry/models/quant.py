@@ -31,7 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from llm_foundry.messages import shown
-from llm_foundry.models.fast_decode import Linear, matvec
+from llm_foundry.models.linear import Linear, matvec
 
 GROUP_SIZES = (32, 64, 128)  # int4 groups the CPU kernel takes (it needs in % group == 0)
 INT4_ROWS = 16  # the int4 CPU kernel packs output rows in blocks of 16 (fewer are padded)

@@ -22,8 +22,8 @@ from torch.utils.checkpoint import checkpoint
 
 from llm_foundry.models.attention import attention_mask, document_mask, padding_mask
 from llm_foundry.models.block import build_block
-from llm_foundry.models.fast_decode import Linear
 from llm_foundry.models.kv_cache import KVCache, bytes_per_position
+from llm_foundry.models.linear import Linear
 from llm_foundry.models.moe import MoE, load_balancing_loss, router_z_loss
 from llm_foundry.models.norm import build_norm, init_norm
 from llm_foundry.models.position import build_position

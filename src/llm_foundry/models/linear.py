@@ -1,8 +1,9 @@
-"""The CPU decode fast path: a ``Linear`` whose one-token case, under ``torch.compile``, is a
-fused multiply-and-sum instead of a BLAS gemv call. Decoding one token at a time reads every
+"""``Linear``, every projection of the model: ``nn.Linear`` that owns its init and FLOPs, and
+whose one-token case, under ``torch.compile``, is a fused multiply-and-sum (``matvec``) instead
+of a BLAS gemv call. Decoding one token at a time reads every
 weight once per token, so it is bound by how fast weights stream from memory; the fused
-reduction streams them faster on CPU (benchmarks/README.md, bench_generate). Every projection
-of the model is this ``Linear``; outside a compiled one-token step it is ``nn.Linear``."""
+reduction streams them faster on CPU (benchmarks/README.md, bench_generate); outside a compiled
+one-token step it is ``nn.Linear``."""
 
 from __future__ import annotations
 
