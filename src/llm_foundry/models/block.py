@@ -43,17 +43,20 @@ SKIPS = {True: add_skip, False: no_skip}
 class Block(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then h + mlp(norm(h))."""
 
+    mlp_norm_of_its_own = True  # False: the MLP reads attention's norm (a shared-norm block)
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.attn_norm = build_norm(cfg)
         self.attn = Attention(cfg)
-        self.mlp_norm = build_norm(cfg)
+        if self.mlp_norm_of_its_own:
+            self.mlp_norm = build_norm(cfg)
         self.mlp = build_feed_forward(cfg)
         self.drop = nn.Dropout(cfg.dropout)
         self.skip = SKIPS[cfg.residual]
 
     def norms(self) -> list[nn.Module]:
-        return [self.attn_norm, self.mlp_norm]
+        return [n for n in (self.attn_norm, getattr(self, "mlp_norm", None)) if n is not None]
 
     def init_weights(self, std: float, residual_std: float) -> None:
         """Unit norms; attention and MLP each say which of their projections take
@@ -90,16 +93,7 @@ class PostNormBlock(Block):
 class ParallelBlock(Block):
     """Parallel block: x + attn(norm(x)) + mlp(norm(x)) with one shared norm (GPT-J, Falcon-7B)."""
 
-    def __init__(self, cfg: ModelConfig):
-        nn.Module.__init__(self)
-        self.attn_norm = build_norm(cfg)
-        self.attn = Attention(cfg)
-        self.mlp = build_feed_forward(cfg)
-        self.drop = nn.Dropout(cfg.dropout)
-        self.skip = SKIPS[cfg.residual]
-
-    def norms(self) -> list[nn.Module]:
-        return [self.attn_norm]
+    mlp_norm_of_its_own = False
 
     def forward(self, x, pos, start, mask, need_weights=False, kv=None):
         h = self.attn_norm(x)
@@ -112,10 +106,7 @@ class TwoNormParallelBlock(ParallelBlock):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
-        self.mlp_norm = build_norm(cfg)
-
-    def norms(self) -> list[nn.Module]:
-        return [self.attn_norm, self.mlp_norm]
+        self.mlp_norm = build_norm(cfg)  # after the MLP: the parameter order checkpoints hold
 
     def forward(self, x, pos, start, mask, need_weights=False, kv=None):
         a, weights = self.attn(self.attn_norm(x), pos, start, mask, need_weights, kv)
