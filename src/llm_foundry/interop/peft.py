@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from llm_foundry.checkpoint import check_finite, read_safetensors_header
-from llm_foundry.interop.hf import _expand, _fail, _table, choose_family
+from llm_foundry.interop.hf import choose_family, expand, fail
 from llm_foundry.messages import shown
 from llm_foundry.models.lora import add_lora, lora_layers
 from llm_foundry.models.lora import check_settings as check_lora
@@ -44,7 +44,7 @@ def module_names(cfg, family: str | None = None) -> tuple[str, dict[str, str]]:
     one plain linear layer."""
     fam = choose_family(cfg, family)
     out = {}
-    for hf, rule in _expand(_table(fam, cfg), cfg).items():
+    for hf, rule in expand(fam.table(cfg), cfg).items():
         (ours,) = rule.ours if len(rule.ours) == 1 else (None,)
         plain = not (rule.conv1d or rule.groups or rule.expert is not None or rule.dim)
         if ours and plain and ours.endswith(".weight") and hf.endswith(".weight"):
@@ -65,7 +65,7 @@ def save_adapter(model, out_dir: str | Path, family: str | None = None, base: st
     tensors, targets = {}, set()
     for ours, lora in layers.items():
         if ours not in names:
-            _fail(
+            fail(
                 [f"{ours}: HF stores this projection fused or transposed, so a PEFT adapter "
                  "cannot name it; adapt another projection"],
                 "cannot save a PEFT adapter",
@@ -124,7 +124,7 @@ def load_adapter(model, adapter_dir: str | Path, family: str | None = None) -> l
                     dropout=config.get("lora_dropout") or 0.0,
                     rslora=config.get("use_rslora") or False, targets=["wq"])  # fmt: skip
     problems += [p.replace("LoRA ", f"{config_file.name}: ", 1) for p in check_lora(settings)]
-    _fail(problems, f"cannot load the adapter in {path}")
+    fail(problems, f"cannot load the adapter in {path}")
     _, names = module_names(model.cfg, family)
     ours_of = {hf: ours for ours, hf in names.items()}
     read_safetensors_header(weights_file)  # a damaged file is named, not met inside the reader
@@ -142,7 +142,7 @@ def load_adapter(model, adapter_dir: str | Path, family: str | None = None) -> l
         else:
             unknown.append(key)
     if unknown or not by_module:
-        _fail(
+        fail(
             [f"adapter tensors with no module in the model: {sorted(unknown)[:4]}"]
             if unknown else [f"{weights_file} holds no LoRA tensors"],
             f"cannot load the adapter in {path}",
@@ -157,11 +157,11 @@ def load_adapter(model, adapter_dir: str | Path, family: str | None = None) -> l
             if got != shape:
                 problems.append(f"{name}.{part}: {'missing' if got is None else f'shape {got}'}, "
                                 f"the model needs {shape} (r={r})")  # fmt: skip
-    _fail(problems, f"cannot load the adapter in {path}")
+    fail(problems, f"cannot load the adapter in {path}")
     leaves = sorted({m.rsplit(".", 1)[-1] for m in by_module})
     adapted = add_lora(model, leaves, **{k: v for k, v in settings.items() if k != "targets"})
     missing = sorted(set(adapted) - set(by_module))
-    _fail(
+    fail(
         [f"no adapter tensors for {missing[:4]}"] if missing else [],
         f"cannot load the adapter in {path}",
     )

@@ -1,0 +1,116 @@
+"""The files of an HF checkpoint directory: safetensors weights (one file or shards with an
+index; pickles never read) and the tokenizer files written beside an export."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from llm_foundry.checkpoint import read_safetensors_header
+from llm_foundry.interop.hf.core import ConversionError
+
+log = logging.getLogger(__name__)
+
+WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+TOKENIZER_FILE = "tokenizer.json"
+
+
+def _weight_files(path: Path) -> tuple[list[str], dict[str, str]]:
+    """The safetensors files of an HF checkpoint directory (``model.safetensors``, or the shards
+    named by ``model.safetensors.index.json``) and the index's weight map (empty without one)."""
+    index = path / INDEX_FILE
+    weight_map: dict[str, str] = {}
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise ConversionError(
+                f"{index} is not a valid shard index ({e!r}); expected "
+                '{"weight_map": {"tensor name": "shard file", ...}}'
+            ) from None
+    elif (path / WEIGHTS_FILE).exists():
+        files = [WEIGHTS_FILE]
+    else:
+        files = sorted(p.name for p in path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(
+            f"no *.safetensors file in {path}; only safetensors checkpoints are read "
+            "(pytorch_model.bin is a pickle and is never loaded: re-save the model with "
+            "transformers' save_pretrained, which writes safetensors)"
+        )
+    return files, weight_map
+
+
+def read_safetensors_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape in an HF checkpoint directory, from the file headers alone (no
+    tensor data read); each file checked to be whole, each tensor in exactly one shard."""
+    path = Path(path)
+    files, weight_map = _weight_files(path)
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in files:
+        part = read_safetensors_header(path / file)
+        twice = sorted(shapes.keys() & part.keys())
+        if twice:
+            raise ConversionError(f"{path}: tensors {twice} appear in more than one shard")
+        shapes.update(part)
+    absent = sorted(set(weight_map) - set(shapes))
+    if absent:
+        raise ConversionError(f"{path / INDEX_FILE} lists tensors that no shard holds: {absent}")
+    return shapes
+
+
+def read_safetensors_dir(path: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of an HF checkpoint directory (see ``read_safetensors_shapes``, which checks
+    the files first). Pickle files (``pytorch_model.bin``) are never read."""
+    path = Path(path)
+    read_safetensors_shapes(path)
+    tensors: dict[str, torch.Tensor] = {}
+    for file in _weight_files(path)[0]:
+        tensors.update(load_file(str(path / file)))
+    return tensors
+
+
+def copy_tokenizer(src: Path, dst: Path) -> None:
+    """Bring ``tokenizer.json`` along when there is one: our BPE file is an HF tokenizers file,
+    our character tokenizer has no HF equivalent and stays behind (with a note)."""
+    file = src / TOKENIZER_FILE
+    if not file.exists():
+        return
+    if "model" not in json.loads(file.read_text(encoding="utf-8")):
+        log.warning(f"note: {file} (a character tokenizer) not copied: HF cannot read it")
+        return
+    shutil.copyfile(file, dst / TOKENIZER_FILE)
+
+
+def name_special_tokens(out: Path) -> None:
+    """Our BPE tokenizer exported: tokenizer_config.json names its specials, so AutoTokenizer
+    (and tools built on it, such as lm-eval's hf backend) knows BOS, EOS and padding."""
+    from llm_foundry.tokenizer import SPECIAL_TOKENS, load_tokenizer
+
+    file = out / TOKENIZER_FILE
+    try:
+        tok = load_tokenizer(file) if file.exists() else None
+    except ValueError:
+        return
+    if getattr(tok, "kind", None) == "bpe":
+        bos, eos, pad = SPECIAL_TOKENS
+        (out / "tokenizer_config.json").write_text(
+            json.dumps(
+                {
+                    "tokenizer_class": "PreTrainedTokenizerFast",
+                    "bos_token": bos,
+                    "eos_token": eos,
+                    "pad_token": pad,
+                    "add_bos_token": False,
+                    "clean_up_tokenization_spaces": False,
+                },
+                indent=2,
+            )
+        )

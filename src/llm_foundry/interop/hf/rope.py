@@ -1,0 +1,61 @@
+"""RoPE settings both ways, for every family with rotary positions: HF ``rope_type`` <->
+our ``rope_scaling``, refused with the reason where ours computes something else."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llm_foundry.config import ModelConfig
+from llm_foundry.interop.hf.core import HF_V5
+
+# HF rope_type -> our rope_scaling; the others are refused with the reason
+ROPE_TYPES = {"default": "none", "linear": "linear"}
+ROPE_TYPES_REFUSED = {
+    "dynamic": "dynamic NTK changes the base with the sequence length once it passes "
+    "max_position_embeddings; llm-foundry's rope_scaling='ntk' is a fixed base",
+    "yarn": "YaRN blends interpolated and extrapolated frequencies and rescales attention",
+    "longrope": "LongRoPE uses per-frequency factors that switch with the sequence length",
+    "llama3": "Llama 3.1 scaling smooths frequencies band by band",
+}
+
+
+def rope_from_hf(c: Any, problems: list[str]) -> dict[str, Any]:
+    """rope_theta / rope_scaling / rope_factor from ``rope_parameters`` (transformers 5) or
+    ``rope_theta`` + ``rope_scaling`` (transformers 4)."""
+    params = getattr(c, "rope_parameters", None) if HF_V5 else None
+    if params is None:
+        params = dict(getattr(c, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(c, "rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        why = ROPE_TYPES_REFUSED.get(rope_type, "unknown RoPE variant")
+        problems.append(
+            f"rope_type={rope_type!r} is not supported ({why}); supported: "
+            f"{', '.join(map(repr, ROPE_TYPES))}"
+        )
+        rope_type = "default"
+    partial = params.get("partial_rotary_factor", getattr(c, "partial_rotary_factor", None))
+    if partial not in (None, 1, 1.0):
+        problems.append(
+            f"partial_rotary_factor={partial!r} is not supported (llm-foundry rotates the whole "
+            "head); supported: 1.0"
+        )
+    scaling = ROPE_TYPES[rope_type]
+    factor = float(params.get("factor", 1.0)) if scaling != "none" else 1.0
+    theta = float(params.get("rope_theta", getattr(c, "rope_theta", 10000.0)))
+    return {"rope_theta": theta, "rope_scaling": scaling, "rope_factor": factor}
+
+
+def rope_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    """RoPE settings as HF config kwargs. Static NTK scaling is plain RoPE with a larger base,
+    so it exports exactly as ``rope_theta = theta * factor^(hd / (hd - 2))``."""
+    theta, params = cfg.rope_theta, {"rope_type": "default"}
+    if cfg.rope_scaling == "linear":
+        params = {"rope_type": "linear", "factor": float(cfg.rope_factor)}
+    elif cfg.rope_scaling == "ntk":
+        hd = cfg.head_size
+        theta = theta * cfg.rope_factor ** (hd / (hd - 2))
+    if HF_V5:
+        return {"rope_parameters": {**params, "rope_theta": float(theta)}}
+    scaling = None if params["rope_type"] == "default" else {**params, "type": params["rope_type"]}
+    return {"rope_theta": float(theta), "rope_scaling": scaling}
