@@ -1,6 +1,7 @@
 """Parity with Hugging Face ``transformers``: from_hf / to_hf give the same logits and the same
-greedy continuations as the HF model, for LLaMA (MHA, GQA, MQA, tied, untied, biases), Mistral
-(sliding window shorter than the sequence), Qwen3 (QK-norm, explicit head_dim), GPT-2, Mixtral
+greedy continuations as the HF model, for every registered family's tiny variants
+(``Family.examples``): LLaMA (MHA, GQA, MQA, tied, untied, biases), Mistral (sliding window
+shorter than the sequence), Qwen3 (QK-norm, explicit head_dim), GPT-2, BLOOM, Falcon, Mixtral
 and Qwen3-MoE (top-k renormalised or not, both expert layouts on disk).
 
 Every model is tiny, fp32, CPU and built in-process from a config (no hub access). HF initialises
@@ -22,9 +23,11 @@ from llm_foundry.checkpoint import load_checkpoint, save_checkpoint  # noqa: E40
 from llm_foundry.config import ModelConfig  # noqa: E402
 from llm_foundry.export import convert_from_hf, convert_to_hf  # noqa: E402
 from llm_foundry.interop.hf import (  # noqa: E402
+    FAMILIES,
     ConversionError,
     config_from_hf,
     config_to_hf,
+    export_order,
     from_hf,
     to_hf,
 )
@@ -33,124 +36,31 @@ from llm_foundry.presets import get_preset  # noqa: E402
 
 VOCAB, B, T, NEW = 97, 2, 17, 10
 TOL = 1e-4
-SIZES = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2)
-LLAMA_SIZES = dict(SIZES, max_position_embeddings=64, rms_norm_eps=1e-5)
+LLAMA_SIZES = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    max_position_embeddings=64,
+    rms_norm_eps=1e-5,
+)
 
 
-def _llama(**kw):
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**LLAMA_SIZES, **kw}))
+def _build(name: str, **changes):
+    """The HF model of example ``name`` (its family's classes), with ``changes`` to its config."""
+    family, kwargs = CASES[name]
+    config = getattr(transformers, family.config_class)(vocab_size=VOCAB, **kwargs, **changes)
+    return getattr(transformers, family.model_class)(config)
 
 
-def _mistral(**kw):
-    return transformers.MistralForCausalLM(transformers.MistralConfig(**{**LLAMA_SIZES, **kw}))
-
-
-def _qwen3(**kw):
-    cfg = dict(LLAMA_SIZES, rms_norm_eps=1e-6, rope_theta=1e6, **kw)
-    return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**cfg))
-
-
-def _mixtral(**kw):
-    cfg = {**LLAMA_SIZES, "num_local_experts": 4, "num_experts_per_tok": 2, **kw}
-    return transformers.MixtralForCausalLM(transformers.MixtralConfig(**cfg))
-
-
-def _qwen3_moe(**kw):
-    sizes = dict(LLAMA_SIZES, moe_intermediate_size=48, num_experts=6, num_experts_per_tok=2)
-    cfg = dict(sizes, rms_norm_eps=1e-6, rope_theta=1e6, **kw)
-    return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**cfg))
-
-
-def _bloom(**kw):
-    sizes = dict(vocab_size=VOCAB, hidden_size=48, n_layer=2, bos_token_id=None, eos_token_id=None)
-    return transformers.BloomForCausalLM(transformers.BloomConfig(**sizes, **kw))
-
-
-def _falcon(**kw):
-    sizes = dict(vocab_size=VOCAB, hidden_size=48, num_hidden_layers=2, max_position_embeddings=64)
-    tokens = dict(bos_token_id=None, eos_token_id=None)
-    return transformers.FalconForCausalLM(transformers.FalconConfig(**sizes, **tokens, **kw))
-
-
-def _gpt2(**kw):
-    sizes = dict(vocab_size=VOCAB, n_embd=64, n_layer=3, n_head=4, n_positions=64)
-    tokens = dict(bos_token_id=None, eos_token_id=None)
-    return transformers.GPT2LMHeadModel(transformers.GPT2Config(**sizes, **tokens, **kw))
-
-
-CASES = {
-    "llama_mha": lambda: _llama(num_attention_heads=4, num_key_value_heads=4),
-    "llama_gqa_tied": lambda: _llama(
-        num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=True
-    ),
-    "llama_mqa": lambda: _llama(num_attention_heads=4, num_key_value_heads=1),
-    "llama_bias_geglu_linear_rope": lambda: _llama(
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        attention_bias=True,
-        mlp_bias=True,
-        hidden_act="gelu_pytorch_tanh",
-        rope_theta=500.0,
-        rope_scaling={"rope_type": "linear", "factor": 2.0},
-    ),
-    "mistral_window": lambda: _mistral(
-        num_attention_heads=4, num_key_value_heads=2, sliding_window=5
-    ),
-    "qwen3": lambda: _qwen3(
-        num_attention_heads=4, num_key_value_heads=2, head_dim=24, tie_word_embeddings=True
-    ),
-    "qwen3_window": lambda: _qwen3(
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=24,
-        use_sliding_window=True,
-        sliding_window=6,
-        max_window_layers=0,
-    ),
-    "mixtral": lambda: _mixtral(num_attention_heads=4, num_key_value_heads=2),
-    "mixtral_mqa_tied_top1": lambda: _mixtral(
-        num_attention_heads=4,
-        num_key_value_heads=1,
-        num_experts_per_tok=1,
-        tie_word_embeddings=True,
-    ),
-    "qwen3_moe_renormalised": lambda: _qwen3_moe(
-        num_attention_heads=4, num_key_value_heads=1, head_dim=24, norm_topk_prob=True
-    ),
-    "qwen3_moe_tied": lambda: _qwen3_moe(
-        num_attention_heads=6,
-        num_key_value_heads=2,
-        head_dim=16,
-        norm_topk_prob=False,
-        tie_word_embeddings=True,
-    ),
-    "bloom_tied": lambda: _bloom(n_head=4),
-    "bloom_6_heads_untied": lambda: _bloom(n_head=6, tie_word_embeddings=False),  # ALiBi: 4 + 2
-    "falcon_7b_layout_mqa": lambda: _falcon(num_attention_heads=4, multi_query=True),
-    "falcon_sequential_mha_bias": lambda: _falcon(
-        num_attention_heads=4, multi_query=False, parallel_attn=False, bias=True
-    ),
-    "falcon_40b_layout_gqa_two_norms": lambda: _falcon(
-        num_attention_heads=6, num_kv_heads=2, new_decoder_architecture=True
-    ),
-    "falcon_new_layout_one_norm_untied": lambda: _falcon(
-        num_attention_heads=4,
-        num_kv_heads=2,
-        new_decoder_architecture=True,
-        num_ln_in_parallel_attn=1,
-        tie_word_embeddings=False,
-    ),
-    "gpt2": lambda: _gpt2(),
-    "gpt2_untied_gelu": lambda: _gpt2(
-        activation_function="gelu", n_inner=80, tie_word_embeddings=False
-    ),
-}
+# every registered family's tiny variants: a family registered later (a plugin) is tested too
+CASES = {name: (f, kw) for f in FAMILIES.values() for name, kw in f.examples.items()}
 
 
 def _hf_model(name: str):
     """The HF model of case ``name``: seeded, eager attention, every 1-D parameter perturbed."""
     torch.manual_seed(sum(map(ord, name)))
-    model = CASES[name]()
+    model = _build(name)
     model.config._attn_implementation = "eager"
     with torch.no_grad():
         for p in model.parameters():
@@ -224,8 +134,8 @@ def test_from_hf_to_hf_parity(name, tmp_path):
     assert_decisive(_hf_logits(hf, want[:, :-1])[:, T - 1 :], name)  # no choice within rounding
     assert torch.equal(_greedy(ours, x, NEW), want)
 
-    # our model -> HF directory -> AutoModelForCausalLM: same architecture, same logits
-    to_hf(ours, tmp_path / "hf")
+    # our model -> HF directory of the same family -> AutoModelForCausalLM: same logits
+    to_hf(ours, tmp_path / "hf", family=hf.config.model_type)
     back = _load_hf_dir(tmp_path / "hf")
     assert type(back).__name__ == type(hf).__name__
     diff = _max_diff(_hf_logits(back, x), ref)
@@ -236,6 +146,23 @@ def test_from_hf_to_hf_parity(name, tmp_path):
     again = from_hf(tmp_path / "hf")
     assert again.cfg == ours.cfg
     assert _max_diff(_ours_logits(again, x), _ours_logits(ours, x)) == 0.0
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_export_picks_the_first_family_that_fits(name):
+    """Without a family, export takes the first registered family of the config's position
+    scheme that holds it exactly (the source's own, or one tried before it): same config back."""
+    family, kwargs = CASES[name]
+    cfg = config_from_hf(getattr(transformers, family.config_class)(vocab_size=VOCAB, **kwargs))
+    auto = config_to_hf(cfg)
+    order = export_order(cfg.pos_encoding)
+    assert auto.model_type in order[: order.index(family.model_type) + 1]
+    assert config_from_hf(auto) == cfg
+
+
+def test_every_family_brings_its_examples():
+    assert all(f.examples for f in FAMILIES.values()), "a family the parity tests cannot build"
+    assert len(CASES) == sum(len(f.examples) for f in FAMILIES.values()), "a name used twice"
 
 
 def test_mistral_window_matters():
@@ -595,9 +522,9 @@ def test_every_family_preset_maps_to_its_hf_config_and_back(preset, family):
 @pytest.mark.parametrize(
     "make, message",
     [
-        (lambda: _falcon(num_attention_heads=4, alibi=True), r"alibi=True is not supported"),
+        (lambda: _build("falcon_7b_layout_mqa", alibi=True), r"alibi=True is not supported"),
         (
-            lambda: _bloom(n_head=4, apply_residual_connection_post_layernorm=True),
+            lambda: _build("bloom_tied", apply_residual_connection_post_layernorm=True),
             r"apply_residual_connection_post_layernorm=True is not supported",
         ),
     ],
