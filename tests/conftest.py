@@ -117,3 +117,18 @@ def cli_status(argv: list[str], capsys) -> tuple[int | str, str]:
     except KeyboardInterrupt:
         rc = "KeyboardInterrupt escaped"
     return rc, capsys.readouterr().err
+
+
+# the small HF Llama tests compare against (transformers' own model, random weights)
+TINY_HF_LLAMA = dict(vocab_size=61, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+
+
+def tiny_hf_llama(seed: int = 0, **fields):
+    """A random ``transformers.LlamaForCausalLM`` (eval mode) of TINY_HF_LLAMA with ``fields``
+    changed, its weights drawn after ``torch.manual_seed(seed)``; the test is skipped without
+    transformers."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(**{**TINY_HF_LLAMA, **fields})
+    return transformers.LlamaForCausalLM(config).eval()

@@ -9,6 +9,8 @@ import pytest
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
+from conftest import tiny_hf_llama  # noqa: E402
+
 from llm_foundry.chat import load_chat_template, render_chat, response_spans  # noqa: E402
 from llm_foundry.tokenizer import load_any_tokenizer  # noqa: E402
 
@@ -39,15 +41,11 @@ MESSAGES = [
 
 def _with_random_llama(directory):
     """Save a tiny random Llama beside the tokenizer in ``directory``; returns the tokenizer."""
-    import torch
 
     hf_tok = transformers.AutoTokenizer.from_pretrained(str(directory))
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=len(hf_tok), hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-        num_attention_heads=2, max_position_embeddings=128,
-    )  # fmt: skip
-    transformers.LlamaForCausalLM(cfg).save_pretrained(str(directory))
+    sizes = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
+                 num_key_value_heads=2, max_position_embeddings=128)  # fmt: skip
+    tiny_hf_llama(vocab_size=len(hf_tok), **sizes).save_pretrained(str(directory))
     return hf_tok
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import tiny_hf_llama
 from safetensors.torch import save_file
 
 from llm_foundry.checkpoint import load_checkpoint, read_safetensors_header, save_checkpoint
@@ -153,13 +154,9 @@ def test_header_reader_gives_every_shape_without_the_data(tmp_path):
 
 @pytest.fixture
 def hf_dir(tmp_path) -> Path:
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
-    )  # fmt: skip
-    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "hf")
+    sizes = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                 num_key_value_heads=1)  # fmt: skip
+    tiny_hf_llama(**sizes).save_pretrained(tmp_path / "hf")
     return tmp_path / "hf"
 
 

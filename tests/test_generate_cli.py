@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from conftest import assert_decisive
+from conftest import assert_decisive, tiny_hf_llama
 
 from llm_foundry.checkpoint import save_checkpoint
 from llm_foundry.cli import main
@@ -201,18 +201,7 @@ def test_multibyte_characters_stream_whole(tmp_path, capsys, monkeypatch):
 
 
 def _hf_llama(tmp_path):
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=50,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    hf = transformers.LlamaForCausalLM(cfg).eval()
+    hf = tiny_hf_llama(vocab_size=50, hidden_size=32, intermediate_size=64)
     hf.save_pretrained(str(tmp_path / "hf"))
     return hf, tmp_path / "hf"
 

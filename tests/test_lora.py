@@ -10,6 +10,7 @@ import re
 
 import pytest
 import torch
+from conftest import tiny_hf_llama
 
 from llm_foundry.models import Transformer
 from llm_foundry.models.lora import (
@@ -379,15 +380,6 @@ from llm_foundry.interop.hf import ConversionError, from_hf  # noqa: E402
 from llm_foundry.interop.peft import load_adapter, save_adapter  # noqa: E402
 
 
-def _hf_llama(seed=0):
-    torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(
-        vocab_size=61, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-    )  # fmt: skip
-    return transformers.LlamaForCausalLM(cfg).eval()
-
-
 @torch.no_grad()
 def _hf_logits(model, x):
     return model(input_ids=x).logits
@@ -395,7 +387,7 @@ def _hf_logits(model, x):
 
 @pytest.mark.parametrize("rslora", [False, True])
 def test_our_adapter_loads_in_peft_with_the_same_logits(rslora, tmp_path):
-    hf = _hf_llama()
+    hf = tiny_hf_llama()
     ours = from_hf(hf)
     add_lora(ours, ("wq", "wv", "w2", "lm_head"), r=4, alpha=12, rslora=rslora)
     _randomise(ours, seed=1)
@@ -406,11 +398,11 @@ def test_our_adapter_loads_in_peft_with_the_same_logits(rslora, tmp_path):
     x = torch.randint(0, 61, (2, 11))
     diff = (_hf_logits(with_adapter, x) - ours(x)[0]).abs().max().item()
     assert diff <= TOL, diff
-    assert (_hf_logits(with_adapter, x) - _hf_logits(_hf_llama(), x)).abs().max() > 1e-2
+    assert (_hf_logits(with_adapter, x) - _hf_logits(tiny_hf_llama(), x)).abs().max() > 1e-2
 
 
 def test_a_peft_adapter_loads_onto_our_model_with_the_same_logits(tmp_path):
-    hf = _hf_llama()
+    hf = tiny_hf_llama()
     ours = from_hf(hf)
     config = peft.LoraConfig(
         r=3, lora_alpha=7, target_modules=["k_proj", "o_proj", "gate_proj", "up_proj"],
@@ -443,13 +435,13 @@ def test_adapters_peft_cannot_name_or_that_change_the_math_are_refused(tmp_path)
         ConversionError, match=r"layers\.0\.attn\.wq: HF stores this projection fused"
     ):
         save_adapter(ours, tmp_path / "gpt2")
-    llama = from_hf(_hf_llama())
+    llama = from_hf(tiny_hf_llama())
     add_lora(llama, ("wq",), r=2)
     save_adapter(llama, tmp_path / "dora")
     file = tmp_path / "dora" / "adapter_config.json"
     file.write_text(json.dumps({**json.loads(file.read_text()), "use_dora": True}))
     with pytest.raises(ConversionError, match="use_dora=True is not supported"):
-        load_adapter(from_hf(_hf_llama()), tmp_path / "dora")
+        load_adapter(from_hf(tiny_hf_llama()), tmp_path / "dora")
 
 
 def test_params_lora_view_counts_what_peft_trains(capsys):
@@ -457,7 +449,7 @@ def test_params_lora_view_counts_what_peft_trains(capsys):
     from llm_foundry.cli import main
     from llm_foundry.interop.hf import config_from_hf
 
-    hf = _hf_llama()
+    hf = tiny_hf_llama()
     cfg = config_from_hf(hf.config)
     targets = {"wq": "q_proj", "wv": "v_proj", "w2": "down_proj"}
     peft_model = peft.get_peft_model(
@@ -474,21 +466,13 @@ def test_params_lora_view_counts_what_peft_trains(capsys):
 
 
 def test_an_adapter_for_another_base_is_refused_naming_the_tensor(tmp_path):
-    ours = from_hf(_hf_llama())
+    ours = from_hf(tiny_hf_llama())
     add_lora(ours, ("wq", "w1"), r=4)
     save_adapter(ours, tmp_path / "adapter")
-    wider = transformers.LlamaConfig(
-        vocab_size=61, hidden_size=64, intermediate_size=80, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-    )  # fmt: skip
     with pytest.raises(ConversionError, match=r"layers\.0\.attn\.wq\.lora_A: shape \(4, 48\)"):
-        load_adapter(from_hf(transformers.LlamaForCausalLM(wider)), tmp_path / "adapter")
-    one_layer = transformers.LlamaConfig(
-        vocab_size=61, hidden_size=48, intermediate_size=80, num_hidden_layers=1,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-    )  # fmt: skip
+        load_adapter(from_hf(tiny_hf_llama(hidden_size=64)), tmp_path / "adapter")
     with pytest.raises(ConversionError, match=r"adapter tensors with no module in the model"):
-        load_adapter(from_hf(transformers.LlamaForCausalLM(one_layer)), tmp_path / "adapter")
+        load_adapter(from_hf(tiny_hf_llama(num_hidden_layers=1)), tmp_path / "adapter")
 
 
 def test_adapters_on_shared_experts_change_the_output_and_merge_exactly(tiny_config):
@@ -524,23 +508,23 @@ def test_adapters_on_shared_experts_change_the_output_and_merge_exactly(tiny_con
     ],
 )
 def test_an_adapter_config_out_of_range_is_one_line(change, needle, tmp_path):
-    ours = from_hf(_hf_llama())
+    ours = from_hf(tiny_hf_llama())
     add_lora(ours, ("wq",), r=2)
     save_adapter(ours, tmp_path / "adapter")
     file = tmp_path / "adapter" / "adapter_config.json"
     file.write_text(json.dumps({**json.loads(file.read_text()), **change}))
     with pytest.raises(ValueError) as e:
-        load_adapter(from_hf(_hf_llama()), tmp_path / "adapter")
+        load_adapter(from_hf(tiny_hf_llama()), tmp_path / "adapter")
     assert needle in str(e.value)
     file.write_text("[1, 2]")
     with pytest.raises(ValueError, match="holds list, not an adapter config object"):
-        load_adapter(from_hf(_hf_llama()), tmp_path / "adapter")
+        load_adapter(from_hf(tiny_hf_llama()), tmp_path / "adapter")
 
 
 def test_an_adapter_with_non_finite_tensors_is_refused(tmp_path):
     from safetensors.torch import load_file, save_file
 
-    ours = from_hf(_hf_llama())
+    ours = from_hf(tiny_hf_llama())
     add_lora(ours, ("wq", "wv"), r=2)
     save_adapter(ours, tmp_path / "adapter")
     file = tmp_path / "adapter" / "adapter_model.safetensors"
@@ -549,7 +533,7 @@ def test_an_adapter_with_non_finite_tensors_is_refused(tmp_path):
     tensors[key][0, 0] = float("inf")
     save_file(tensors, str(file))
     with pytest.raises(ValueError, match=rf"tensor {re.escape(key)} holds 1 non-finite"):
-        load_adapter(from_hf(_hf_llama()), tmp_path / "adapter")
+        load_adapter(from_hf(tiny_hf_llama()), tmp_path / "adapter")
 
 
 def test_a_rank_above_the_projections_rank_is_refused_before_allocating(tiny_config):

@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import SHAKESPEARE, assert_decisive, make_trainer
+from conftest import SHAKESPEARE, assert_decisive, make_trainer, tiny_hf_llama
 
 from llm_foundry.checkpoint import read_safetensors_header
 from llm_foundry.cli import main
@@ -278,12 +278,9 @@ def test_an_hf_model_quantized_keeps_its_tokenizer_and_end_of_sequence(tmp_path,
     transformers = pytest.importorskip("transformers")
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    torch.manual_seed(0)
-    hf_cfg = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, intermediate_size=128, eos_token_id=3,
-    )  # fmt: skip
-    transformers.LlamaForCausalLM(hf_cfg).save_pretrained(tmp_path / "hf")
+    hf = tiny_hf_llama(vocab_size=64, hidden_size=64, intermediate_size=128, eos_token_id=3,
+                       max_position_embeddings=2048)  # fmt: skip
+    hf.save_pretrained(tmp_path / "hf")
     tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(64)}, unk_token="w0"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(tmp_path / "hf" / "tokenizer.json"))
