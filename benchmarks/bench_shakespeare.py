@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_train import Contender, hf_model, round_robin  # this directory is on sys.path when run
+from bench_train import Contender, hf_model, our_model, round_robin  # on sys.path when run
 
 from llm_foundry.data import prepare
 from llm_foundry.models import Transformer
@@ -146,7 +146,7 @@ def speed(vocab: int, rounds: int, steps: int, nanogpt=None) -> list[dict]:
             contenders.append(Contender(name, model, compile=comp, opt=nanogpt_optimizer(model)))
     for preset in ("gpt2-shakespeare-char", "llama-shakespeare-char"):
         for comp in (False, True):
-            model = Transformer(get_preset(preset, vocab_size=vocab, max_seq_len=64))
+            model = our_model(get_preset(preset, vocab_size=vocab, max_seq_len=64))
             name = f"{preset} {'compiled' if comp else 'eager'}"
             contenders.append(Contender(name, model, compile=comp, **RECIPE_ADAMW))
     g = torch.Generator().manual_seed(0)

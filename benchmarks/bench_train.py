@@ -24,8 +24,12 @@ import time
 import torch
 import torch.nn.functional as F
 
-from llm_foundry.models import Transformer
 from llm_foundry.presets import get_preset
+from llm_foundry.train.build import build_model
+from llm_foundry.train.config import TrainConfig
+from llm_foundry.train.optim import build_optimizer
+
+CPU = torch.device("cpu")
 
 # name -> (preset, overrides, batch, block, include bf16)
 SIZES = {
@@ -49,6 +53,16 @@ def peak_gflops(dtype: torch.dtype, n: int = 1024, reps: int = 10, trials: int =
             a @ b
         best = max(best, 2 * n**3 * reps / (time.perf_counter() - t) / 1e9)
     return best
+
+
+def recipe(lr: float = 1e-4, betas=(0.9, 0.999)) -> TrainConfig:
+    """The training settings our contenders step with: AdamW at ``lr``, weight decay 0.1."""
+    return TrainConfig(lr=lr, min_lr=0.0, beta1=betas[0], beta2=betas[1], weight_decay=0.1, seed=0)
+
+
+def our_model(cfg):
+    """Our model of ``cfg`` as the trainer builds it (seed 0), on the CPU."""
+    return build_model(cfg, recipe(), CPU)
 
 
 def hf_model(cfg):
@@ -81,10 +95,11 @@ class Contender:
     ):
         self.name, self.model, self.hf, self.bf16 = name, model, hf, bf16
         self.fwd = torch.compile(model) if compile else model
-        if opt is None:  # else: the optimizer another project builds for its model
-            groups = model.parameters() if hf else model.param_groups(0.1)
-            # fused AdamW where we ship it; HF gets torch's default (what its users get)
-            opt = torch.optim.AdamW(groups, lr=lr, betas=betas, fused=not hf)
+        if opt is None and hf:  # HF gets torch's default AdamW (what its users get)
+            opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, fused=False)
+        elif opt is None:  # ours: the trainer's (fused AdamW on its decay groups)
+            opt = build_optimizer(model, recipe(lr, betas), CPU)
+        # else: the optimizer another project builds for its model
         self.opt = opt
         self.params = sum(p.numel() for p in model.parameters())
         self.times: list[float] = []  # seconds per step, one entry per timed round
@@ -123,15 +138,14 @@ def round_robin(contenders: list[Contender], batches, rounds: int, warmup: int) 
 def bench_size(name: str, rounds: int, steps: int, peaks: dict) -> list[dict]:
     preset, over, batch, block, with_bf16 = SIZES[name]
     cfg = get_preset(preset, **over)
-    torch.manual_seed(0)
-    ours = Transformer(cfg)
+    ours = our_model(cfg)
     contenders = [
         Contender("HF transformers", hf_model(cfg), hf=True),
         Contender("ours eager", ours),
-        Contender("ours compiled", Transformer(cfg), compile=True),
+        Contender("ours compiled", our_model(cfg), compile=True),
     ]
     if with_bf16:
-        contenders.append(Contender("ours eager bf16", Transformer(cfg), bf16=True))
+        contenders.append(Contender("ours eager bf16", our_model(cfg), bf16=True))
     g = torch.Generator().manual_seed(0)
     batches = [
         torch.randint(0, cfg.vocab_size, (2, batch, block), generator=g) for _ in range(steps)

@@ -21,9 +21,8 @@ import torch
 from torch.profiler import profile
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_train import Contender  # noqa: E402
+from bench_train import Contender, our_model  # noqa: E402
 
-from llm_foundry.models import Transformer  # noqa: E402
 from llm_foundry.presets import get_preset  # noqa: E402
 
 MATMUL = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
@@ -55,8 +54,7 @@ def profile_step(
 
         inductor_config.cpp.enable_kernel_profile = True  # name each fused kernel in the profile
     cfg = get_preset(preset)
-    torch.manual_seed(0)
-    model = Transformer(cfg)
+    model = our_model(cfg)
     c = Contender("ours", model, compile=compile)
     g = torch.Generator().manual_seed(0)
     batches = [

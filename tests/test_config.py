@@ -53,6 +53,23 @@ def test_unknown_key_is_rejected_with_suggestion():
     assert "unknown field 'n_layer' (did you mean 'n_layers'?)" in str(e.value)
 
 
+def test_both_configs_refuse_unknown_keys_alike():
+    """One check of unknown keys (config.from_fields) for ModelConfig and TrainConfig: every
+    unknown key named, sorted, with the field it may mean, under the class's name."""
+    from llm_foundry.train.config import TrainConfig
+
+    for cls, keys, hint in (
+        (ModelConfig, {"n_layer": 4, "zz": 1}, "n_layers"),
+        (TrainConfig, {"max_step": 3, "zz": 1}, "max_steps"),
+    ):
+        with pytest.raises(ConfigError) as e:
+            cls.from_dict(keys)
+        assert str(e.value) == (
+            f"invalid {cls.__name__} (2 problem(s)):\n  - unknown field {sorted(keys)[0]!r} "
+            f"(did you mean {hint!r}?)\n  - unknown field 'zz'"
+        )
+
+
 @pytest.mark.parametrize("suffix", [".json", ".yaml"])
 def test_round_trip_files(tmp_path, suffix):
     cfg = get_preset("qwen3-8b")

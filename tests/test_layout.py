@@ -1,5 +1,6 @@
 """The package's layout as its imports draw it: no import cycle between modules, models/
-depends on nothing but config, and docs/architecture/README.md draws exactly these arrows."""
+depends on nothing but config, train/ reads checkpoints through rundir alone, no source file
+past 800 lines, and docs/architecture/README.md draws exactly these arrows."""
 
 from __future__ import annotations
 
@@ -134,6 +135,32 @@ def test_models_depend_on_config_alone():
             assert outside <= allowed, f"{module} imports {sorted(outside)}"
     # how errors show values: a leaf every layer may use
     assert graph["llm_foundry.messages"] == set()
+
+
+def test_training_reads_checkpoints_through_the_one_loader():
+    """train/ starts from HF directories through ``rundir.load``, never by importing interop/;
+    the run directory's layout belongs to rundir, which the training side asks, not the other
+    way round."""
+    graph = module_graph()
+    for module, deps in graph.items():
+        if module.startswith("llm_foundry.train"):
+            interop = sorted(d for d in deps if d.startswith("llm_foundry.interop"))
+            assert not interop, f"{module} imports {interop}"
+    train = sorted(d for d in graph["llm_foundry.rundir"] if d.startswith("llm_foundry.train"))
+    assert not train, f"llm_foundry.rundir imports {train}"
+
+
+MAX_LINES = 800
+
+
+def test_no_source_file_is_over_800_lines():
+    """A file past this many lines holds more than one concern: split it."""
+    long = {
+        str(f.relative_to(ROOT)): n
+        for f in sorted(PKG.rglob("*.py"))
+        if (n := len(f.read_text().splitlines())) > MAX_LINES
+    }
+    assert long == {}, f"over {MAX_LINES} lines: {long}"
 
 
 def reduction(graph: dict[str, set[str]]) -> set[tuple[str, str]]:

@@ -112,11 +112,13 @@ def test_training_with_muon_learns_and_resumes_exactly(char_data, tmp_path, monk
     Newton-Schulz iteration in bf16 (a CPU with native bf16) or fp32 (one without)."""
     import shutil
 
-    from llm_foundry.train import trainer
+    from llm_foundry.train import precision
     from llm_foundry.train.precision import Bf16Support
     from llm_foundry.train.state import write_json_atomic
 
-    monkeypatch.setattr(trainer, "bf16_support", lambda d: Bf16Support(ns_dtype == "bf16", "test"))
+    monkeypatch.setattr(
+        precision, "bf16_support", lambda d: Bf16Support(ns_dtype == "bf16", "test")
+    )
     data = char_data(50_000)
     muon = dict(optimizer="muon", muon_lr=0.02, max_steps=8, checkpoint_interval=4)
     whole = make_trainer(data, tmp_path / "whole", **muon)
@@ -129,7 +131,7 @@ def test_training_with_muon_learns_and_resumes_exactly(char_data, tmp_path, monk
     write_json_atomic(cut / "checkpoints" / "latest.json", {"step": 4, "path": "step_000004"})
     # resumed on a machine that would choose the other precision: the checkpoint's is kept
     other = Bf16Support(ns_dtype != "bf16", "test")
-    monkeypatch.setattr(trainer, "bf16_support", lambda d: other)
+    monkeypatch.setattr(precision, "bf16_support", lambda d: other)
     make_trainer(data, cut, resume=True, **muon).run()
     assert json.loads((cut / "run.json").read_text())["muon_ns_dtype"] == ns_dtype
 

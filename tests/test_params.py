@@ -6,16 +6,14 @@ import pytest
 import torch
 
 from llm_foundry.accounting import (
-    STRATEGIES,
-    GiB,
     activation_bytes,
     layer_activation_bytes,
-    memory_report,
     meta_model,
     param_report,
 )
 from llm_foundry.cli import main
 from llm_foundry.presets import get_preset
+from llm_foundry.train.memory import STRATEGIES, GiB, memory_report
 
 PUBLISHED = {
     "gpt2": 124_439_808,
@@ -390,25 +388,58 @@ def test_activation_formula_against_korthikanti():
     assert ckpt == 12 * s * b * 4 * h + layer + head  # block inputs plus one recomputed block
 
 
+MISTRAL_BY_3 = (
+    "model.n_heads=32 must divide by the tensor-parallel degree 3; model.n_kv_heads=8 must "
+    "divide by the tensor-parallel degree 3 (or be 1: MQA's one K/V head is replicated)"
+)
+
+
 def test_invalid_tp_degree_names_the_fields(capsys):
-    with pytest.raises(
-        ValueError, match="n_heads=32 and n_kv_heads=8 must divide by the TP degree 3"
-    ):
+    with pytest.raises(ValueError) as e:
         memory_report(get_preset("mistral-7b"), 6, 3)
+    assert str(e.value) == MISTRAL_BY_3
     with pytest.raises(ValueError, match="devices=8 is not a multiple of the TP degree 3"):
         memory_report(get_preset("llama2-7b"), 8, 3)
-    with pytest.raises(
-        ValueError, match=r"n_heads=71 must divide by the TP degree 2 \(n_kv_heads=1"
-    ):
-        memory_report(get_preset("falcon-7b"), 8, 2)
+    with pytest.raises(ValueError) as e:
+        memory_report(get_preset("falcon-7b"), 8, 2)  # MQA: its one K/V head is no problem
+    assert str(e.value) == "model.n_heads=71 must divide by the tensor-parallel degree 2"
     falcon = memory_report(get_preset("falcon-7b"), 8, 1)  # DDP and FSDP still apply
     assert "n_heads=71" in falcon["unavailable"]["tp"] and "fsdp" in falcon["strategies"]
     assert main(["params", "--preset", "mistral-7b", "--memory", "6", "--tp", "3"]) == 2
     err = capsys.readouterr().err
-    assert "n_heads=32 and n_kv_heads=8 must divide by the TP degree 3" in err
+    assert MISTRAL_BY_3 in err
     assert len(err.strip().splitlines()) == 1
     assert main(["params", "--preset", "gpt2", "--tp", "2"]) == 2
     assert "--tp needs --memory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "name, devices, tp, over",
+    [
+        ("llama2-7b", 8, 4, {}),  # splits every way
+        ("falcon-7b", 8, 1, {}),  # 71 heads: no TP group of 8
+        ("llama2-7b", 6, 2, {"n_kv_heads": 1}),  # MQA: 32 heads split 2 ways, not 6
+        ("mixtral-8x7b", 8, 2, {}),  # experts: no tensor parallelism at all
+        ("bloom-560m", 4, 2, {}),  # ALiBi's per-head bias: none either
+        ("moe-shakespeare-char", 4, 1, {"pos_encoding": "alibi"}),  # both reasons
+    ],
+)
+def test_the_reports_unavailable_layouts_are_tensor_parallelisms_own_refusals(
+    name, devices, tp, over
+):
+    """One owner of what tensor parallelism splits: the report gives tp (all devices in one
+    group) and fsdp+tp (groups of tp) exactly for the models tp_problems accepts, with its
+    reasons, so a change to the plan's refusals shows in the report unedited."""
+    from llm_foundry.train.tensor_parallel import tp_problems
+
+    cfg = get_preset(name, **over)
+    rep = memory_report(cfg, devices, tp)
+    want = {}
+    for layout, degree in (("tp", devices), ("fsdp+tp", tp)):
+        if tp_problems(cfg, degree):
+            want[layout] = "; ".join(tp_problems(cfg, degree))
+    assert rep["unavailable"] == want
+    assert set(rep["strategies"]) == set(STRATEGIES) - set(want)
 
 
 def test_cli_params_memory_table_and_json(capsys):

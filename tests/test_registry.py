@@ -119,8 +119,8 @@ def test_what_is_asked_of_a_position_kind_comes_from_its_class(monkeypatch):
     """Other modules ask a scheme's traits, never its name: a new kind with a per-head bias is
     refused by tensor parallelism and left out of the memory report's tp rows, with no edit
     outside its own file; trained rows fix max_seq_len for an init_from."""
-    from llm_foundry.accounting import memory_report
     from llm_foundry.models.position import position_traits
+    from llm_foundry.train.memory import memory_report
     from llm_foundry.train.tensor_parallel import tp_problems
 
     monkeypatch.setitem(POSITIONS, "reverse-linear", None)

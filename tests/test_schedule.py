@@ -3,8 +3,9 @@
 import pytest
 
 from llm_foundry.config import ConfigError
+from llm_foundry.train import schedule
 from llm_foundry.train.config import TrainConfig
-from llm_foundry.train.schedule import lr_at
+from llm_foundry.train.schedule import SCHEDULES, lr_at
 
 
 def cfg(**kw):
@@ -57,3 +58,13 @@ def test_invalid_train_config_messages():
     assert "min_lr=1.0 must be a number in [0, lr=0.001]" in msg
     with pytest.raises(ConfigError, match="did you mean 'max_steps'"):
         TrainConfig.from_dict({"max_step": 3})
+
+
+def test_the_config_accepts_exactly_the_registered_schedules(monkeypatch):
+    """One list of schedule names, the registry: a schedule added to it is a valid setting and
+    runs, with no edit to TrainConfig."""
+    assert "step" not in SCHEDULES
+    with pytest.raises(ConfigError, match=f"is not one of {', '.join(SCHEDULES)}"):
+        cfg(schedule="step")
+    monkeypatch.setitem(schedule.SCHEDULES, "step", lambda step, c: c.lr / 2)
+    assert lr_at(50, cfg(schedule="step")) == pytest.approx(5e-4)

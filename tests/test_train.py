@@ -85,6 +85,29 @@ def _env() -> dict[str, str]:
 
 
 @pytest.mark.heavy
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_the_trainer_is_assembled_from_the_builders(data_dir, tmp_path, optimizer):
+    """The model and optimizer a Trainer holds are what the builders make of the same configs,
+    the builders the ablation runner and the benchmarks call (no copy of their rules)."""
+    from llm_foundry.train.build import build_model
+    from llm_foundry.train.optim import build_optimizer
+
+    t = make_trainer(data_dir, tmp_path / "run", optimizer=optimizer, lora_r=2)
+    t.release()
+    cpu = torch.device("cpu")
+    model = build_model(t.mc, t.tc, cpu)
+    assert model.state_dict().keys() == t.model.state_dict().keys()
+    assert all(torch.equal(v, t.model.state_dict()[k]) for k, v in model.state_dict().items())
+    opt = build_optimizer(model, t.tc, cpu, ns_dtype=t.precision.ns_dtype)
+    assert type(opt) is type(t.optimizer)
+
+    def groups(o):
+        return [({k: v for k, v in g.items() if k != "params"}, len(g["params"]))
+                for g in o.param_groups]  # fmt: skip
+
+    assert groups(opt) == groups(t.optimizer)
+
+
 def test_resume_after_sigkill_gives_the_same_losses(data_dir, tmp_path):
     steps, kill_after = 200, 20
     common = [f"--train.max_steps={steps}", f"--train.checkpoint_interval={kill_after}"]

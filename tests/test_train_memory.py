@@ -9,12 +9,13 @@ import pytest
 import torch
 from conftest import TINY
 
-from llm_foundry.accounting import memory_report, meta_model
+from llm_foundry.accounting import meta_model
 from llm_foundry.cli import main
 from llm_foundry.config import ModelConfig
 from llm_foundry.models import Transformer
 from llm_foundry.presets import get_preset
 from llm_foundry.train.config import TrainConfig
+from llm_foundry.train.memory import memory_report
 from llm_foundry.train.trainer import Trainer
 
 CPU = torch.device("cpu")
@@ -92,7 +93,7 @@ def _never_built(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the model was built before the memory check")
 
-    monkeypatch.setattr("llm_foundry.train.trainer.Transformer", refuse)
+    monkeypatch.setattr("llm_foundry.train.build.Transformer", refuse)
 
 
 @pytest.mark.parametrize(

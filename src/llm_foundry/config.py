@@ -299,12 +299,7 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
         """Build from a mapping; unknown keys are an error (a typo must not pass silently)."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            hints = [f"unknown field {k!r}{suggest(k, known)}" for k in unknown]
-            raise ConfigError(hints)
-        return cls(**d)
+        return from_fields(cls, d)
 
     def replace(self, **changes: Any) -> ModelConfig:
         """A copy with ``changes`` (validated; unknown fields refused)."""
@@ -335,6 +330,18 @@ class ModelConfig:
 def _divisors(n: int) -> list[int]:
     small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]  # O(sqrt n): n may be huge
     return sorted(set(small + [n // d for d in small]))
+
+
+def from_fields(cls: type, d: dict[str, Any]) -> Any:
+    """``cls(**d)`` for a config dataclass, every key of ``d`` that is not one of its fields
+    refused first, in one ConfigError naming each with the field it may have meant."""
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise ConfigError(
+            [f"unknown field {k!r}{suggest(k, known)}" for k in unknown], cls.__name__
+        )
+    return cls(**d)
 
 
 def suggest(key: str, known: set[str]) -> str:

@@ -1,9 +1,15 @@
-"""Training run directories, and the one loader for every kind of checkpoint.
+"""Training run directories: their layout and every reader of it, and the one loader for every
+kind of checkpoint.
 
     RUN_DIR/
       run.json          what the run was started with (configs, data, code and machine)
-      metrics.jsonl     one record a line (train/metrics.py reads it)
+      metrics.jsonl     one record a line (train/metrics.py appends them; ``read_records``)
       checkpoints/      step_N/ directories and latest.json (train/state.py writes them)
+        latest.json     {"step": N, "path": "step_00000N"}: the newest complete checkpoint
+        step_00000N/    config.json + model.safetensors, optimizer.safetensors, state.json, ...
+
+The training side writes this layout with the names defined here; everything that reads a run
+(resume, generate, inspect, ablations) reads it through this module.
 
 ``load(path)`` accepts a run directory (its latest checkpoint), one of our checkpoint
 directories, or an HF transformers directory, and returns ``(model, tokenizer, info)``: every
@@ -13,13 +19,63 @@ command that reads a model (generate, eval, inspect, convert) goes through it.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from llm_foundry.messages import shown
+
+log = logging.getLogger(__name__)
+
 RUN_INFO = "run.json"
 METRICS = "metrics.jsonl"
 CHECKPOINTS = "checkpoints"
+LATEST = "latest.json"  # in CHECKPOINTS: names the newest complete step directory
+STATE = "state.json"  # in a step directory: step, configs, optimizer, RNG and sampler states
+
+
+def step_name(step: int) -> str:
+    """The directory name of the checkpoint saved at ``step`` (sorts in step order)."""
+    return f"step_{step:06d}"
+
+
+def step_dirs(ckpt_root: Path) -> list[Path]:
+    """Every step directory under ``ckpt_root``, oldest first."""
+    return sorted(Path(ckpt_root).glob("step_*"))
+
+
+def latest_checkpoint(ckpt_root: Path) -> Path | None:
+    """The step directory ``ckpt_root/latest.json`` names (None without a pointer, or when it
+    names a directory that is gone)."""
+    pointer = Path(ckpt_root) / LATEST
+    if not pointer.exists():
+        return None
+    try:
+        name = json.loads(pointer.read_text())["path"]
+        if not isinstance(name, str) or "/" in name or name in ("", ".", ".."):
+            raise TypeError(f"path {name!r} is not a step directory name")
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+        raise ValueError(
+            f"{pointer} is not a valid latest-checkpoint pointer ({e!r}); expected "
+            '{"step": N, "path": "step_000N"}'
+        ) from None
+    path = Path(ckpt_root) / name
+    return path if path.exists() else None
+
+
+def read_state(path: Path) -> dict:
+    """``path/state.json`` (a training checkpoint's state), with errors naming the file."""
+    file = Path(path) / STATE
+    try:
+        state = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{file} is missing: {path} is not a training checkpoint") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{file} is not valid JSON ({e}); the checkpoint is damaged") from None
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+        raise ValueError(f"{file} holds no training state (expected an object with a 'step')")
+    return state
 
 
 def read_run_info(run_dir: str | Path) -> dict:
@@ -34,6 +90,46 @@ def read_run_info(run_dir: str | Path) -> dict:
     if not isinstance(info, dict):
         raise ValueError(f"{file} holds {type(info).__name__}, not a run description object")
     return info
+
+
+def read_records(path: str | Path) -> list[dict]:
+    """Every record of a ``metrics.jsonl``, in order. The file is flushed after every record and
+    fsynced with every checkpoint, so a crash tears at most its last line: that one is dropped
+    with a note. A damaged line anywhere else is an error naming file and line. A record whose
+    ``step`` is missing or not a step (a string, a float, NaN, a negative number: an edit by
+    hand, another tool) is left out with a warning naming file and line, so it cannot stop a
+    run from resuming (a resume rewrites the file without it)."""
+    path = Path(path)
+    # lines end at '\n' only: a JSON string may hold U+2028 and other characters that
+    # str.splitlines() would take for line ends
+    lines = path.read_text(encoding="utf-8", errors="replace").split("\n")
+    if lines and not lines[-1].strip():
+        lines.pop()
+    records = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            if not isinstance(rec, dict):
+                raise ValueError(f"a {type(rec).__name__}, not an object")
+        except ValueError as e:
+            if i == len(lines) - 1:  # torn by a crash mid-write
+                log.warning(f"note: {path}: dropped a torn last record (line {i + 1})")
+                break
+            raise ValueError(
+                f"{path}, line {i + 1}: not a JSON record ({e}); the file is damaged"
+            ) from None
+        step = rec.get("step")
+        if not (isinstance(step, int) and not isinstance(step, bool) and step >= 0):
+            what = "no step" if "step" not in rec else f"step={shown(step)}"
+            log.warning(
+                f"warning: {path}, line {i + 1}: left out a record with {what} (a step is an "
+                "integer >= 0)"
+            )
+            continue
+        records.append(rec)
+    return records
 
 
 @dataclass
@@ -51,40 +147,19 @@ class RunDir:
 
     def latest(self) -> Path | None:
         """The latest complete checkpoint (None before the first save)."""
-        from llm_foundry.train.state import latest_checkpoint
-
         return latest_checkpoint(self.checkpoints)
 
     def info(self) -> dict:
         return read_run_info(self.path)
 
     def metrics(self) -> list[dict]:
-        from llm_foundry.train.metrics import read_records
-
         return read_records(self.path / METRICS)
-
-    def resume_point(self):
-        """(checkpoint, model config, train config, data dir or None) of the latest checkpoint,
-        from its state.json and run.json; None when there is no checkpoint to resume."""
-        from llm_foundry.config import ModelConfig
-        from llm_foundry.train.config import TrainConfig
-        from llm_foundry.train.state import read_state
-
-        ckpt = self.latest()
-        if ckpt is None:
-            return None
-        state = read_state(ckpt)
-        data = (self.info().get("data") or {}).get("dir")
-        model = ModelConfig.from_dict(state["model_config"])
-        return ckpt, model, TrainConfig.from_dict(state["train_config"]), data
 
 
 def checkpoint_dir(path: str | Path, flag: str = "--checkpoint") -> Path:
     """The checkpoint directory ``path`` names: itself (ours or an HF one: it has a
     config.json), or for a training run directory (or its ``checkpoints/`` folder) the step
     directory that ``latest.json`` points at."""
-    from llm_foundry.train.state import LATEST, latest_checkpoint
-
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"{flag} {path}: no such directory")

@@ -22,7 +22,10 @@ from llm_foundry.data import data_fingerprint, load_split
 from llm_foundry.models.position import position_traits
 from llm_foundry.models.transformer import Transformer
 from llm_foundry.plots import read_metrics
+from llm_foundry.rundir import METRICS, RunDir
+from llm_foundry.train.build import build_model
 from llm_foundry.train.config import TrainConfig
+from llm_foundry.train.optim import build_optimizer, set_lr
 
 log = logging.getLogger(__name__)
 
@@ -76,13 +79,16 @@ def step_times_ms(
 ) -> dict[str, float]:
     """ms per training step (forward, backward, clip, optimizer) of every model on the same
     batch, timed round-robin so machine noise hits all alike; median over rounds of 10 steps.
-    Each model steps the optimizer its ``train_cfgs`` entry names, built as the trainer builds
-    it (AdamW without one)."""
+    Each model steps the optimizer its ``train_cfgs`` entry names (``tc`` without one), built
+    as the trainer builds it, at a small lr."""
     g = torch.Generator().manual_seed(0)
     vocab = min(m.cfg.vocab_size for m in models.values())
     device = next(next(iter(models.values())).parameters()).device
     x, y = torch.randint(0, vocab, (2, tc.batch_size, tc.block_size), generator=g).to(device)
-    opts = {k: _optimizer(m, (train_cfgs or {}).get(k), device) for k, m in models.items()}
+    opts = {}
+    for k, m in models.items():
+        opts[k] = build_optimizer(m, (train_cfgs or {}).get(k, tc), device)
+        set_lr(opts[k], 1e-4)
 
     def step(name: str) -> None:
         m = models[name]
@@ -106,20 +112,6 @@ def step_times_ms(
     return {k: statistics.median(v) for k, v in samples.items()}
 
 
-def _optimizer(model: Transformer, tc: TrainConfig | None, device) -> torch.optim.Optimizer:
-    """The optimizer ``tc`` names, with the trainer's parameter groups, at a small lr."""
-    if tc is not None and tc.optimizer == "muon":
-        from llm_foundry.train.optim import MuonWithAdamW, muon_groups
-
-        groups = muon_groups(model, tc.weight_decay, tc.muon_weight_decay, tc.muon_momentum,
-                             (tc.beta1, tc.beta2), tc.muon_lr / tc.lr)  # fmt: skip
-        opt = MuonWithAdamW(groups)
-        for group in opt.param_groups:
-            group["lr"] = 1e-4 * group["lr_scale"]
-        return opt
-    return torch.optim.AdamW(model.param_groups(0.1), lr=1e-4, fused=device.type in ("cpu", "cuda"))
-
-
 def extrapolation(model: Transformer, tokens: np.ndarray, block: int, factors, n_tokens: int):
     """Loss/perplexity at context = factor x block on the first ``n_tokens`` validation tokens
     (non-overlapping windows); learned positions past their table come back "cannot run"."""
@@ -136,7 +128,6 @@ def extrapolation(model: Transformer, tokens: np.ndarray, block: int, factors, n
 
 def run_one(study: Study, variant: Variant, seed_index: int, data: Path, run_dir: Path) -> dict:
     """Train (or resume, or reuse) one variant x seed and measure it; returns its result."""
-    from llm_foundry.train.state import latest_checkpoint
     from llm_foundry.train.trainer import Trainer
 
     mc, tc = configs(study, variant, seed_index)
@@ -171,7 +162,7 @@ def run_one(study: Study, variant: Variant, seed_index: int, data: Path, run_dir
             )
         log.info(f"[{variant.name} seed {seed_index}] finished earlier: reusing {result_file}")
         return done
-    resume = latest_checkpoint(run_dir / "checkpoints") is not None
+    resume = RunDir(run_dir).latest() is not None
     trainer = Trainer(mc, tc, data, run_dir, resume=resume)
     t0 = time.perf_counter()
     res = trainer.run()
@@ -180,7 +171,7 @@ def run_one(study: Study, variant: Variant, seed_index: int, data: Path, run_dir
             res.stopped_by, f"{variant.name} seed {seed_index} interrupted; rerun to resume"
         )
     model = trainer.model.eval()
-    train, evals = read_metrics(run_dir / "metrics.jsonl")
+    train, evals = read_metrics(run_dir / METRICS)
     tail = [r["loss"] for r in train[-max(1, len(train) // 20) :]]
     dts = [tc.tokens_per_step / r["tokens_per_s"] for r in train[min(10, len(train) - 1) :]]
     seconds = training_seconds(train, tc.tokens_per_step)
@@ -218,9 +209,7 @@ def run_one(study: Study, variant: Variant, seed_index: int, data: Path, run_dir
 def _final_expert_cv(run_dir: Path) -> float | None:
     """Mean over layers of the expert-load coefficient of variation in the run's last
     expert-load record (None for a dense model): 0 is perfectly balanced."""
-    from llm_foundry.train.metrics import read_records
-
-    records = [r for r in read_records(run_dir / "metrics.jsonl") if "experts" in r]
+    records = [r for r in RunDir(run_dir).metrics() if "experts" in r]
     return statistics.fmean(records[-1]["experts"]["cv"]) if records else None
 
 
@@ -245,8 +234,8 @@ def run_study(study: Study, data: str | Path, out: str | Path) -> dict:
 def preflight(study: Study, variants: list[Variant], data: Path) -> None:
     """Refuse (one line) what would fail only after some variants trained: a variant too large
     for this machine's memory, an extrapolation context longer than the validation split."""
+    from llm_foundry.train.distributed import resolve_device
     from llm_foundry.train.memory import check_training_memory
-    from llm_foundry.train.trainer import resolve_device
 
     val = len(load_split(data, "val"))
     for v in variants:
@@ -284,9 +273,10 @@ def _run_study(study: Study, data: Path, out: Path) -> dict:
             run_one(study, v, s, data, out / "runs" / run_dir_name(v.name) / f"seed{s}")
         )
     log.info("=== timing every variant's training step, interleaved")
-    models = {v.name: Transformer(configs(study, v, 0)[0]) for v in variants}
     tc0 = configs(study, variants[0], 0)[1]
     tcs = {v.name: configs(study, v, 0)[1] for v in variants}
+    cpu = torch.device("cpu")
+    models = {v.name: build_model(configs(study, v, 0)[0], tcs[v.name], cpu) for v in variants}
     speed = step_times_ms(models, tc0, study.speed_rounds, tcs) if study.speed_rounds else {}
     rows = summarise(variants, runs, speed, tc0.tokens_per_step, study.compare, study.target_loss)
     report = dict(study=study.to_dict(), rows=rows, runs=runs, machine=machine())

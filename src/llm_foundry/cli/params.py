@@ -11,7 +11,7 @@ from llm_foundry.presets import preset_names
 
 def default_tp(cfg, devices: int) -> int:
     """2 where DEVICES and the heads split 2 ways, else 1 (Falcon-7B's 71 heads split no way)."""
-    from llm_foundry.accounting import check_tp_degree
+    from llm_foundry.train.memory import check_tp_degree
 
     try:
         check_tp_degree(cfg, 2)
@@ -21,14 +21,8 @@ def default_tp(cfg, devices: int) -> int:
 
 
 def main(argv: list[str]) -> int:
-    from llm_foundry.accounting import (
-        format_lora,
-        format_memory,
-        format_report,
-        lora_report,
-        memory_report,
-        param_report,
-    )
+    from llm_foundry.accounting import format_lora, format_report, lora_report, param_report
+    from llm_foundry.train.memory import format_memory, memory_report
 
     p = SettingsParser(
         prog="llm-foundry params",

@@ -97,7 +97,8 @@ def main(argv: list[str], finetune: bool = False) -> int:
 
 def _main(argv: list[str], finetune: bool, prog: str) -> int:
     from llm_foundry import lock
-    from llm_foundry.rundir import RunDir
+    from llm_foundry.rundir import CHECKPOINTS, RunDir
+    from llm_foundry.train.state import resume_point
 
     ns = parser(finetune).parse_args(join_negative_values(argv))
     if finetune:  # the start may come from a --config file, as out and data may
@@ -115,7 +116,7 @@ def _main(argv: list[str], finetune: bool, prog: str) -> int:
             "directory"
         )
     # a resumed run starts from its own saved settings; flags given now override them
-    saved = RunDir(given_out).resume_point() if resume and given_out else None
+    saved = resume_point(given_out) if resume and given_out else None
     _, model_base, train_base, data_base = saved or (None, None, None, None)
     if start:  # fine-tuning: the checkpoint's architecture, its weights to start from
         model_base = start[1]
@@ -142,7 +143,7 @@ def _main(argv: list[str], finetune: bool, prog: str) -> int:
     name = settings.preset or "custom"
     out = Path(ns.out or f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}")
     if ns.resume and saved is None:
-        raise FileNotFoundError(f"--resume: no checkpoint in {out / 'checkpoints'} to continue")
+        raise FileNotFoundError(f"--resume: no checkpoint in {out / CHECKPOINTS} to continue")
     # rank 0 owns the run directory (the ranks of one torchrun write it together)
     rank0 = int(os.environ.get("RANK", "0")) == 0
     with lock.hold(out, "run directory") if rank0 else contextlib.nullcontext():

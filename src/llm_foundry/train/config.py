@@ -9,13 +9,14 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from llm_foundry.config import ConfigError, count_problem, is_number, one_of, suggest
+from llm_foundry.config import ConfigError, count_problem, from_fields, is_number, one_of
 from llm_foundry.messages import shown
 from llm_foundry.models.lora import BASE_DTYPES as LORA_BASE_DTYPES
 from llm_foundry.models.lora import TARGETS as LORA_TARGETS
 from llm_foundry.train.optim import OPTIMIZERS
+from llm_foundry.train.schedule import SCHEDULES
+from llm_foundry.train.tensor_parallel import settings_problems
 
-SCHEDULES = ("cosine", "linear", "constant", "wsd")
 DTYPES = ("fp32", "bf16", "fp16", "auto")
 DEVICES = ("auto", "cpu", "cuda", "mps")
 ON_NONFINITE = ("stop", "skip")
@@ -122,26 +123,7 @@ class TrainConfig:
         one_of(p, "parallel", self.parallel, PARALLEL)
         one_of(p, "optimizer", self.optimizer, OPTIMIZERS)
         parallel = self.parallel if self.parallel in PARALLEL else "none"  # named above if not
-        if "tp" in parallel:  # tensor parallelism holds DTensor shards of each matrix
-            lora = _is_int(self.lora_r) and self.lora_r > 0
-            monitor = _is_int(self.monitor_interval) and self.monitor_interval > 0
-            for name, bad, why in (
-                ("dtype", self.dtype == "fp16", "fp16 with its grad scaler is not supported "
-                 "(untested) under tensor parallelism; use bf16 or fp32"),
-                ("lora_r", lora, "adapters are not split across tensor-parallel ranks; use ddp "
-                 "or fsdp"),
-                ("monitor_interval", monitor, "the monitors read whole weights; use ddp or none"),
-            ):  # fmt: skip
-                if bad:
-                    p.append(f"{name}={getattr(self, name)!r} with parallel={self.parallel!r}: "
-                             f"{why}")  # fmt: skip
-        tp_size = self.tp_size if _is_int(self.tp_size) else 0
-        if tp_size and "tp" not in parallel:
-            p.append(f"tp_size={tp_size} with parallel={self.parallel!r}: tp_size applies to "
-                     "parallel=tp and fsdp+tp only")  # fmt: skip
-        if tp_size == 1 and self.parallel == "fsdp+tp":
-            p.append("tp_size=1 with parallel='fsdp+tp': one rank per tensor-parallel group is "
-                     "plain FSDP; use parallel=fsdp, or tp_size >= 2")  # fmt: skip
+        p += settings_problems(self, parallel)  # what tensor parallelism cannot train with
         if self.optimizer == "muon" and self.dtype == "fp16":
             p.append("optimizer='muon' with dtype='fp16': the fp16 grad scaler steps AdamW only; "
                      "use dtype=bf16 or fp32")  # fmt: skip
@@ -202,10 +184,5 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ConfigError(
-                [f"unknown field {k!r}{suggest(k, known)}" for k in unknown], name="TrainConfig"
-            )
-        return cls(**d)
+        """Build from a mapping; unknown keys are an error (a typo must not pass silently)."""
+        return from_fields(cls, d)

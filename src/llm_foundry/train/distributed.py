@@ -70,6 +70,21 @@ def tp_degree(parallel: str, tp_size: int, world_size: int) -> int:
     return t
 
 
+def resolve_device(name: str) -> torch.device:
+    """The device ``train.device`` names (auto: CUDA, else MPS, else the CPU); one asked for
+    that this machine lacks is refused."""
+    available = dict(cuda=torch.cuda.is_available(), mps=torch.backends.mps.is_available())
+    if name in available and not available[name]:
+        raise ValueError(f"train.device={name}: not available on this machine; use auto or cpu")
+    if name != "auto":
+        return torch.device(name)
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
 def init_world(
     device: torch.device, parallel: str = "none", tp_size: int = 0
 ) -> tuple[World, torch.device]:
@@ -165,13 +180,14 @@ def any_rank(flag: bool, world: World, device: torch.device) -> bool:
 # Full state dicts: the same tensors whatever the wrapping
 
 
-def _sharded(parallel: str, world: World) -> bool:
+def is_sharded(parallel: str, world: World) -> bool:
+    """Whether the parameters are DTensor shards: a sharded layout over several processes."""
     return parallel in SHARDED and world.distributed
 
 
 def full_model_state(model: nn.Module, parallel: str, world: World) -> dict[str, torch.Tensor]:
     """The whole model's tensors on CPU (collective under FSDP; empty off rank 0 there)."""
-    if _sharded(parallel, world):
+    if is_sharded(parallel, world):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -183,7 +199,7 @@ def full_model_state(model: nn.Module, parallel: str, world: World) -> dict[str,
 
 def full_optimizer_state(model: nn.Module, optimizer, parallel: str, world: World) -> dict:
     """The optimizer state dict in the single-process layout (integer parameter ids)."""
-    if not _sharded(parallel, world):
+    if not is_sharded(parallel, world):
         return optimizer.state_dict()
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -208,7 +224,7 @@ def load_full_state(model: nn.Module, optimizer, model_sd: dict, optim_sd: dict,
     """Load full (single-process layout) state into a plain, DDP or FSDP2 model + optimizer."""
     from llm_foundry.checkpoint import unwrap
 
-    if not _sharded(parallel, world):
+    if not is_sharded(parallel, world):
         unwrap(model).load_state_dict(model_sd)
         if optimizer is not None:
             optimizer.load_state_dict(optim_sd)

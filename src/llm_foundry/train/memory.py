@@ -1,27 +1,208 @@
-"""Training memory estimated before anything is allocated, and a one-line refusal of a run that
-cannot fit the device it would train on.
+"""Training memory per device, estimated before anything is allocated: the report under each
+parallel layout (``memory_report``, ``llm-foundry params --memory``), and a one-line refusal of a
+run that cannot fit the device it would train on (``check_training_memory``).
 
-The estimate is ``accounting.memory_report``'s (weights, gradients, optimizer state, the
-activations one micro-batch keeps for backward) plus the step's input batches. Built on the
-``meta`` device it costs nothing at any size; every block is the same, so it is computed for one
-and two blocks and extended to ``n_layers`` (exact: each row is linear in the block count), which
-keeps a config with millions of layers as cheap to check as a small one. It leaves out what it
-cannot know (allocator slack, temporary buffers, the CUDA context), so a run it lets through may
-still not fit; one it refuses cannot.
+The estimate counts weights, gradients, optimizer state and the activations one micro-batch
+keeps for backward (``accounting.activation_bytes``), per rank, after the splits the layouts make:
+tensor parallelism's as its plan makes them (``tensor_parallel.split_dims``), on the models it
+accepts (``tensor_parallel.tp_problems``). A training run adds the step's input batches. Built on
+the ``meta`` device it costs nothing at any size; every block is the same, so a run's estimate
+is computed for one and two blocks and extended to ``n_layers`` (exact: each row is linear in the
+block count), which keeps a config with millions of layers as cheap to check as a small one. It
+leaves out what it cannot know (allocator slack, temporary buffers, the CUDA context), so a run
+it lets through may still not fit; one it refuses cannot.
 """
 
 from __future__ import annotations
 
 import torch
 
-from llm_foundry.accounting import human, memory_report
+from llm_foundry.accounting import activation_bytes, human, meta_model
 from llm_foundry.checkpoint import meta_transformer
 from llm_foundry.config import ModelConfig
 from llm_foundry.machine import memory_total
 from llm_foundry.models.lora import frozen_base_bytes
 from llm_foundry.train.config import TrainConfig
+from llm_foundry.train.optim import muon_params
+from llm_foundry.train.tensor_parallel import split_dims, tp_problems
 
-ROWS = ("weights", "working_weights", "gradients", "optimizer", "activations")
+STRATEGIES = ("ddp", "fsdp", "tp", "fsdp+tp")
+MEMORY_ROWS = ("weights", "working_weights", "gradients", "optimizer", "activations")
+GiB = 1024**3
+
+
+def check_tp_degree(cfg: ModelConfig, t: int) -> None:
+    """Raise ValueError (one line) when tensor parallelism could split ``cfg`` but not ``t``
+    ways: its heads do not divide by ``t`` (``tensor_parallel.tp_problems``' reasons). A model
+    no degree splits (experts, a per-head bias) passes: its tensor-parallel layouts are reported
+    unavailable instead."""
+    if t < 1:
+        raise ValueError(f"the TP degree must be at least 1, got {t}")
+    problems = tp_problems(cfg, t)
+    if problems and not tp_problems(cfg, 1):
+        raise ValueError("; ".join(problems))
+
+
+def _local_numel(shape: torch.Size, split: int | None, t: int, d: int) -> int:
+    """Elements one rank holds: ``split`` cut t ways by TP, then dim 0 cut d ways by FSDP2
+    (both pad the last shard, so a rank holds the ceiling)."""
+    dims = list(shape)
+    if split is not None:
+        dims[split] = -(-dims[split] // t)
+    if d > 1:
+        dims[0] = -(-dims[0] // d)
+    n = 1
+    for x in dims:
+        n *= x
+    return n
+
+
+def memory_report(
+    cfg: ModelConfig,
+    devices: int,
+    tp: int,
+    optimizer: str = "adamw",
+    dtype: str = "fp32",
+    batch_size: int = 1,
+    seq_len: int | None = None,
+    activation_checkpointing: bool = False,
+) -> dict:
+    """Training memory per device, in bytes, for DDP, FSDP, TP and FSDP+TP on ``devices`` devices.
+
+    Meshes (data x tensor): ddp devices x 1 (every rank whole); fsdp devices x 1 (FSDP2 splits
+    every tensor's dim 0 ``devices`` ways); tp 1 x devices (one TP group of every device, split
+    as ``tensor_parallel.split_dims`` reads the plan); fsdp+tp (devices/tp) x tp (TP inside,
+    FSDP2 over the TP shards).
+
+    Per device, with P the parameters a rank holds after the splits:
+    - weights 4P and gradients 4P: fp32 in both dtypes (``bf16`` is autocast: weights,
+      gradients and optimizer state stay fp32, matmuls and their saved activations are bf16);
+    - optimizer: AdamW 8 bytes per parameter (two fp32 moments); Muon 4 (one momentum) on the
+      parameters ``llm_foundry.train.optim.muon_params`` gives it (the blocks' 2-D weights) and
+      AdamW's 8 on the rest, its momentum sharded like the weights (the whole update matrix each
+      rank gathers for Newton-Schulz, one at a time, and step counters are not counted);
+    - working weights: FSDP's unsharded copies while they are in use: the root (embeddings,
+      final norm, head: FSDP2 keeps the root gathered from forward to backward) plus one block,
+      4 bytes a parameter (2 in bf16, FSDP's bf16 all-gather); under DDP and TP in bf16, the bf16
+      copies autocast makes of the matmul weights (kept for backward); prefetching a second block,
+      DDP's gradient buckets and unsharded gradients before the reduce-scatter are not counted;
+    - activations: ``activation_bytes`` with this strategy's TP degree.
+
+    The tp and fsdp+tp layouts are unavailable where tensor parallelism refuses the model, for
+    the reasons ``tensor_parallel.tp_problems`` gives (experts, a per-head bias, heads that do
+    not divide); a ``tp`` the model could be split by, but not that many ways, is an error.
+    Returns ``strategies`` (name -> mesh and bytes), ``unavailable`` (name -> why) and ``params``
+    (totals the test checks: all, TP-split, TP-replicated, Muon's, per block, outside blocks).
+    """
+    if devices < 1:
+        raise ValueError(f"devices must be at least 1, got {devices}")
+    if tp < 1 or devices % tp:
+        raise ValueError(f"devices={devices} is not a multiple of the TP degree {tp}")
+    check_tp_degree(cfg, tp)
+    if optimizer not in ("adamw", "muon"):
+        raise ValueError(f"optimizer={optimizer!r} is not one of adamw, muon")
+    if dtype not in ("fp32", "bf16"):
+        raise ValueError(f"dtype={dtype!r} is not one of fp32, bf16")
+    if batch_size < 1 or (seq_len is not None and seq_len < 1):
+        raise ValueError(f"batch_size={batch_size} and seq_len={seq_len} must be at least 1")
+    seq_len = seq_len or cfg.max_seq_len
+    model = meta_model(cfg)
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    muon_ids = {id(p) for p in muon_params(model)}
+    dims = split_dims(model)  # tensor parallelism's plan, per parameter
+    tied = cfg.tie_embeddings  # the token embedding is then also the head's matmul weight
+    params = [
+        dict(
+            shape=p.shape,
+            split=dims[name],
+            block=name.startswith("layers."),
+            # what FSDP gathers at once: the root (never resharded in a step) and one block
+            root_or_first=not name.startswith("layers.") or name.startswith("layers.0."),
+            muon=optimizer == "muon" and id(p) in muon_ids,
+            matmul=p.dim() >= 2 and (id(p) not in embeddings or (tied and "tok_emb" in name)),
+        )
+        for name, p in model.named_parameters()
+    ]
+    meshes = dict(ddp=(devices, 1, False), fsdp=(devices, 1, True), tp=(1, devices, False))
+    meshes["fsdp+tp"] = (devices // tp, tp, True)
+    unavailable = {}
+    for name, t in (("tp", devices), ("fsdp+tp", tp)):
+        problems = tp_problems(cfg, t)
+        if problems:
+            unavailable[name] = "; ".join(problems)
+    gather = 2 if dtype == "bf16" else 4
+    strategies = {}
+    for name, (d, t, sharded) in meshes.items():
+        if name in unavailable:
+            continue
+        fsdp_d = d if sharded else 1
+        for p in params:
+            p["held"] = _local_numel(p["shape"], p["split"], t, fsdp_d)
+            p["whole"] = _local_numel(p["shape"], p["split"], t, 1)  # after TP only
+        if sharded and d > 1:
+            working = gather * sum(p["whole"] for p in params if p["root_or_first"])
+        elif dtype == "bf16":
+            working = 2 * sum(p["whole"] for p in params if p["matmul"])
+        else:
+            working = 0
+        held = sum(p["held"] for p in params)
+        row = dict(
+            data=d,
+            tensor=t,
+            weights=4 * held,
+            working_weights=working,
+            gradients=4 * held,
+            optimizer=sum((4 if p["muon"] else 8) * p["held"] for p in params),
+            activations=activation_bytes(
+                cfg, t, batch_size, seq_len, dtype, activation_checkpointing
+            ),
+        )
+        row["total"] = sum(row[k] for k in MEMORY_ROWS)
+        strategies[name] = row
+
+    def count(keep) -> int:
+        return sum(p["shape"].numel() for p in params if keep(p))
+
+    return dict(
+        devices=devices,
+        tp=tp,
+        optimizer=optimizer,
+        dtype=dtype,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        activation_checkpointing=activation_checkpointing,
+        strategies=strategies,
+        unavailable=unavailable,
+        params=dict(
+            total=count(lambda p: True),
+            tp_split=count(lambda p: p["split"] is not None),
+            tp_replicated=count(lambda p: p["split"] is None),
+            muon=count(lambda p: p["muon"]),
+            per_block=count(lambda p: p["root_or_first"] and p["block"]),
+            outside_blocks=count(lambda p: not p["block"]),
+        ),
+    )
+
+
+def format_memory(rep: dict) -> str:
+    """The memory report as a table of GiB per device, one column per strategy."""
+    names = list(rep["strategies"])
+    opt = {"adamw": "AdamW", "muon": "Muon"}[rep["optimizer"]]
+    ckpt = ", activation checkpointing" if rep["activation_checkpointing"] else ""
+    lines = [
+        f"memory per device, GiB: {rep['devices']} devices, {opt}, {rep['dtype']}, "
+        f"batch {rep['batch_size']} x {rep['seq_len']} tokens{ckpt}",
+        f"{'':<18}" + "".join(f"{n:>10}" for n in names),
+    ]
+    s = rep["strategies"]
+    mesh = [f"{s[n]['data']}x{s[n]['tensor']}" for n in names]
+    lines.append(f"{'mesh (data x tp)':<18}" + "".join(f"{m:>10}" for m in mesh))
+    for key in (*MEMORY_ROWS, "total"):
+        label = key.replace("_", " ")
+        lines.append(f"{label:<18}" + "".join(f"{s[n][key] / GiB:>10.2f}" for n in names))
+    for n, why in rep["unavailable"].items():
+        lines.append(f"{n}: not available: {why}")
+    return "\n".join(lines)
 
 
 def training_bytes(
@@ -41,7 +222,7 @@ def training_bytes(
         rep = memory_report(cfg, devices, tp, tc.optimizer, dtype,
                             tc.batch_size, tc.block_size, tc.activation_checkpointing)  # fmt: skip
         chosen = rep["strategies"][strategy]
-        out = {**{k: chosen[k] for k in ROWS}, "params": rep["params"]["total"]}
+        out = {**{k: chosen[k] for k in MEMORY_ROWS}, "params": rep["params"]["total"]}
         if tc.lora_r and tc.lora_base_dtype != "fp32":  # the adapted projections held smaller
             held, fp32 = frozen_base_bytes(meta_transformer(cfg, lora=_lora(tc)))
             whole = 4 * rep["params"]["total"]  # fp32 weights on one device; sharded alike
@@ -53,7 +234,7 @@ def training_bytes(
     if tc.lora_r:
         out["gradients"] = out["optimizer"] = 0
     out["batches"] = 2 * 8 * tc.grad_accum * tc.batch_size * tc.block_size  # int64 x and y
-    out["total"] = sum(out[k] for k in (*ROWS, "batches"))
+    out["total"] = sum(out[k] for k in (*MEMORY_ROWS, "batches"))
     return out
 
 

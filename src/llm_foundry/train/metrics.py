@@ -1,59 +1,20 @@
-"""``metrics.jsonl``: one JSON record a line, appended as training goes; its one reader.
+"""``metrics.jsonl``'s writer: one JSON record a line, appended as training goes (and mirrored to
+TensorBoard when asked).
 
 The file is flushed after every record and fsynced with every checkpoint, so a crash can lose at
-most the records written since the last checkpoint, and tear at most the last line: readers drop
-a torn final record with a note. A damaged line anywhere else is an error naming file and line.
-A record whose ``step`` is missing or not a step (a string, a float, NaN, a negative number: an
-edit by hand, another tool) is left out with a warning naming file and line, so it cannot stop a
-run from resuming (a resume rewrites the file without it).
+most the records written since the last checkpoint, and tear at most the last line. Its one
+reader is the run directory's (``llm_foundry.rundir.read_records``, re-exported here).
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import os
 from pathlib import Path
 
-from llm_foundry.messages import shown
+from llm_foundry.rundir import read_records
 
-log = logging.getLogger(__name__)
-
-
-def read_records(path: str | Path) -> list[dict]:
-    """Every record of ``path``, in order; a final line cut short by a crash is dropped (with a
-    note on stderr), and so is a record without a usable step (a warning naming the line)."""
-    path = Path(path)
-    # lines end at '\n' only: a JSON string may hold U+2028 and other characters that
-    # str.splitlines() would take for line ends
-    lines = path.read_text(encoding="utf-8", errors="replace").split("\n")
-    if lines and not lines[-1].strip():
-        lines.pop()
-    records = []
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-            if not isinstance(rec, dict):
-                raise ValueError(f"a {type(rec).__name__}, not an object")
-        except ValueError as e:
-            if i == len(lines) - 1:  # torn by a crash mid-write
-                log.warning(f"note: {path}: dropped a torn last record (line {i + 1})")
-                break
-            raise ValueError(
-                f"{path}, line {i + 1}: not a JSON record ({e}); the file is damaged"
-            ) from None
-        step = rec.get("step")
-        if not (isinstance(step, int) and not isinstance(step, bool) and step >= 0):
-            what = "no step" if "step" not in rec else f"step={shown(step)}"
-            log.warning(
-                f"warning: {path}, line {i + 1}: left out a record with {what} (a step is an "
-                "integer >= 0)"
-            )
-            continue
-        records.append(rec)
-    return records
+__all__ = ["MetricsLog", "read_records", "tb_write", "tensorboard"]
 
 
 class MetricsLog:
@@ -86,3 +47,24 @@ class MetricsLog:
     def close(self) -> None:
         if self.file is not None:
             self.file.close()
+
+
+def tensorboard(out: Path, purge_step: int | None):
+    """A TensorBoard writer in ``out/tensorboard``; events past ``purge_step`` (those a resumed
+    run trains again) hidden."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as e:
+        from llm_foundry.package import install_line
+
+        raise ImportError(
+            f"train.tensorboard=true needs TensorBoard: {install_line('tensorboard')}"
+        ) from e
+    return SummaryWriter(str(out / "tensorboard"), purge_step=purge_step)
+
+
+def tb_write(tb, group: str, rec: dict) -> None:
+    """One metrics.jsonl record as TensorBoard scalars named ``group/key`` at its step."""
+    for k, v in rec.items():
+        if k != "step":
+            tb.add_scalar(f"{group}/{k}", v, rec["step"])

@@ -174,7 +174,7 @@ def warnings_for(
 
 def read_monitor(metrics_path: str | Path) -> list[dict]:
     """The monitor records ``{"step": k, "monitor": {...}}`` of a ``metrics.jsonl``, in order."""
-    from llm_foundry.train.metrics import read_records
+    from llm_foundry.rundir import read_records
 
     return [rec for rec in read_records(metrics_path) if "monitor" in rec]
 

@@ -14,6 +14,8 @@ ask for the same iteration in fp32 (``ns_dtype``); the trainer picks fp32 where 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim._muon import (
@@ -27,8 +29,49 @@ from torch.optim._muon import (
 )
 from torch.optim.adamw import adamw
 
+if TYPE_CHECKING:
+    from llm_foundry.train.config import TrainConfig
+
 OPTIMIZERS = ("adamw", "muon")  # the values ``TrainConfig.optimizer`` accepts
 NS_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}  # Newton-Schulz precision per group
+
+
+def build_optimizer(
+    model: torch.nn.Module,
+    tc: TrainConfig,
+    device: torch.device,
+    sharded: bool = False,
+    ns_dtype: str = "bf16",
+) -> torch.optim.Optimizer:
+    """The optimizer ``tc.optimizer`` names over ``model``'s trainable parameters, as every
+    training step takes it: AdamW on the model's decay groups (fused on CUDA and CPU, but not
+    over DTensor shards: ``sharded``), or Muon's groups (``muon_groups``, its peak lr as a scale
+    of ``tc.lr``, its Newton-Schulz iteration in ``ns_dtype``) with AdamW on the rest. The lr is
+    the peak; ``set_lr`` puts each step's on it."""
+    betas = (tc.beta1, tc.beta2)
+    if tc.optimizer == "muon":
+        return MuonWithAdamW(
+            muon_groups(
+                model,
+                tc.weight_decay,
+                tc.muon_weight_decay,
+                tc.muon_momentum,
+                betas,
+                tc.muon_lr / tc.lr,
+                ns_dtype=ns_dtype,
+            )  # fmt: skip
+        )
+    fused = device.type in ("cuda", "cpu") and not sharded
+    return torch.optim.AdamW(
+        model.param_groups(tc.weight_decay), lr=tc.lr, betas=betas, fused=fused
+    )
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Every group's learning rate for the next step: ``lr`` times the group's ``lr_scale``
+    (Muon's peak lr on the same schedule)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr * group.get("lr_scale", 1.0)
 
 
 class MuonWithAdamW(torch.optim.Optimizer):
@@ -140,22 +183,26 @@ def muon_groups(model: torch.nn.Module, weight_decay: float, muon_weight_decay: 
     """The model's trainable parameters in Muon and AdamW groups: Muon takes the 2-D weights of
     the blocks (attention, MLP, router projections); AdamW decays the other matrices (embeddings,
     output head, 3-D expert banks) and leaves norms and biases undecayed."""
-    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
-    head = getattr(model, "lm_head", None)
-    outside = embeddings | ({id(head.weight)} if head is not None else set())
-    hidden, matrices, rest = [], [], []
-    for p in model.parameters():
-        if not p.requires_grad:
-            continue
-        if p.dim() == 2 and id(p) not in outside:
-            hidden.append(p)
-        elif p.dim() >= 2:
-            matrices.append(p)
-        else:
-            rest.append(p)
+    hidden = muon_params(model)
+    ids = {id(p) for p in hidden}
+    matrices = [
+        p for p in model.parameters() if p.requires_grad and p.dim() >= 2 and id(p) not in ids
+    ]
+    rest = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     return [
         {"params": hidden, "kind": "muon", "weight_decay": muon_weight_decay,
          "momentum": momentum, "lr_scale": lr_scale, "ns_dtype": ns_dtype},
         {"params": matrices, "kind": "adamw", "weight_decay": weight_decay, "betas": betas},
         {"params": rest, "kind": "adamw", "weight_decay": 0.0, "betas": betas},
     ]  # fmt: skip
+
+
+def muon_params(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The trainable parameters Muon updates: the 2-D weights of the blocks (attention, MLP,
+    router projections), not the embeddings nor the output head."""
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    head = getattr(model, "lm_head", None)
+    outside = embeddings | ({id(head.weight)} if head is not None else set())
+    return [
+        p for p in model.parameters() if p.requires_grad and p.dim() == 2 and id(p) not in outside
+    ]

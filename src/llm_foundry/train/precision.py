@@ -7,11 +7,13 @@ bf16 matmuls ~100x slower than fp32); on CUDA GPUs compute capability 8.0 (Amper
 On a CPU the answer takes both the flags in /proc/cpuinfo and a measurement: one bf16 and one fp32
 matrix product of ``MATMUL_N`` square, timed a few times (~0.1 s on fast hardware, at most ~0.3 s
 on slow), once per process. ``decide_cpu`` is the pure decision, testable on any machine.
-``resolve_dtype`` turns ``auto`` into ``bf16`` or ``fp32`` for the trainer.
+``resolve_dtype`` turns ``auto`` into ``bf16`` or ``fp32``; ``choose_precision`` makes a run's
+whole decision (its dtype, autocast, Muon's Newton-Schulz precision), once, the same on every rank.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import time
@@ -19,6 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from llm_foundry.rundir import RUN_INFO
+from llm_foundry.train import distributed as D
+from llm_foundry.train.config import TrainConfig
 
 # bf16 must multiply at least as fast as fp32: autocast adds a cast of every weight and
 # activation per step, so a bf16 matmul that is merely as fast makes the step no faster, and a
@@ -125,7 +131,7 @@ def bf16_support(device: torch.device | str) -> Bf16Support:
 
 def recorded_dtype(run_dir: str | Path) -> str | None:
     """The resolved dtype an earlier start of the run in ``run_dir`` wrote to its run.json."""
-    file = Path(run_dir) / "run.json"
+    file = Path(run_dir) / RUN_INFO
     try:
         return json.loads(file.read_text()).get("dtype")
     except (OSError, ValueError, AttributeError):
@@ -152,3 +158,42 @@ def resolve_dtype(
         )
         return recorded, f"dtype auto -> {recorded}, kept from the run's start{note}"
     return here, f"dtype auto -> {here}: {support.reason}"
+
+
+AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Precision:
+    """The arithmetic of one run, decided before its model is wrapped."""
+
+    dtype: str  # fp32 | bf16 | fp16: train.dtype resolved (auto -> bf16 | fp32)
+    reason: str  # why, in one line
+    support: Bf16Support | None = None  # bf16's speed on this machine, where it was asked
+    ns_dtype: str | None = None  # Muon's Newton-Schulz precision here (None: not asked)
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        return AUTOCAST_DTYPES[self.dtype]
+
+    def autocast(self, device_type: str):
+        """The context a forward runs in: autocast to bf16 or fp16, nothing for fp32."""
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type, dtype=self.autocast_dtype)
+
+
+def choose_precision(
+    tc: TrainConfig, device: torch.device, world: D.World, recorded: str | None = None
+) -> Precision:
+    """``tc.dtype`` resolved on ``device`` (``resolve_dtype``; ``recorded``: the dtype a resumed
+    run started with), and where ``auto`` or Muon ask whether bf16 is fast here, the answer:
+    measured on rank 0 and broadcast, so every rank takes the same path. Muon's Newton-Schulz
+    iteration runs in bf16 where that is fast, in fp32 elsewhere (AVX2 CPUs)."""
+    needs = tc.dtype == "auto" or tc.optimizer == "muon"
+    support = None
+    if needs:
+        support = D.from_main(bf16_support(device) if world.main else None, world)
+    ns_dtype = ("bf16" if support.fast else "fp32") if needs else None
+    dtype, reason = resolve_dtype(tc.dtype, device, recorded, support)
+    return Precision(dtype, reason, support, ns_dtype)

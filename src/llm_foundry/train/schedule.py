@@ -1,10 +1,13 @@
-"""Learning-rate schedules as pure functions of the step."""
+"""Learning-rate schedules as pure functions of the step; ``SCHEDULES`` is their one list (the
+names ``TrainConfig.schedule`` accepts)."""
 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
-from llm_foundry.train.config import TrainConfig
+if TYPE_CHECKING:
+    from llm_foundry.train.config import TrainConfig
 
 
 def _progress(step: int, cfg: TrainConfig) -> float:
@@ -38,6 +41,7 @@ def wsd(step: int, cfg: TrainConfig) -> float:
     return cfg.lr + frac * (cfg.min_lr - cfg.lr)
 
 
+# the registry: name -> schedule after warmup; TrainConfig accepts exactly these names
 SCHEDULES = {"cosine": cosine, "linear": linear, "constant": constant, "wsd": wsd}
 
 

@@ -8,7 +8,8 @@ A checkpoint is a directory ``step_000500/`` holding
   tokenizer.json                    the tokenizer, so the checkpoint can decode its own samples
 It is written to a hidden temporary directory, every file fsynced, then renamed into place;
 ``latest.json`` (written the same way) names the newest complete one. A crash mid-save leaves
-only a temporary directory behind, which the next save removes.
+only a temporary directory behind, which the next save removes. The names and their readers
+(``latest_checkpoint``, ``read_state``) are the run directory's: ``llm_foundry.rundir``.
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from llm_foundry.checkpoint import load_weights, save_checkpoint
-
-LATEST = "latest.json"
+from llm_foundry.config import ConfigError, ModelConfig
+from llm_foundry.rundir import LATEST, STATE, RunDir, read_state, step_dirs, step_name
+from llm_foundry.rundir import latest_checkpoint as latest_checkpoint  # the reader, re-exported
+from llm_foundry.train.config import TrainConfig
 
 
 def _fsync_dir(path: Path) -> None:
@@ -127,13 +130,13 @@ def save_train_checkpoint(
     ckpt_root.mkdir(parents=True, exist_ok=True)
     for stale in ckpt_root.glob(".tmp-*"):  # left by a save that crashed
         shutil.rmtree(stale, ignore_errors=True)
-    final = ckpt_root / f"step_{step:06d}"
-    tmp = ckpt_root / f".tmp-step_{step:06d}"
+    final = ckpt_root / step_name(step)
+    tmp = ckpt_root / f".tmp-{final.name}"
     tmp.mkdir()
     save_checkpoint(model, tmp)
     tensors, opt_meta = optimizer_to_flat(optimizer_state)
     save_file(tensors, str(tmp / "optimizer.safetensors"))
-    with open(tmp / "state.json", "w") as f:
+    with open(tmp / STATE, "w") as f:
         json.dump({**state, "step": step, "optimizer": opt_meta, "rng": rng_state()}, f)
     if tokenizer_path is not None and Path(tokenizer_path).exists():
         shutil.copyfile(tokenizer_path, tmp / "tokenizer.json")
@@ -147,39 +150,6 @@ def save_train_checkpoint(
     _fsync_dir(ckpt_root)
     write_json_atomic(ckpt_root / LATEST, {"step": step, "path": final.name})
     return final
-
-
-def latest_checkpoint(ckpt_root: Path) -> Path | None:
-    """The step directory ``ckpt_root/latest.json`` names (None without a pointer, or when it
-    names a directory that is gone)."""
-    pointer = ckpt_root / LATEST
-    if not pointer.exists():
-        return None
-    try:
-        name = json.loads(pointer.read_text())["path"]
-        if not isinstance(name, str) or "/" in name or name in ("", ".", ".."):
-            raise TypeError(f"path {name!r} is not a step directory name")
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
-        raise ValueError(
-            f"{pointer} is not a valid latest-checkpoint pointer ({e!r}); expected "
-            '{"step": N, "path": "step_000N"}'
-        ) from None
-    path = ckpt_root / name
-    return path if path.exists() else None
-
-
-def read_state(path: Path) -> dict:
-    """``path/state.json`` (a training checkpoint's state), with errors naming the file."""
-    file = Path(path) / "state.json"
-    try:
-        state = json.loads(file.read_text())
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{file} is missing: {path} is not a training checkpoint") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{file} is not valid JSON ({e}); the checkpoint is damaged") from None
-    if not isinstance(state, dict) or not isinstance(state.get("step"), int):
-        raise ValueError(f"{file} holds no training state (expected an object with a 'step')")
-    return state
 
 
 def load_train_checkpoint(path: Path, model: torch.nn.Module, optimizer=None) -> dict:
@@ -207,7 +177,70 @@ def read_train_checkpoint(path: Path) -> tuple[dict, dict, dict]:
 
 def prune_checkpoints(ckpt_root: Path, keep_last: int, keep: set[str]) -> None:
     """Delete all but the newest ``keep_last`` step directories and those named in ``keep``."""
-    steps = sorted(ckpt_root.glob("step_*"))
+    steps = step_dirs(ckpt_root)
     for old in steps[: max(0, len(steps) - keep_last)]:
         if old.name not in keep:
             shutil.rmtree(old, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# Resuming
+
+
+def resume_point(run_dir: str | Path) -> tuple[Path, ModelConfig, TrainConfig, str | None] | None:
+    """(checkpoint, model config, train config, data dir or None) of the latest checkpoint of
+    ``run_dir``, from its state.json and run.json; None when there is no checkpoint to resume."""
+    run = RunDir(run_dir)
+    ckpt = run.latest()
+    if ckpt is None:
+        return None
+    state = read_state(ckpt)
+    data = (run.info().get("data") or {}).get("dir")
+    model = ModelConfig.from_dict(state["model_config"])
+    return ckpt, model, TrainConfig.from_dict(state["train_config"]), data
+
+
+def check_resumable(
+    state: dict, path: Path, mc: ModelConfig, tc: TrainConfig, data_id: dict, data_dir: Path
+) -> list[str]:
+    """Refuse (ConfigError) resuming checkpoint ``path`` (its ``state``) as a run of ``mc`` and
+    ``tc`` on the data ``data_id`` fingerprints when the weights would not fit: another
+    architecture, another frozen-base dtype, other data. Returns the training settings that
+    differ from the saved run's ("name old -> new"; allowed: e.g. a larger max_steps)."""
+    # fields added since a run was saved take their defaults; runs saved before n_kv_heads
+    # could stay unset hold the effective count: compare that
+    saved = ModelConfig.from_dict(state["model_config"]).to_dict()
+    now = json.loads(json.dumps(mc.to_dict()))  # tuples as JSON lists, like the saved one
+    saved["n_kv_heads"] = saved["n_kv_heads"] or saved["n_heads"]
+    now["n_kv_heads"] = mc.kv_heads
+    changed = [
+        f"{k}: saved {saved.get(k)!r}, now {v!r}" for k, v in now.items() if saved.get(k) != v
+    ]
+    if changed:
+        raise ConfigError(
+            changed,
+            f"resume: {path} holds a model with other settings; a run resumes with the "
+            "architecture it was started with, drop or fix these --model flags",
+        )
+    # the frozen base is saved as the run held it: bf16/int8 tensors do not load into fp32 ones
+    saved_base = state["train_config"].get("lora_base_dtype", "fp32")
+    if saved_base != tc.lora_base_dtype:
+        raise ConfigError(
+            [f"lora_base_dtype: saved {saved_base!r}, now {tc.lora_base_dtype!r}"],
+            f"resume: {path} holds its frozen base as {saved_base}; resume with "
+            f"--train.lora_base_dtype {saved_base}",
+        )
+    saved_data = state.get("data")  # absent in checkpoints written before it was recorded
+    if saved_data is not None and saved_data != data_id:
+        raise ConfigError(
+            [
+                f"{k}: saved {saved_data.get(k)!r}, now {v!r}"
+                for k, v in data_id.items()
+                if saved_data.get(k) != v
+            ],
+            f"resume: {path} was trained on other data than {data_dir}; a run resumes "
+            "on the data it started with: pass that --data, or start a new run with --out",
+        )
+    saved = state["train_config"]
+    now = json.loads(json.dumps(tc.to_dict()))
+    return [f"{k} {saved.get(k)!r} -> {v!r}" for k, v in now.items() if saved.get(k) != v]

@@ -10,6 +10,10 @@ vocabulary, and the loss is computed on vocabulary shards (``loss_parallel``) wi
 the logits. Everything outside the blocks that has weights (learned positions, an embedding
 norm) is replicated. MQA's single K/V head cannot be split: ``wk``/``wv`` stay whole on every
 rank, their output's gradient summed over the ranks.
+
+This module is the one owner of what tensor parallelism accepts and splits: ``tp_problems``
+(models), ``settings_problems`` (training settings: ``TrainConfig`` asks) and ``split_dims``
+(what each rank holds, read from the plan: the memory report asks).
 """
 
 from __future__ import annotations
@@ -66,6 +70,36 @@ def tp_problems(cfg, tp: int, block_size: int | None = None) -> list[str]:
             "tensor-parallel ranks; use parallel=fsdp or ddp"
         )
     return p
+
+
+def settings_problems(tc, parallel: str) -> list[str]:
+    """Why training settings ``tc`` (a ``TrainConfig`` being validated: fields may still be of any
+    type) cannot run with tensor parallelism as ``parallel`` (``tc.parallel``, "none" when that is
+    no layout) asks for it, one line each."""
+    p = []
+    if "tp" in parallel:  # tensor parallelism holds DTensor shards of each matrix
+        lora = _is_count(tc.lora_r) and tc.lora_r > 0
+        monitor = _is_count(tc.monitor_interval) and tc.monitor_interval > 0
+        for name, bad, why in (
+            ("dtype", tc.dtype == "fp16", "fp16 with its grad scaler is not supported "
+             "(untested) under tensor parallelism; use bf16 or fp32"),
+            ("lora_r", lora, "adapters are not split across tensor-parallel ranks; use ddp or fsdp"),
+            ("monitor_interval", monitor, "the monitors read whole weights; use ddp or none"),
+        ):  # fmt: skip
+            if bad:
+                p.append(f"{name}={getattr(tc, name)!r} with parallel={tc.parallel!r}: {why}")
+    tp_size = tc.tp_size if _is_count(tc.tp_size) else 0
+    if tp_size and "tp" not in parallel:
+        p.append(f"tp_size={tp_size} with parallel={tc.parallel!r}: tp_size applies to "
+                 "parallel=tp and fsdp+tp only")  # fmt: skip
+    if tp_size == 1 and tc.parallel == "fsdp+tp":
+        p.append("tp_size=1 with parallel='fsdp+tp': one rank per tensor-parallel group is "
+                 "plain FSDP; use parallel=fsdp, or tp_size >= 2")  # fmt: skip
+    return p
+
+
+def _is_count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 class Replicated(ParallelStyle):
@@ -164,6 +198,25 @@ def tp_plan(model: nn.Module) -> dict[str, ParallelStyle]:
                 plan[f"{b}.mlp.{n}"] = ColwiseParallel()
         plan[f"{b}.mlp.w2"] = RowwiseParallel(output_layouts=seq)
     return plan
+
+
+def split_dims(model: nn.Module) -> dict[str, int | None]:
+    """Parameter name -> the dimension ``tp_plan`` splits over the tensor-parallel ranks, None for
+    a parameter every rank holds whole (what the memory accounting counts per rank). Column-wise:
+    a linear's output features, its bias too (dim 0); row-wise: its input features (dim 1), the
+    bias whole; an embedding split row-wise holds its vocabulary rows (dim 0)."""
+    plan = tp_plan(model)
+    dims: dict[str, int | None] = {}
+    for prefix, module in model.named_modules():
+        style = plan.get(prefix)
+        for name, _ in module.named_parameters(recurse=False):
+            dim = None
+            if isinstance(style, ColwiseParallel):
+                dim = 1 if isinstance(module, nn.Embedding) else 0
+            elif isinstance(style, RowwiseParallel):
+                dim = 0 if isinstance(module, nn.Embedding) else (1 if name == "weight" else None)
+            dims[f"{prefix}.{name}" if prefix else name] = dim
+    return dims
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, block_size: int | None = None) -> nn.Module:

@@ -11,7 +11,6 @@ training-dynamics record every N steps.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import platform
@@ -26,27 +25,26 @@ from tqdm import tqdm
 
 import llm_foundry
 from llm_foundry import lock
-from llm_foundry.checkpoint import load_checkpoint
-from llm_foundry.config import ConfigError, ModelConfig
+from llm_foundry.config import ModelConfig
 from llm_foundry.data import BatchSampler, data_fingerprint, load_meta, load_split
-from llm_foundry.data.sft import IGNORE, SFTSampler
+from llm_foundry.data.sft import IGNORE
 from llm_foundry.models import Transformer
-from llm_foundry.models.lora import add_lora, apply_lora_settings, lora_settings
-from llm_foundry.models.position import position_traits
+from llm_foundry.models.lora import apply_lora_settings, lora_settings
+from llm_foundry.rundir import RunDir, latest_checkpoint, read_state, step_name
 from llm_foundry.train import distributed as D
 from llm_foundry.train import tensor_parallel as TP
+from llm_foundry.train.build import build_model, build_sampler, is_sft, model_config_for_data
 from llm_foundry.train.config import TrainConfig
 from llm_foundry.train.memory import check_training_memory
-from llm_foundry.train.metrics import MetricsLog
+from llm_foundry.train.metrics import MetricsLog, tb_write, tensorboard
 from llm_foundry.train.monitor import ExpertLoad, Monitor, layer_grad_norms, rest_grad_norm
-from llm_foundry.train.optim import MuonWithAdamW, muon_groups
-from llm_foundry.train.precision import bf16_support, recorded_dtype, resolve_dtype
+from llm_foundry.train.optim import build_optimizer, set_lr
+from llm_foundry.train.precision import choose_precision, recorded_dtype
 from llm_foundry.train.schedule import lr_at
 from llm_foundry.train.state import (
-    latest_checkpoint,
+    check_resumable,
     load_train_checkpoint,
     prune_checkpoints,
-    read_state,
     read_train_checkpoint,
     save_train_checkpoint,
     write_json_atomic,
@@ -57,22 +55,6 @@ log = logging.getLogger(__name__)
 
 class TrainingDiverged(RuntimeError):
     """The loss or gradient norm became NaN/inf."""
-
-
-def resolve_device(name: str) -> torch.device:
-    available = dict(cuda=torch.cuda.is_available(), mps=torch.backends.mps.is_available())
-    if name in available and not available[name]:
-        raise ValueError(f"train.device={name}: not available on this machine; use auto or cpu")
-    if name != "auto":
-        return torch.device(name)
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    if torch.backends.mps.is_available():
-        return torch.device("mps")
-    return torch.device("cpu")
-
-
-AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass
@@ -88,6 +70,9 @@ class RunResult:
 
 
 class Trainer:
+    """One training run in ``out_dir``: its pieces built from the configs (``train.build``,
+    ``optim``, ``precision``, ``distributed``), then ``run`` steps, evaluates and checkpoints."""
+
     def __init__(
         self,
         model_cfg: ModelConfig,
@@ -96,115 +81,52 @@ class Trainer:
         out_dir: str | Path,
         resume: bool = False,
     ):
-        self.tc = train_cfg
-        if train_cfg.block_size > model_cfg.max_seq_len:
-            raise ValueError(
-                f"train.block_size={train_cfg.block_size} is past model.max_seq_len="
-                f"{model_cfg.max_seq_len} (the context the model is built for): lower "
-                "train.block_size or raise model.max_seq_len"
-            )
-        self.data_dir = Path(data_dir)
-        self.out = Path(out_dir)
-        self.ckpt_root = self.out / "checkpoints"
+        tc = self.tc = train_cfg
+        self.data_dir, self.out = Path(data_dir), Path(out_dir)
+        self.ckpt_root = RunDir(self.out).checkpoints
         self.meta = load_meta(self.data_dir)
-        if model_cfg.vocab_size != self.meta["vocab_size"]:
-            log.info(
-                f"note: model.vocab_size set to {self.meta['vocab_size']} "
-                f"(the tokenizer in {self.data_dir}; the config said {model_cfg.vocab_size})"
-            )
-            model_cfg = model_cfg.replace(vocab_size=self.meta["vocab_size"])
-        self.mc = model_cfg
-        self.world, self.device = D.init_world(
-            resolve_device(train_cfg.device), train_cfg.parallel, train_cfg.tp_size
-        )
+        self.mc = model_config_for_data(model_cfg, tc, self.meta, self.data_dir)
+        self.sft = is_sft(self.meta)  # whole examples with masked prompts
+        self.world, self.device = D.init_world(D.resolve_device(tc.device), tc.parallel, tc.tp_size)
         # a config that cannot fit is refused here, before the model is built
-        check_training_memory(model_cfg, train_cfg, self.device, self.world)
-        torch.manual_seed(train_cfg.seed)  # every rank builds the same initial weights
-        self.model = Transformer(model_cfg).to(self.device)
-        if train_cfg.init_from and not resume:  # a resumed run's weights come from its checkpoint
-            self._load_initial_weights(Path(train_cfg.init_from))
-        if train_cfg.lora_r:  # the base frozen: only the adapters train
-            add_lora(
-                self.model,
-                train_cfg.lora_targets.split(","),
-                r=train_cfg.lora_r,
-                alpha=train_cfg.lora_alpha,
-                dropout=train_cfg.lora_dropout,
-                rslora=train_cfg.lora_rslora,
-                base_dtype=train_cfg.lora_base_dtype,
-            )
-        self.model.activation_checkpointing = train_cfg.activation_checkpointing
-        # is bf16 fast here? Measured on rank 0 and broadcast: every rank takes the same path
-        needs = train_cfg.dtype == "auto" or train_cfg.optimizer == "muon"
-        here = bf16_support(self.device) if needs and self.world.main else None
-        self.bf16 = D.from_main(here, self.world) if needs else None
-        # PyTorch's Newton-Schulz runs in bf16: fp32 where bf16 is slow (AVX2 CPUs)
-        self.ns_here = ("bf16" if self.bf16.fast else "fp32") if needs else None
+        check_training_memory(self.mc, tc, self.device, self.world)
+        # a resumed run's weights come from its checkpoint, not init_from
+        self.model = build_model(self.mc, tc, self.device, init_from=not resume)
         # auto becomes bf16 or fp32 once, here; a resumed run keeps the dtype it started with
         recorded = recorded_dtype(self.out) if resume else None
-        self.dtype, self.dtype_reason = resolve_dtype(
-            train_cfg.dtype, self.device, recorded, self.bf16
-        )
-        if train_cfg.dtype == "auto" and self.world.main:
+        self.precision = choose_precision(tc, self.device, self.world, recorded)
+        self.dtype, self.dtype_reason = self.precision.dtype, self.precision.reason
+        self.amp_dtype = self.precision.autocast_dtype
+        if tc.dtype == "auto" and self.world.main:
             log.info(self.dtype_reason)
-        self.wrapped = D.wrap(self.model, train_cfg.parallel, self.world, self.device, self.dtype,
-                              train_cfg.block_size)  # fmt: skip
-        self.sharded = train_cfg.parallel in D.SHARDED and self.world.distributed
+        self.wrapped = D.wrap(self.model, tc.parallel, self.world, self.device, self.dtype,
+                              tc.block_size)  # fmt: skip
+        self.sharded = D.is_sharded(tc.parallel, self.world)
         # tensor parallelism: the loss is computed on vocabulary shards, forward and backward
         self.loss_context = TP.loss_context if self.world.tp > 1 else contextlib.nullcontext
-        self.forward = torch.compile(self.wrapped) if train_cfg.compile else self.wrapped
-        fused = self.device.type in ("cuda", "cpu") and not self.sharded
-        if train_cfg.optimizer == "muon":
-            self.optimizer = MuonWithAdamW(
-                muon_groups(
-                    self.model,
-                    train_cfg.weight_decay,
-                    train_cfg.muon_weight_decay,
-                    train_cfg.muon_momentum,
-                    (train_cfg.beta1, train_cfg.beta2),
-                    train_cfg.muon_lr / train_cfg.lr,
-                    ns_dtype=self.ns_here,
-                )  # fmt: skip
-            )
-        else:
-            self.optimizer = torch.optim.AdamW(
-                self.model.param_groups(train_cfg.weight_decay),
-                lr=train_cfg.lr,
-                betas=(train_cfg.beta1, train_cfg.beta2),
-                fused=fused,
-            )
-        self.amp_dtype = AUTOCAST_DTYPES[self.dtype]
+        self.forward = torch.compile(self.wrapped) if tc.compile else self.wrapped
+        self.optimizer = build_optimizer(self.model, tc, self.device, self.sharded,
+                                         self.precision.ns_dtype)  # fmt: skip
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.dtype == "fp16")
         self.train_data = load_split(self.data_dir, "train")
         self.val_data = load_split(self.data_dir, "val")
-        self.sft = self.meta.get("kind") == "sft"  # whole examples with masked prompts
-        if train_cfg.sft_packing and not self.sft:
-            raise ValueError(
-                f"train.sft_packing needs fine-tuning data (prepare --sft); {data_dir} is text"
-            )
-        if train_cfg.sft_packing and position_traits(self.mc).absolute:
-            raise ConfigError(
-                [f"pos_encoding={self.mc.pos_encoding!r}: packed documents would see absolute "
-                 "positions past their start; packing needs rope, alibi or none"],
-                "train.sft_packing",
-            )  # fmt: skip
-        self.sampler = self._sampler("train", train_cfg.seed)
+        self.sampler = self._sampler("train", tc.seed)
         if self.sft and (self.sampler.cut or self.sampler.dropped) and self.world.main:
             log.info(
                 f"note: {self.sampler.cut} of {len(self.sampler.offsets) - 1} training examples are "
-                f"longer than block_size + 1 = {train_cfg.block_size + 1} tokens and are cut; "
+                f"longer than block_size + 1 = {tc.block_size + 1} tokens and are cut; "
                 f"{self.sampler.dropped} keep no target and are left out"
             )
         # the validation split must hold a window too: fail now, not at the first evaluation
-        self._sampler("val", train_cfg.seed + 1)
-        if train_cfg.monitor_interval and self.sharded:
+        self._sampler("val", tc.seed + 1)
+        if tc.monitor_interval and self.sharded:
             raise ValueError("train.monitor_interval needs whole weights: use parallel=ddp or none")
         self.monitor = (
-            Monitor.for_run(self.model, self.val_data, train_cfg, self.device, write=tqdm.write)
-            if train_cfg.monitor_interval
+            Monitor.for_run(self.model, self.val_data, tc, self.device, write=tqdm.write)
+            if tc.monitor_interval
             else None
         )
-        interval = train_cfg.monitor_interval or train_cfg.eval_interval or train_cfg.max_steps
+        interval = tc.monitor_interval or tc.eval_interval or tc.max_steps
         self.experts = ExpertLoad(self.model, interval, self.world, self.device)
         self.last_aux: torch.Tensor | None = None
         self.step = 0
@@ -220,11 +142,7 @@ class Trainer:
                 self._resume()
             if self.world.main:
                 self._write_run_info()
-                ns = self.muon_ns_dtype()  # after a resume: the checkpoint's
-                if ns:
-                    why = (self.bf16.reason if ns == self.ns_here else "kept from the checkpoint; "
-                           f"this machine alone would use {self.ns_here}: {self.bf16.reason}")  # fmt: skip
-                    log.info(f"muon: Newton-Schulz in {ns} ({why})")
+                self._say_muon_precision()
         except BaseException:
             self.release()
             raise
@@ -242,7 +160,10 @@ class Trainer:
                 f"--resume: no checkpoint in {self.ckpt_root} (latest.json missing); "
                 "start without --resume"
             )
-        self._check_resumable(read_state(path), path)
+        state = read_state(path)
+        changed = check_resumable(state, path, self.mc, self.tc, self.data_id, self.data_dir)
+        if changed and self.world.main:
+            log.info("resuming with changed training settings: " + ", ".join(changed))
         if self.sharded:  # every rank reads the full tensors and keeps its shard
             model_sd, optim_sd, state = read_train_checkpoint(path)
             D.load_full_state(
@@ -265,83 +186,18 @@ class Trainer:
 
     def _sampler(self, split: str, seed: int) -> BatchSampler:
         """Random windows of the token stream, or whole fine-tuning examples (SFT data)."""
-        tc, w = self.tc, self.world
-        if self.sft:
-            return SFTSampler(self.data_dir, split, tc.block_size, tc.batch_size, seed,
-                              rank=w.dp_rank, world_size=w.dp_size, pack=tc.sft_packing)  # fmt: skip
-        data = self.train_data if split == "train" else self.val_data
-        return BatchSampler(data, tc.block_size, tc.batch_size, seed,
-                            rank=w.dp_rank, world_size=w.dp_size)  # fmt: skip
+        tokens = self.train_data if split == "train" else self.val_data
+        return build_sampler(self.data_dir, split, self.tc, seed, self.world, self.sft, tokens)
 
-    def _load_initial_weights(self, path: Path) -> None:
-        """Start from the weights in ``path``: one of our checkpoints (adapters merged) or an HF
-        transformers directory; the model must be the one they were saved from."""
-        meta = json.loads((path / "config.json").read_text())
-        if meta.get("quantization"):
-            raise ValueError(
-                f"train.init_from {path} holds {meta['quantization'].get('scheme')} weights, "
-                "which cannot be trained: start from the full-precision checkpoint (a LoRA "
-                "fine-tune can hold that base in int8: train.lora_base_dtype int8)"
-            )
-        if meta.get("format") == "llm-foundry":
-            source = load_checkpoint(path)
-        else:
-            from llm_foundry.interop.hf import from_hf
-
-            source = from_hf(path)
-        # settings no weight depends on may change (e.g. a longer context for relative positions)
-        diff = self.mc.weight_differences(source.cfg)
-        if diff:
-            hint = ""
-            if source.cfg.vocab_size != self.mc.vocab_size:
-                hint = ("; the data must be tokenized with that model's tokenizer (chat/SFT rows: "
-                        "prepare --sft ... --tokenizer-from MODEL)")  # fmt: skip
-            raise ConfigError(diff, f"train.init_from {path} holds another model{hint}")
-        with torch.no_grad():
-            self.model.load_state_dict(source.state_dict())
-
-    def _check_resumable(self, state: dict, path: Path) -> None:
-        """Refuse a resume that would change the architecture (the weights would not fit); say
-        which training settings differ from the saved run (allowed: e.g. a larger max_steps)."""
-        # fields added since a run was saved take their defaults; runs saved before n_kv_heads
-        # could stay unset hold the effective count: compare that
-        saved = ModelConfig.from_dict(state["model_config"]).to_dict()
-        now = json.loads(json.dumps(self.mc.to_dict()))  # tuples as JSON lists, like the saved one
-        saved["n_kv_heads"] = saved["n_kv_heads"] or saved["n_heads"]
-        now["n_kv_heads"] = self.mc.kv_heads
-        changed = [
-            f"{k}: saved {saved.get(k)!r}, now {v!r}" for k, v in now.items() if saved.get(k) != v
-        ]
-        if changed:
-            raise ConfigError(
-                changed,
-                f"resume: {path} holds a model with other settings; a run resumes with the "
-                "architecture it was started with, drop or fix these --model flags",
-            )
-        # the frozen base is saved as the run held it: bf16/int8 tensors do not load into fp32 ones
-        saved_base = state["train_config"].get("lora_base_dtype", "fp32")
-        if saved_base != self.tc.lora_base_dtype:
-            raise ConfigError(
-                [f"lora_base_dtype: saved {saved_base!r}, now {self.tc.lora_base_dtype!r}"],
-                f"resume: {path} holds its frozen base as {saved_base}; resume with "
-                f"--train.lora_base_dtype {saved_base}",
-            )
-        saved_data = state.get("data")  # absent in checkpoints written before it was recorded
-        if saved_data is not None and saved_data != self.data_id:
-            raise ConfigError(
-                [
-                    f"{k}: saved {saved_data.get(k)!r}, now {v!r}"
-                    for k, v in self.data_id.items()
-                    if saved_data.get(k) != v
-                ],
-                f"resume: {path} was trained on other data than {self.data_dir}; a run resumes "
-                "on the data it started with: pass that --data, or start a new run with --out",
-            )
-        saved = state["train_config"]
-        now = json.loads(json.dumps(self.tc.to_dict()))
-        diff = [f"{k} {saved.get(k)!r} -> {v!r}" for k, v in now.items() if saved.get(k) != v]
-        if diff and self.world.main:
-            log.info("resuming with changed training settings: " + ", ".join(diff))
+    def _say_muon_precision(self) -> None:
+        """Log the precision of Muon's Newton-Schulz iteration, and why (after a resume: the
+        checkpoint's)."""
+        ns, here = self.muon_ns_dtype(), self.precision.ns_dtype
+        if ns:
+            reason = self.precision.support.reason
+            why = (reason if ns == here else "kept from the checkpoint; "
+                   f"this machine alone would use {here}: {reason}")  # fmt: skip
+            log.info(f"muon: Newton-Schulz in {ns} ({why})")
 
     def muon_ns_dtype(self) -> str | None:
         """The precision of Muon's Newton-Schulz iteration ("bf16" or "fp32"); None without Muon."""
@@ -375,9 +231,7 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------
     def _autocast(self):
-        if self.amp_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.amp_dtype)
+        return self.precision.autocast(self.device.type)
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -412,7 +266,7 @@ class Trainer:
         parallel, w = self.tc.parallel, self.world
         model_sd = D.full_model_state(self.wrapped, parallel, w)  # collective under FSDP
         optim_sd = D.full_optimizer_state(self.wrapped, self.optimizer, parallel, w)
-        path = self.ckpt_root / f"step_{self.step:06d}"
+        path = self.ckpt_root / step_name(self.step)
         if w.main:
             model = self.model
             if self.sharded:  # a plain CPU copy holding the gathered tensors
@@ -440,9 +294,7 @@ class Trainer:
         (per-layer gradient norms, the rest's norm) before clipping when ``layer_norms``, else
         None."""
         tc = self.tc
-        lr = lr_at(self.step, tc)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr * group.get("lr_scale", 1.0)  # Muon's peak lr on the same schedule
+        set_lr(self.optimizer, lr_at(self.step, tc))
         loss_sum = torch.zeros((), device=self.device)
         aux_sum = torch.zeros((), device=self.device)
         batches = [
@@ -502,7 +354,7 @@ class Trainer:
         # a resumed run hides what the interrupted one logged after its checkpoint, as in
         # metrics.jsonl
         purge = self.step + 1 if self.resumed_from else None
-        tb = _tensorboard(self.out, purge) if tc.tensorboard and main else None
+        tb = tensorboard(self.out, purge) if tc.tensorboard and main else None
         last_loss, last_ckpt, val_history = None, self.resumed_from, []
         bar = tqdm(
             total=tc.max_steps,
@@ -551,7 +403,7 @@ class Trainer:
                 if watch:
                     metrics.write(self.monitor.record(self.step, probe, *norms))
                 if tb:
-                    _tb_write(tb, "train", rec)
+                    tb_write(tb, "train", rec)
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss:.4f}", lr=f"{rec['lr']:.2e}", tok_s=f"{tps:,.0f}")
                 final = self.step == tc.max_steps
@@ -566,10 +418,10 @@ class Trainer:
                     ev = dict(step=self.step, val_loss=val, val_ppl=math.exp(val))
                     metrics.write(ev)
                     if tb:
-                        _tb_write(tb, "val", ev)
+                        tb_write(tb, "val", ev)
                     say(f"step {self.step}: train loss {loss:.4f}, val loss {val:.4f}")
                     if val < self.best_val:  # the best model is always on disk
-                        self.best_val, self.best_name = val, f"step_{self.step:06d}"
+                        self.best_val, self.best_name = val, step_name(self.step)
                         save_now = True
                 if self.world.distributed:  # a signal seen by one rank stops all at this step
                     if D.any_rank(stop["signal"] is not None, self.world, self.device):
@@ -601,22 +453,3 @@ class Trainer:
             skipped_steps=self.skipped,
             checkpoint=last_ckpt,
         )
-
-
-def _tensorboard(out: Path, purge_step: int | None):
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError as e:
-        from llm_foundry.package import install_line
-
-        raise ImportError(
-            f"train.tensorboard=true needs TensorBoard: {install_line('tensorboard')}"
-        ) from e
-    return SummaryWriter(str(out / "tensorboard"), purge_step=purge_step)
-
-
-def _tb_write(tb, group: str, rec: dict) -> None:
-    """One metrics.jsonl record as TensorBoard scalars named ``group/key`` at its step."""
-    for k, v in rec.items():
-        if k != "step":
-            tb.add_scalar(f"{group}/{k}", v, rec["step"])

@@ -1,0 +1,125 @@
+"""A training run's model and data, built as the trainer, the ablation runner and the benchmarks
+build them: plain functions of the configs.
+
+The other pieces of a run have their own builders, in the module that owns each concern:
+``optim.build_optimizer`` (AdamW or Muon's groups, and ``set_lr``), ``precision.choose_precision``
+(the dtype, autocast and Newton-Schulz precision, one decision for all ranks),
+``distributed.init_world`` and ``distributed.wrap`` (processes and DDP / FSDP2 / TP), and
+``memory.check_training_memory`` (the refusal of a run that cannot fit, before the model exists).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from llm_foundry import rundir
+from llm_foundry.config import ConfigError, ModelConfig
+from llm_foundry.data import BatchSampler, load_split
+from llm_foundry.data.sft import SFTSampler
+from llm_foundry.models import Transformer
+from llm_foundry.models.lora import add_lora
+from llm_foundry.models.position import position_traits
+from llm_foundry.train.config import TrainConfig
+from llm_foundry.train.distributed import World
+
+log = logging.getLogger(__name__)
+
+
+def model_config_for_data(mc: ModelConfig, tc: TrainConfig, meta: dict, data_dir: Path):
+    """``mc`` as it trains on the data ``meta`` describes: its vocabulary the tokenizer's (with a
+    note when the config said otherwise). Refuses a ``tc.block_size`` past ``mc.max_seq_len``, and
+    packed fine-tuning rows where the data is plain text or the positions are absolute."""
+    if tc.block_size > mc.max_seq_len:
+        raise ValueError(
+            f"train.block_size={tc.block_size} is past model.max_seq_len={mc.max_seq_len} (the "
+            "context the model is built for): lower train.block_size or raise model.max_seq_len"
+        )
+    if mc.vocab_size != meta["vocab_size"]:
+        log.info(
+            f"note: model.vocab_size set to {meta['vocab_size']} "
+            f"(the tokenizer in {data_dir}; the config said {mc.vocab_size})"
+        )
+        mc = mc.replace(vocab_size=meta["vocab_size"])
+    if tc.sft_packing and not is_sft(meta):
+        raise ValueError(
+            f"train.sft_packing needs fine-tuning data (prepare --sft); {data_dir} is text"
+        )
+    if tc.sft_packing and position_traits(mc).absolute:
+        raise ConfigError(
+            [f"pos_encoding={mc.pos_encoding!r}: packed documents would see absolute "
+             "positions past their start; packing needs rope, alibi or none"],
+            "train.sft_packing",
+        )  # fmt: skip
+    return mc
+
+
+def is_sft(meta: dict) -> bool:
+    """Whether the data is fine-tuning rows (whole examples, prompts masked) rather than text."""
+    return meta.get("kind") == "sft"
+
+
+def build_model(
+    mc: ModelConfig, tc: TrainConfig, device: torch.device, init_from: bool = True
+) -> Transformer:
+    """The model a run of ``tc`` trains, on ``device``: initial weights drawn after seeding
+    ``tc.seed`` (every rank builds the same), then ``tc.init_from``'s weights unless
+    ``init_from`` is false (a resumed run takes its checkpoint's), then LoRA adapters on the
+    frozen base (``tc.lora_r``), and activation checkpointing as ``tc`` asks."""
+    torch.manual_seed(tc.seed)
+    model = Transformer(mc).to(device)
+    if tc.init_from and init_from:
+        load_initial_weights(model, Path(tc.init_from))
+    if tc.lora_r:  # the base frozen: only the adapters train
+        add_lora(model, tc.lora_targets.split(","), r=tc.lora_r, alpha=tc.lora_alpha,
+                 dropout=tc.lora_dropout, rslora=tc.lora_rslora,
+                 base_dtype=tc.lora_base_dtype)  # fmt: skip
+    model.activation_checkpointing = tc.activation_checkpointing
+    return model
+
+
+def load_initial_weights(model: Transformer, path: Path) -> None:
+    """Put the weights in ``path`` on ``model``: a run, one of our checkpoints (LoRA adapters
+    merged) or an HF transformers directory, read by the one loader (``rundir.load``). The
+    model must be the one they were saved from, up to settings no weight depends on (a longer
+    context for relative positions); quantized weights cannot be trained."""
+    ckpt = rundir.checkpoint_dir(path, "train.init_from")
+    quantization = rundir.checkpoint_kind(ckpt)[1].get("quantization")
+    if quantization:
+        raise ValueError(
+            f"train.init_from {path} holds {quantization.get('scheme')} weights, which cannot be "
+            "trained: start from the full-precision checkpoint (a LoRA fine-tune can hold that "
+            "base in int8: train.lora_base_dtype int8)"
+        )
+    source = rundir.load(ckpt).model
+    diff = model.cfg.weight_differences(source.cfg)
+    if diff:
+        hint = ""
+        if source.cfg.vocab_size != model.cfg.vocab_size:
+            hint = ("; the data must be tokenized with that model's tokenizer (chat/SFT rows: "
+                    "prepare --sft ... --tokenizer-from MODEL)")  # fmt: skip
+        raise ConfigError(diff, f"train.init_from {path} holds another model{hint}")
+    with torch.no_grad():
+        model.load_state_dict(source.state_dict())
+
+
+def build_sampler(
+    data_dir: Path,
+    split: str,
+    tc: TrainConfig,
+    seed: int,
+    world: World | None = None,
+    sft: bool = False,
+    tokens=None,
+) -> BatchSampler | SFTSampler:
+    """The batches of ``split``, seeded by ``seed``, this data-parallel rank's share of them:
+    random windows of the token stream (``tokens``: the split already mapped), or whole
+    fine-tuning examples (``sft``; packed as ``tc.sft_packing`` says)."""
+    rank, size = (world.dp_rank, world.dp_size) if world is not None else (0, 1)
+    if sft:
+        return SFTSampler(data_dir, split, tc.block_size, tc.batch_size, seed,
+                          rank=rank, world_size=size, pack=tc.sft_packing)  # fmt: skip
+    data = tokens if tokens is not None else load_split(data_dir, split)
+    return BatchSampler(data, tc.block_size, tc.batch_size, seed, rank=rank, world_size=size)
