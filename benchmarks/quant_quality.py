@@ -33,7 +33,7 @@ from llm_foundry.config import ModelConfig
 from llm_foundry.data import prepare
 from llm_foundry.evaluate import evaluate_tokens
 from llm_foundry.generate import generate
-from llm_foundry.rundir import load
+from llm_foundry.loading import load_any
 from llm_foundry.train.config import TrainConfig
 from llm_foundry.train.trainer import Trainer
 
@@ -67,7 +67,7 @@ def score(source: Path, val: np.ndarray, tok, new: int) -> list[dict]:
     prompts = [val[i : i + 32].tolist() for i in (len(val) // 10, len(val) // 2, len(val) * 4 // 5)]
     rows, reference = [], None
     for name, scheme, group in SCHEMES:
-        model = load(source, quantize=scheme, group_size=group or 64).model
+        model = load_any(source, quantize=scheme, group_size=group or 64).model
         ev = evaluate_tokens(model, val, context=MODEL["max_seq_len"], batch_size=16)
         conts = [continuation(model, p, new) for p in prompts]
         reference = reference or conts
@@ -138,7 +138,6 @@ def main() -> int:
     if not CORPUS.exists():
         raise SystemExit(f"{CORPUS} not found: the shared test data lives beside the repository")
     from llm_foundry.interop.hf import to_hf
-    from llm_foundry.rundir import load as load_any
 
     start = time.time()
     models = []

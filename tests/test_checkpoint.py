@@ -192,14 +192,14 @@ def test_a_truncated_hf_weight_file_is_named(hf_dir):
 def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused(ckpt, capsys):
     """Ids past the embedding would fail at the first token they meet (an IndexError in
     generate, a dead server): the mismatch is named when the model loads."""
-    from llm_foundry.rundir import load
+    from llm_foundry.loading import load_any
     from llm_foundry.tokenizer import CharTokenizer
 
     tok = CharTokenizer.train("".join(chr(0x100 + i) for i in range(TINY["vocab_size"] + 1)))
     tok.save(ckpt / "tokenizer.json")
     with pytest.raises(ValueError, match=r"has 65 tokens but the model's vocab_size is 64"):
-        load(ckpt)
+        load_any(ckpt)
     assert main(["generate", "--checkpoint", str(ckpt), "--prompt", "\u0100"]) == 2
     assert "vocab_size is 64" in capsys.readouterr().err
     CharTokenizer.train("abc").save(ckpt / "tokenizer.json")  # smaller is fine: ids all fit
-    assert load(ckpt).tokenizer.vocab_size == 3
+    assert load_any(ckpt).tokenizer.vocab_size == 3

@@ -13,8 +13,8 @@ import torch
 from llm_foundry.checkpoint import save_checkpoint
 from llm_foundry.cli import main
 from llm_foundry.config import ModelConfig
+from llm_foundry.loading import load_any
 from llm_foundry.models import Transformer
-from llm_foundry.rundir import load
 from llm_foundry.tokenizer import CharTokenizer
 
 TEXT = "to be or not to be, that is the question\n" * 4
@@ -82,9 +82,9 @@ def test_an_export_into_a_run_is_refused_and_the_run_still_loads_its_own_model(t
         ["quantize", "--checkpoint", str(other), "--to", "int8", "--out", str(run)],
     ):
         _refused(capsys, argv, "not empty")
-    assert torch.equal(_logits(load(run).model), _logits(trained))
+    assert torch.equal(_logits(load_any(run).model), _logits(trained))
     # a directory that holds both a checkpoint and a run: which one was meant is not guessed
-    save_checkpoint(load(other).model, run)
+    save_checkpoint(load_any(other).model, run)
     _refused(capsys, ["generate", "--checkpoint", str(run), "--prompt", "to"], "holds both")
 
 

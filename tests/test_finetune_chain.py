@@ -13,7 +13,7 @@ import torch
 from conftest import assert_decisive, corpus_text
 
 from llm_foundry.cli import main
-from llm_foundry.rundir import load
+from llm_foundry.loading import load_any
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -69,10 +69,10 @@ def test_a_lora_fine_tune_through_every_export(tmp_path, capsys):
          str(tuned), *STEPS, "--train.block_size", "48", "--train.max_steps", "30",
          "--train.lr", "1e-2", "--train.lora_r", "4", "--train.lora_targets", "wq,wv,w2",
          "--train.lora_base_dtype", "int8")  # fmt: skip
-    run, tok, _ = load(tuned)
+    run, tok, _ = load_any(tuned)
     ids = tok.encode(PROMPT)
     want = _ours(run, ids)
-    base_logits = _ours(load(base).model, ids)
+    base_logits = _ours(load_any(base).model, ids)
     assert _rel(want, base_logits) > 1e-2  # the fine-tune changed the model
 
     # convert --to-hf: the merged model, which transformers runs to the run's logits
@@ -91,10 +91,10 @@ def test_a_lora_fine_tune_through_every_export(tmp_path, capsys):
     hf_base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf-base")
     with_adapter = peft.PeftModel.from_pretrained(hf_base, str(tmp_path / "adapter")).eval()
     theirs = _theirs(with_adapter, ids)
-    ours_adapter = load(base, adapter=tmp_path / "adapter").model
+    ours_adapter = load_any(base, adapter=tmp_path / "adapter").model
     assert _rel(_ours(ours_adapter, ids), theirs) <= 1e-5
     # our run as the adapter source gives the same model as its PEFT export
-    assert _rel(_ours(load(base, adapter=tuned).model, ids), theirs) <= 1e-5
+    assert _rel(_ours(load_any(base, adapter=tuned).model, ids), theirs) <= 1e-5
     # on the fp32 base rather than the int8-rounded one it trained over, the adapter computes
     # what the run does up to that rounding: nearer the run than the base is
     assert _rel(theirs, want) < _rel(base_logits, want) / 4
@@ -127,7 +127,7 @@ def test_a_lora_fine_tune_through_every_export(tmp_path, capsys):
     out = _cli(capsys, "quantize", "--checkpoint", str(tuned), "--to", "int8",
                "--out", str(tmp_path / "q"))  # fmt: skip
     assert "merged the LoRA adapters" in out
-    q = _ours(load(tmp_path / "q").model, ids)
+    q = _ours(load_any(tmp_path / "q").model, ids)
     assert _rel(q, want) < _rel(base_logits, want) / 4
     argv = ["generate", "--prompt", PROMPT, "--temperature", "0", "--max-new-tokens", "8", "--json"]
     from_file = json.loads(_cli(capsys, *argv, "--checkpoint", str(tmp_path / "q")))

@@ -370,12 +370,12 @@ def test_a_long_bad_prompt_ids_value_is_cut_in_its_error(ckpt, capsys):
 
 
 def test_ctrl_c_in_any_command_is_one_line_and_exit_130(ckpt, capsys, monkeypatch):
-    import llm_foundry.rundir
+    import llm_foundry.loading
 
     def interrupted(*args, **kw):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(llm_foundry.rundir, "load", interrupted)
+    monkeypatch.setattr(llm_foundry.loading, "load_any", interrupted)
     assert main(["generate", "--checkpoint", str(ckpt[0]), "--prompt", "to"]) == 130
     assert (
         capsys.readouterr().err == "llm-foundry generate: stopped by SIGINT: before it finished\n"

@@ -138,7 +138,7 @@ def test_models_depend_on_config_alone():
 
 
 def test_training_reads_checkpoints_through_the_one_loader():
-    """train/ starts from HF directories through ``rundir.load``, never by importing interop/;
+    """train/ starts from HF directories through ``loading.load_any``, never by importing interop/;
     the run directory's layout belongs to rundir, which the training side asks, not the other
     way round."""
     graph = module_graph()

@@ -577,7 +577,7 @@ def test_folding_gives_a_plain_model_computing_the_merged_function(tiny_config):
 
 def test_a_lora_checkpoint_as_adapter_goes_on_its_base_and_no_other(tiny_config, tmp_path):
     from llm_foundry.checkpoint import save_checkpoint
-    from llm_foundry.rundir import load
+    from llm_foundry.loading import load_any
 
     torch.manual_seed(0)
     base = Transformer(tiny_config()).eval()
@@ -589,13 +589,13 @@ def test_a_lora_checkpoint_as_adapter_goes_on_its_base_and_no_other(tiny_config,
     idx = torch.randint(0, 37, (2, 9))
     with torch.no_grad():
         want = tuned(idx)[0]
-        model, _, info = load(tmp_path / "base", adapter=tmp_path / "tuned")
+        model, _, info = load_any(tmp_path / "base", adapter=tmp_path / "tuned")
         torch.testing.assert_close(model(idx)[0], want, atol=1e-5, rtol=1e-5)
     assert not lora_layers(model) and "of " + str(tmp_path / "tuned") in info.merged_note()
     save_checkpoint(Transformer(tiny_config(dim=64)), tmp_path / "wider")
     with pytest.raises(ValueError, match=r"trained on another model \(dim: 32 there, 64 here"):
-        load(tmp_path / "wider", adapter=tmp_path / "tuned")
+        load_any(tmp_path / "wider", adapter=tmp_path / "tuned")
     with pytest.raises(ValueError, match="carries LoRA adapters of its own"):
-        load(tmp_path / "tuned", adapter=tmp_path / "tuned")
+        load_any(tmp_path / "tuned", adapter=tmp_path / "tuned")
     with pytest.raises(ValueError, match="neither a PEFT adapter"):
-        load(tmp_path / "base", adapter=tmp_path / "base")
+        load_any(tmp_path / "base", adapter=tmp_path / "base")

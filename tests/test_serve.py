@@ -90,9 +90,9 @@ def running(checkpoint, app_options: dict | None = None, **kwargs):
 
 def solo(checkpoint, prompt: str, n: int) -> str:
     """The library's greedy continuation of ``prompt`` alone, every choice checked decisive."""
-    from llm_foundry.rundir import load
+    from llm_foundry.loading import load_any
 
-    model, tok, _ = load(checkpoint)
+    model, tok, _ = load_any(checkpoint)
     ids = torch.tensor([tok.encode(prompt)])
     out = generate(model, ids, n, temperature=0)
     with torch.no_grad():
@@ -381,10 +381,10 @@ def test_without_fastapi_the_install_line_is_given(checkpoint, monkeypatch):
 def test_a_quantized_model_is_served_as_generate_decodes_it(checkpoint):
     """`serve --quantize int8`: the engine holds int8 projections and a request's greedy text is
     the library's greedy generation with the same quantized weights."""
+    from llm_foundry.loading import load_any
     from llm_foundry.models.quant import Int8Linear
-    from llm_foundry.rundir import load
 
-    model, tok, _ = load(checkpoint, quantize="int8")
+    model, tok, _ = load_any(checkpoint, quantize="int8")
     ids = torch.tensor([tok.encode(PROMPTS[0])])
     out = generate(model, ids, 16, temperature=0)
     want = tok.decode(out[0, ids.shape[1] :].tolist())

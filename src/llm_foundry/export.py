@@ -1,4 +1,4 @@
-"""Exports of any checkpoint kind ``rundir.load`` reads (a training run, one of our checkpoints,
+"""Exports of any checkpoint kind ``loading.load_any`` reads (a training run, one of our checkpoints,
 an HF directory) with what travels with the weights: the tokenizer, its special ids and the
 chat template; and a LoRA run's adapters alone. The file formats themselves are written in
 ``interop/``."""
@@ -17,22 +17,16 @@ def convert_to_gguf(
     template (the HF directory's own, else the built-in one our chat commands use), as one GGUF
     file. Returns the file and the line saying what was merged (None: nothing)."""
     from llm_foundry.chat import BUILTIN_TEMPLATE, load_chat_template
-    from llm_foundry.interop.gguf import GGUFError, export_gguf, gguf_types
+    from llm_foundry.interop.gguf import export_gguf, gguf_types
+    from llm_foundry.loading import checkpoint_kind, load_any
     from llm_foundry.outputs import check_new_output
-    from llm_foundry.rundir import checkpoint_dir, checkpoint_kind, load
+    from llm_foundry.rundir import checkpoint_dir
 
     gguf_types(outtype)  # a bad outtype is named before anything loads
     check_new_output(out_path, "--out", kind="file")
     ckpt = checkpoint_dir(src, "--to-gguf")
     kind, meta = checkpoint_kind(ckpt)
-    if "quantization" in meta:
-        q = meta["quantization"]
-        scheme = q.get("scheme") if isinstance(q, dict) else q
-        raise GGUFError(
-            f"{ckpt} holds a quantized model (config.json quantization scheme {scheme!r}); "
-            "export from the full-precision checkpoint"
-        )
-    model, tok, info = load(ckpt)
+    model, tok, info = load_any(ckpt, full_precision="convert --to-gguf")
     hf_tokenizer = getattr(tok, "kind", "") == "hf"
     template = load_chat_template(info.checkpoint)[0] if hf_tokenizer else None
     token_ids = {}
@@ -55,8 +49,9 @@ def convert_to_peft(src: str | Path, out_dir: str | Path, family: str | None = N
     what was written: the settings, the base named in adapter_config.json, the base's storage."""
     from llm_foundry.checkpoint import load_checkpoint, read_lora
     from llm_foundry.interop.peft import save_adapter
+    from llm_foundry.loading import checkpoint_kind
     from llm_foundry.outputs import check_new_output, new_directory
-    from llm_foundry.rundir import CHECKPOINTS, checkpoint_dir, checkpoint_kind, read_run_info
+    from llm_foundry.rundir import CHECKPOINTS, checkpoint_dir, read_run_info
 
     check_new_output(out_dir)
     ckpt = checkpoint_dir(src, "--to-peft")
@@ -97,17 +92,13 @@ def convert_to_hf(ckpt_dir: str | Path, out_dir: str | Path, family: str | None 
     (``llm_foundry.rundir.checkpoint_dir`` finds a run directory's latest checkpoint), its
     tokenizer alongside; a LoRA checkpoint is written with its adapters merged
     (``load_checkpoint`` folds them). Returns DIR."""
-    from llm_foundry.checkpoint import load_checkpoint, read_quantization
-    from llm_foundry.interop.hf import ConversionError, copy_tokenizer, name_special_tokens, to_hf
+    from llm_foundry.checkpoint import load_checkpoint
+    from llm_foundry.interop.hf import copy_tokenizer, name_special_tokens, to_hf
+    from llm_foundry.loading import checkpoint_kind, refuse_quantized
     from llm_foundry.outputs import check_new_output, new_directory
 
     ckpt_dir = Path(ckpt_dir)
-    quant = read_quantization(ckpt_dir)
-    if quant:
-        raise ConversionError(
-            f"{ckpt_dir} holds {quant['scheme']} weights, which HF transformers configs do not "
-            "describe: export the full-precision checkpoint"
-        )
+    refuse_quantized(ckpt_dir, checkpoint_kind(ckpt_dir)[1], "convert --to-hf")
     check_new_output(out_dir)
     model = load_checkpoint(ckpt_dir)
     with new_directory(out_dir) as tmp:

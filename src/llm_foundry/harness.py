@@ -112,9 +112,9 @@ class FoundryLM(TemplateLM):
         **_ignored,  # the harness's options for other backends (max_batch_size, ...)
     ):
         super().__init__()
-        from llm_foundry.rundir import load
+        from llm_foundry.loading import load_any
 
-        self.model, self.tok, self.info = load(checkpoint, device or "cpu", tokenizer,
+        self.model, self.tok, self.info = load_any(checkpoint, device or "cpu", tokenizer,
                                                adapter=adapter)  # fmt: skip
         if self.tok is None:
             raise FileNotFoundError(

@@ -1,4 +1,4 @@
-"""Quantized copies of checkpoints: any model ``rundir.load`` reads (a training run, a LoRA run
+"""Quantized copies of checkpoints: any model ``loading.load_any`` reads (a training run, a LoRA run
 with its adapters merged, one of our checkpoints, an HF directory) written as our checkpoint format with int8 or int4 projections
 (``models/quant.py``), its tokenizer and chat template alongside."""
 
@@ -21,13 +21,11 @@ def quantize_checkpoint(
     """Write ``src`` quantized to ``scheme`` (int8 | int4 in groups of ``group_size``) into the
     directory ``out``. Returns what was done: the settings recorded in config.json, the bytes a
     decoded token reads for weights before and after, and the weight file's bytes."""
+    from llm_foundry.loading import load_any
     from llm_foundry.outputs import check_new_output, new_directory
-    from llm_foundry.rundir import load
 
     check_new_output(out)  # before the model loads
-    model, _, info = load(src)
-    if info.config.get("quantization"):
-        raise ValueError(f"{info.checkpoint} is quantized already; quantize the full model")
+    model, _, info = load_any(src, full_precision="quantize")
     before = weight_bytes(model)
     settings = quantize_model(model, scheme, group_size)
     with new_directory(out) as tmp:

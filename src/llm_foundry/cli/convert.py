@@ -56,7 +56,8 @@ def main(argv: list[str]) -> int:
     if ns.outtype is not None and not ns.to_gguf:
         raise ValueError(f"--outtype {ns.outtype} applies to --to-gguf only")
     ns.outtype = ns.outtype or "f32"
-    from llm_foundry.rundir import checkpoint_dir, checkpoint_kind
+    from llm_foundry.loading import checkpoint_kind
+    from llm_foundry.rundir import checkpoint_dir
 
     if ns.to_gguf:
         try:

@@ -49,7 +49,7 @@ def format_table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    from llm_foundry.rundir import load
+    from llm_foundry.loading import load_any
 
     p = argparse.ArgumentParser(
         prog="llm-foundry eval",
@@ -91,7 +91,7 @@ def main(argv: list[str]) -> int:
         raise ValueError(f"--context takes integers like 256,512; got {ns.context!r}") from None
     if ns.rope_factor is not None and not ns.rope_scaling:
         raise ValueError("--rope-factor needs --rope-scaling linear|ntk (it scales nothing alone)")
-    model, tok, info = load(ns.checkpoint, adapter=ns.adapter)
+    model, tok, info = load_any(ns.checkpoint, adapter=ns.adapter)
     ckpt = info.checkpoint
     if info.merged_note() and not ns.json:
         print(info.merged_note())

@@ -266,10 +266,10 @@ def _main(argv: list[str]) -> int:
     elif device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: CUDA is not available (use --device cpu)")
 
-    from llm_foundry.rundir import load
+    from llm_foundry.loading import load_any
 
     scheme, group = quantize_choice(ns.quantize, ns.group_size)
-    model, tok, info = load(ns.checkpoint, device, quantize=scheme, group_size=group,
+    model, tok, info = load_any(ns.checkpoint, device, quantize=scheme, group_size=group,
                             adapter=ns.adapter)  # fmt: skip
     if info.merged_note():  # on stderr: stdout holds the text alone
         print(info.merged_note(), file=sys.stderr)

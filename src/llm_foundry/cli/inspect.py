@@ -60,12 +60,12 @@ def _load_model(ns, cfg):
     """(model, tokenizer or None, source): any checkpoint kind, or a random preset."""
     import torch
 
+    from llm_foundry.loading import load_any
     from llm_foundry.models.transformer import Transformer
-    from llm_foundry.rundir import load
     from llm_foundry.tokenizer import load_tokenizer
 
     if ns.checkpoint:
-        model, tok, info = load(ns.checkpoint, tokenizer=ns.tokenizer)
+        model, tok, info = load_any(ns.checkpoint, tokenizer=ns.tokenizer)
         return model, tok, str(info.checkpoint)
     torch.manual_seed(0)  # the demo shows the same random model every run
     tok = load_tokenizer(ns.tokenizer) if ns.tokenizer else None

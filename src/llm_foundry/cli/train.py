@@ -76,7 +76,8 @@ def _config_value(ns, key: str):
 def _base_model(checkpoint: str):
     """(checkpoint directory, its ModelConfig) of --checkpoint: ours, a run's latest, or HF."""
     from llm_foundry.checkpoint import read_config
-    from llm_foundry.rundir import checkpoint_dir, checkpoint_kind
+    from llm_foundry.loading import checkpoint_kind
+    from llm_foundry.rundir import checkpoint_dir
 
     ckpt = checkpoint_dir(checkpoint)
     if checkpoint_kind(ckpt)[0] == "llm-foundry":

@@ -42,11 +42,11 @@ def load_served(checkpoint: str | Path, slots: int = 8, max_queue: int = 64,
     cache larger than the memory left is refused before it is allocated)."""
     check_device(device)
     from llm_foundry.chat import BUILTIN_TEMPLATE, end_of_turn, load_chat_template
-    from llm_foundry.rundir import load
+    from llm_foundry.loading import load_any
     from llm_foundry.serve.app import Served
     from llm_foundry.serve.engine import Engine
 
-    model, tok, info = load(checkpoint, device, quantize=quantize, group_size=group_size)
+    model, tok, info = load_any(checkpoint, device, quantize=quantize, group_size=group_size)
     if tok is None:
         raise FileNotFoundError(f"{info.checkpoint} has no tokenizer.json: the server needs one")
     hf = getattr(tok, "kind", "") == "hf"

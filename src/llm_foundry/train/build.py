@@ -15,13 +15,14 @@ from pathlib import Path
 
 import torch
 
-from llm_foundry import rundir
 from llm_foundry.config import ConfigError, ModelConfig
 from llm_foundry.data import BatchSampler, load_split
 from llm_foundry.data.sft import SFTSampler
+from llm_foundry.loading import load_any
 from llm_foundry.models import Transformer
 from llm_foundry.models.lora import add_lora
 from llm_foundry.models.position import position_traits
+from llm_foundry.rundir import checkpoint_dir
 from llm_foundry.train.config import TrainConfig
 from llm_foundry.train.distributed import World
 
@@ -82,18 +83,11 @@ def build_model(
 
 def load_initial_weights(model: Transformer, path: Path) -> None:
     """Put the weights in ``path`` on ``model``: a run, one of our checkpoints (LoRA adapters
-    merged) or an HF transformers directory, read by the one loader (``rundir.load``). The
+    merged) or an HF transformers directory, read by the one loader (``loading.load_any``). The
     model must be the one they were saved from, up to settings no weight depends on (a longer
     context for relative positions); quantized weights cannot be trained."""
-    ckpt = rundir.checkpoint_dir(path, "train.init_from")
-    quantization = rundir.checkpoint_kind(ckpt)[1].get("quantization")
-    if quantization:
-        raise ValueError(
-            f"train.init_from {path} holds {quantization.get('scheme')} weights, which cannot be "
-            "trained: start from the full-precision checkpoint (a LoRA fine-tune can hold that "
-            "base in int8: train.lora_base_dtype int8)"
-        )
-    source = rundir.load(ckpt).model
+    ckpt = checkpoint_dir(path, "train.init_from")
+    source = load_any(ckpt, full_precision="train.init_from").model
     diff = model.cfg.weight_differences(source.cfg)
     if diff:
         hint = ""
