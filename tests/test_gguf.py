@@ -675,6 +675,7 @@ def test_a_quantized_model_is_refused(char_tok, tmp_path):
     with pytest.raises(ValueError, match="convert --to-gguf: .* is quantized already") as e:
         convert_to_gguf(ckpt, tmp_path / "x.gguf")
     assert "give the full-precision checkpoint it was made from" in str(e.value)
+    assert "\n" not in str(e.value)
     message = _refusal(export_gguf, model, char_tok, tmp_path / "x.gguf", "q8_0")
     assert "torch.int8" in message and "export from the full-precision checkpoint" in message
     assert not list(tmp_path.glob("x.gguf*"))

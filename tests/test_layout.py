@@ -1,6 +1,7 @@
 """The package's layout as its imports draw it: no import cycle between modules, models/
-depends on nothing but config, train/ reads checkpoints through rundir alone, no source file
-past 800 lines, and docs/architecture/README.md draws exactly these arrows."""
+depends on nothing but config, train/ reads checkpoints through the one loader (never interop/
+directly), rundir.py owns the run layout (importing nothing from train/), no source file past
+800 lines, and docs/architecture/README.md draws exactly these arrows."""
 
 from __future__ import annotations
 

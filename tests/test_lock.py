@@ -15,8 +15,7 @@ import pytest
 from llm_foundry import ablation, lock
 from llm_foundry.cli import main as cli
 from llm_foundry.data import prepare
-from llm_foundry.train.metrics import read_records
-from llm_foundry.train.state import latest_checkpoint
+from llm_foundry.rundir import latest_checkpoint, read_records
 
 HOLD = """
 import sys, time

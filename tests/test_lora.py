@@ -252,7 +252,7 @@ def test_a_fine_tune_on_an_int8_base_learns_as_fp32_and_holds_a_quarter(
     from llm_foundry.accounting import human
     from llm_foundry.checkpoint import load_checkpoint
     from llm_foundry.cli import main
-    from llm_foundry.train.state import latest_checkpoint
+    from llm_foundry.rundir import latest_checkpoint
 
     data = char_data(60_000)
     make_trainer(data, tmp_path / "base").run()
@@ -303,7 +303,8 @@ def test_lora_fine_tuning_starts_from_the_checkpoint_trains_adapters_and_resumes
     from llm_foundry.checkpoint import load_checkpoint
     from llm_foundry.config import ConfigError
     from llm_foundry.data import BatchSampler, load_split
-    from llm_foundry.train.state import latest_checkpoint, write_json_atomic
+    from llm_foundry.rundir import latest_checkpoint
+    from llm_foundry.train.state import write_json_atomic
 
     data = char_data(60_000)
     base_run = tmp_path / "base"

@@ -22,6 +22,7 @@ from llm_foundry.config import ConfigError, ModelConfig
 from llm_foundry.models import Transformer
 from llm_foundry.models.lora import LoRALinear
 from llm_foundry.plots import plot_losses, png_size, read_metrics
+from llm_foundry.rundir import latest_checkpoint
 from llm_foundry.train.config import TrainConfig
 from llm_foundry.train.monitor import (
     attention_entropy,
@@ -32,7 +33,6 @@ from llm_foundry.train.monitor import (
     rest_grad_norm,
     uniform_entropy,
 )
-from llm_foundry.train.state import latest_checkpoint
 from llm_foundry.train.trainer import Trainer
 
 MONITORED = [1, 4, 8, 12]  # 12 steps, monitor_interval 4: step 1 (initialisation), then every 4

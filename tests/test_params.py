@@ -411,6 +411,13 @@ def test_invalid_tp_degree_names_the_fields(capsys):
     assert len(err.strip().splitlines()) == 1
     assert main(["params", "--preset", "gpt2", "--tp", "2"]) == 2
     assert "--tp needs --memory" in capsys.readouterr().err
+    # heads that do not split are named for models tensor parallelism refuses anyway (experts,
+    # ALiBi), as for any other
+    for name, tp in (("moe-shakespeare-char", 4), ("bloom-560m", 3)):
+        with pytest.raises(ValueError, match="must divide by the tensor-parallel degree"):
+            memory_report(get_preset(name), 12, tp)
+    assert main(["params", "--preset", "bloom-560m", "--memory", "6", "--tp", "3"]) == 2
+    assert "model.n_heads=16 must divide" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -273,7 +273,9 @@ def test_quantize_command_writes_a_checkpoint_generate_reads(trained, tmp_path, 
 def test_a_quantized_checkpoint_cannot_start_training(trained, tmp_path, char_data):
     out = tmp_path / "q4"
     main(["quantize", "--checkpoint", str(trained), "--to", "int4", "--out", str(out)])
-    with pytest.raises(ValueError, match="train.init_from: .* is quantized already \\(int4 weights"):
+    with pytest.raises(
+        ValueError, match="train.init_from: .* is quantized already \\(int4 weights"
+    ):
         make_trainer(char_data(300_000), tmp_path / "ft", init_from=str(out))
 
 

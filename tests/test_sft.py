@@ -160,8 +160,8 @@ def test_init_from_refuses_another_architecture_but_allows_a_longer_context(char
     from conftest import make_trainer
 
     from llm_foundry.config import ConfigError, ModelConfig
+    from llm_foundry.rundir import latest_checkpoint
     from llm_foundry.train.config import TrainConfig
-    from llm_foundry.train.state import latest_checkpoint
     from llm_foundry.train.trainer import Trainer
 
     data = char_data(60_000)

@@ -80,11 +80,6 @@ def _env() -> dict[str, str]:
     return env
 
 
-# ----------------------------------------------------------------------------------------------
-# Exact resume with a real kill
-
-
-@pytest.mark.heavy
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_the_trainer_is_assembled_from_the_builders(data_dir, tmp_path, optimizer):
     """The model and optimizer a Trainer holds are what the builders make of the same configs,
@@ -108,6 +103,11 @@ def test_the_trainer_is_assembled_from_the_builders(data_dir, tmp_path, optimize
     assert groups(opt) == groups(t.optimizer)
 
 
+# ----------------------------------------------------------------------------------------------
+# Exact resume with a real kill
+
+
+@pytest.mark.heavy
 def test_resume_after_sigkill_gives_the_same_losses(data_dir, tmp_path):
     steps, kill_after = 200, 20
     common = [f"--train.max_steps={steps}", f"--train.checkpoint_interval={kill_after}"]
@@ -162,7 +162,8 @@ def test_a_signal_saves_a_checkpoint_and_exits_with_the_signals_status(data_dir,
             if metrics.exists() and len(metrics.read_text().splitlines()) >= 15:
                 break
             time.sleep(0.01)
-        assert proc.poll() is None, "the run ended before the signal"
+        if proc.poll() is not None:  # say why, with what the run printed
+            raise AssertionError(f"the run ended before the signal: {proc.communicate()}")
         assert len(metrics.read_text().splitlines()) >= 15, "no training steps within 120 s"
         proc.send_signal(sig)
         out, err = proc.communicate(timeout=120)
@@ -640,7 +641,7 @@ def test_records_without_a_usable_step_are_left_out_and_the_run_still_resumes(
 def test_a_record_holding_a_unicode_line_separator_is_one_record(tmp_path):
     """JSON lets U+2028/U+2029 (and U+0085) stand raw in a string; str.splitlines() would cut the
     record there, so the file's lines end at '\\n' only."""
-    from llm_foundry.train.metrics import read_records
+    from llm_foundry.rundir import read_records
 
     records = [{"step": 1, "note": "a\u2028b\u2029c\x85d\x1ce"}, {"step": 2, "loss": 1.5}]
     text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)

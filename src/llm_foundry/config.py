@@ -68,9 +68,14 @@ def one_of(problems: list[str], name: str, value: Any, allowed: Iterable[str]) -
         problems.append(f"{name}={shown(value)} is not one of {', '.join(allowed)}")
 
 
+def is_int(value: Any) -> bool:
+    """An int, not a bool (which Python counts as one)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def is_count(value: Any, low: int) -> bool:
     """An int (not a bool) in [low, INT_MAX]."""
-    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= INT_MAX
+    return is_int(value) and low <= value <= INT_MAX
 
 
 def count_problem(problems: list[str], name: str, value: Any, what: str, low: int = 1) -> None:

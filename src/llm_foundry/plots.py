@@ -70,7 +70,7 @@ def _token_ticks(ax, tokens: list[str], max_ticks: int, fontsize: float) -> None
 def read_metrics(path: str | Path) -> tuple[list[dict], list[dict]]:
     """Split ``metrics.jsonl`` into train records and eval records (other kinds, such as
     ``monitor`` records, are left out)."""
-    from llm_foundry.train.metrics import read_records
+    from llm_foundry.rundir import read_records
 
     train, evals = [], []
     for rec in read_records(path):

@@ -283,7 +283,7 @@ def cmd_dynamics(argv: list[str]) -> int:
 
 
 def cmd_experts(argv: list[str]) -> int:
-    from llm_foundry.rundir import RunDir
+    from llm_foundry.rundir import METRICS, RunDir
 
     p = argparse.ArgumentParser(
         prog="llm-foundry inspect experts",
@@ -294,7 +294,7 @@ def cmd_experts(argv: list[str]) -> int:
     _common(p)
     ns = p.parse_args(argv)
     run = RunDir(ns.run)
-    if not (run.path / "metrics.jsonl").exists():
+    if not (run.path / METRICS).exists():
         raise FileNotFoundError(f"--run {run.path}: no metrics.jsonl (not a training run)")
     records = [r for r in run.metrics() if "experts" in r]
     if not records:

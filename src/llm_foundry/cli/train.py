@@ -191,6 +191,7 @@ def train_and_report(model_cfg, train_cfg, data: Path, out: Path, resume: bool =
     from llm_foundry.accounting import human
     from llm_foundry.generate import sample_text
     from llm_foundry.plots import plot_losses
+    from llm_foundry.rundir import METRICS
     from llm_foundry.tokenizer import load_tokenizer
     from llm_foundry.train.trainer import Trainer
 
@@ -229,7 +230,7 @@ def train_and_report(model_cfg, train_cfg, data: Path, out: Path, resume: bool =
     result = trainer.run()
     if not w.main:  # rank 0 alone plots, samples and summarises
         return result
-    plot_losses(out / "metrics.jsonl", out / "loss.png", title=f"{out.name}: {n / 1e6:.2f}M params")
+    plot_losses(out / METRICS, out / "loss.png", title=f"{out.name}: {n / 1e6:.2f}M params")
     summary = dict(
         step=result.step,
         last_train_loss=result.last_train_loss,

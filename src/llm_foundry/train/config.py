@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from llm_foundry.config import ConfigError, count_problem, from_fields, is_number, one_of
+from llm_foundry.config import ConfigError, count_problem, from_fields, is_int, is_number, one_of
 from llm_foundry.messages import shown
 from llm_foundry.models.lora import BASE_DTYPES as LORA_BASE_DTYPES
 from llm_foundry.models.lora import TARGETS as LORA_TARGETS
@@ -26,14 +26,6 @@ PARALLEL = ("none", "ddp", "fsdp", "tp", "fsdp+tp")
 # seeds torch and numpy accept, with room for the offsets added to them (an ablation's seed
 # index, the validation sampler's + 1)
 SEED_MAX = 2**62
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v: Any) -> bool:
-    return is_number(v)  # finite: an inf or NaN setting trains nothing
 
 
 @dataclass
@@ -111,7 +103,7 @@ class TrainConfig:
         ):
             count_problem(p, name, getattr(self, name), "a non-negative integer", low=0)
         seed = self.seed
-        if not (_is_int(seed) and 0 <= seed <= SEED_MAX):
+        if not (is_int(seed) and 0 <= seed <= SEED_MAX):
             p.append(f"seed={shown(seed)} must be an integer in [0, 2**62]")
         for f in dataclasses.fields(self):
             if f.type == "bool" and not isinstance(getattr(self, f.name), bool):
@@ -132,7 +124,7 @@ class TrainConfig:
             ("lr", lambda v: v > 0, "> 0"),
             (
                 "min_lr",
-                lambda v: 0 <= v <= self.lr if _is_number(self.lr) else v >= 0,
+                lambda v: 0 <= v <= self.lr if is_number(self.lr) else v >= 0,
                 f"in [0, lr={self.lr}]",
             ),
             ("decay_frac", lambda v: 0 < v <= 1, "in (0, 1]"),
@@ -150,7 +142,7 @@ class TrainConfig:
         )
         for name, ok, valid in ranges:
             v = getattr(self, name)
-            if not _is_number(v) or not ok(v):
+            if not is_number(v) or not ok(v):
                 p.append(f"{name}={shown(v)} must be a number {valid}")
         targets = self.lora_targets.split(",") if isinstance(self.lora_targets, str) else None
         if targets is None or not all(t in LORA_TARGETS for t in targets):

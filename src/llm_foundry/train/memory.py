@@ -32,14 +32,14 @@ GiB = 1024**3
 
 
 def check_tp_degree(cfg: ModelConfig, t: int) -> None:
-    """Raise ValueError (one line) when tensor parallelism could split ``cfg`` but not ``t``
-    ways: its heads do not divide by ``t`` (``tensor_parallel.tp_problems``' reasons). A model
-    no degree splits (experts, a per-head bias) passes: its tensor-parallel layouts are reported
-    unavailable instead."""
+    """Raise ValueError (one line) when ``cfg``'s heads do not split ``t`` ways: the problems
+    ``tensor_parallel.tp_problems`` finds at ``t`` and not at 1. What no degree splits (experts,
+    a per-head bias) is left to the report, which lists those layouts as unavailable."""
     if t < 1:
         raise ValueError(f"the TP degree must be at least 1, got {t}")
-    problems = tp_problems(cfg, t)
-    if problems and not tp_problems(cfg, 1):
+    whatever = set(tp_problems(cfg, 1))
+    problems = [p for p in tp_problems(cfg, t) if p not in whatever]
+    if problems:
         raise ValueError("; ".join(problems))
 
 

@@ -3,7 +3,7 @@ TensorBoard when asked).
 
 The file is flushed after every record and fsynced with every checkpoint, so a crash can lose at
 most the records written since the last checkpoint, and tear at most the last line. Its one
-reader is the run directory's (``llm_foundry.rundir.read_records``, re-exported here).
+reader is the run directory's (``llm_foundry.rundir.read_records``).
 """
 
 from __future__ import annotations
@@ -13,8 +13,6 @@ import os
 from pathlib import Path
 
 from llm_foundry.rundir import read_records
-
-__all__ = ["MetricsLog", "read_records", "tb_write", "tensorboard"]
 
 
 class MetricsLog:

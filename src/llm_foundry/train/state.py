@@ -28,7 +28,6 @@ from safetensors.torch import load_file, save_file
 from llm_foundry.checkpoint import load_weights, save_checkpoint
 from llm_foundry.config import ConfigError, ModelConfig
 from llm_foundry.rundir import LATEST, STATE, RunDir, read_state, step_dirs, step_name
-from llm_foundry.rundir import latest_checkpoint as latest_checkpoint  # the reader, re-exported
 from llm_foundry.train.config import TrainConfig
 
 

@@ -41,6 +41,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from llm_foundry.config import is_int
 from llm_foundry.models.position import position_traits
 
 
@@ -78,8 +79,8 @@ def settings_problems(tc, parallel: str) -> list[str]:
     no layout) asks for it, one line each."""
     p = []
     if "tp" in parallel:  # tensor parallelism holds DTensor shards of each matrix
-        lora = _is_count(tc.lora_r) and tc.lora_r > 0
-        monitor = _is_count(tc.monitor_interval) and tc.monitor_interval > 0
+        lora = is_int(tc.lora_r) and tc.lora_r > 0
+        monitor = is_int(tc.monitor_interval) and tc.monitor_interval > 0
         for name, bad, why in (
             ("dtype", tc.dtype == "fp16", "fp16 with its grad scaler is not supported "
              "(untested) under tensor parallelism; use bf16 or fp32"),
@@ -88,7 +89,7 @@ def settings_problems(tc, parallel: str) -> list[str]:
         ):  # fmt: skip
             if bad:
                 p.append(f"{name}={getattr(tc, name)!r} with parallel={tc.parallel!r}: {why}")
-    tp_size = tc.tp_size if _is_count(tc.tp_size) else 0
+    tp_size = tc.tp_size if is_int(tc.tp_size) else 0
     if tp_size and "tp" not in parallel:
         p.append(f"tp_size={tp_size} with parallel={tc.parallel!r}: tp_size applies to "
                  "parallel=tp and fsdp+tp only")  # fmt: skip
@@ -96,10 +97,6 @@ def settings_problems(tc, parallel: str) -> list[str]:
         p.append("tp_size=1 with parallel='fsdp+tp': one rank per tensor-parallel group is "
                  "plain FSDP; use parallel=fsdp, or tp_size >= 2")  # fmt: skip
     return p
-
-
-def _is_count(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 class Replicated(ParallelStyle):

@@ -30,7 +30,7 @@ from llm_foundry.data import BatchSampler, data_fingerprint, load_meta, load_spl
 from llm_foundry.data.sft import IGNORE
 from llm_foundry.models import Transformer
 from llm_foundry.models.lora import apply_lora_settings, lora_settings
-from llm_foundry.rundir import RunDir, latest_checkpoint, read_state, step_name
+from llm_foundry.rundir import METRICS, RUN_INFO, RunDir, latest_checkpoint, read_state, step_name
 from llm_foundry.train import distributed as D
 from llm_foundry.train import tensor_parallel as TP
 from llm_foundry.train.build import build_model, build_sampler, is_sft, model_config_for_data
@@ -227,7 +227,7 @@ class Trainer:
             muon_ns_dtype=self.muon_ns_dtype(),  # a resumed run keeps its optimizer state's
             resumed_from=str(self.resumed_from) if self.resumed_from else None,
         )
-        write_json_atomic(self.out / "run.json", info)
+        write_json_atomic(self.out / RUN_INFO, info)
 
     # ------------------------------------------------------------------------------------------
     def _autocast(self):
@@ -343,7 +343,7 @@ class Trainer:
         tc = self.tc
         main = self.world.main
         metrics = MetricsLog(
-            self.out / "metrics.jsonl", self.step if self.resumed_from else None, enabled=main
+            self.out / METRICS, self.step if self.resumed_from else None, enabled=main
         )
         stop = {"signal": None}
 

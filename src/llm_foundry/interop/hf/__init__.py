@@ -18,23 +18,8 @@ re-laid both ways), ``files`` (safetensors directories, never pickle; tokenizer 
 
 from llm_foundry.interop.hf.convert import config_from_hf, config_to_hf, from_hf, to_hf
 from llm_foundry.interop.hf.core import ConversionError, Family, Rule, expand, fail, transformers
-from llm_foundry.interop.hf.files import (
-    INDEX_FILE,
-    TOKENIZER_FILE,
-    WEIGHTS_FILE,
-    copy_tokenizer,
-    name_special_tokens,
-    read_safetensors_dir,
-    read_safetensors_shapes,
-)
-from llm_foundry.interop.hf.registry import (
-    FAMILIES,
-    choose_family,
-    export_order,
-    family_of,
-    register,
-)
-from llm_foundry.interop.hf.weights import hf_to_ours, ours_to_hf
+from llm_foundry.interop.hf.files import copy_tokenizer, name_special_tokens
+from llm_foundry.interop.hf.registry import FAMILIES, choose_family, export_order, register
 
 # isort: off
 # the families register as they are imported, and export tries them in that order
@@ -43,9 +28,6 @@ from llm_foundry.interop.hf import llama, moe, bloom, falcon, gpt2  # noqa: E402
 
 __all__ = [
     "FAMILIES",
-    "INDEX_FILE",
-    "TOKENIZER_FILE",
-    "WEIGHTS_FILE",
     "ConversionError",
     "Family",
     "Rule",
@@ -56,13 +38,8 @@ __all__ = [
     "expand",
     "export_order",
     "fail",
-    "family_of",
     "from_hf",
-    "hf_to_ours",
     "name_special_tokens",
-    "ours_to_hf",
-    "read_safetensors_dir",
-    "read_safetensors_shapes",
     "register",
     "to_hf",
     "transformers",
