@@ -199,3 +199,25 @@ def test_a_long_value_is_shown_cut_with_its_size():
     (problem,) = e.value.problems
     assert problem.startswith("vocab_size=[0, 1, 2") and "(10,000 items)" in problem
     assert len(problem) < 150
+
+
+@pytest.mark.parametrize(
+    "changes, expected",
+    [
+        ({"data_sampling": "epochs"}, "data_sampling='epochs' is not one of windows, packed"),
+        ({"document_mask": "no"}, "document_mask='no' must be true or false"),
+        ({"prefetch": -1}, "prefetch=-1 must be a non-negative integer"),
+        (
+            {"data_sampling": "packed", "sft_packing": True},
+            "data_sampling='packed' with sft_packing=true: data_sampling is for text and "
+            "sft_packing for fine-tuning rows; set the one your data needs",
+        ),
+    ],
+)
+def test_data_sampling_fields_name_the_value_and_what_is_valid(changes, expected):
+    from llm_foundry.train.config import TrainConfig
+
+    with pytest.raises(ConfigError) as err:
+        TrainConfig(**changes)
+    assert err.value.problems == [expected]
+    assert TrainConfig(data_sampling="packed", document_mask=False, prefetch=0).prefetch == 0

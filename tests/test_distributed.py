@@ -1,6 +1,6 @@
 """Training on 2 CPU processes (torchrun, gloo): DDP and FSDP2 give one process's losses (text,
-experts, SFT rows with and without LoRA), and checkpoints move between world sizes. Each rank
-runs one thread."""
+sharded text packed into documents, experts, SFT rows with and without LoRA), and checkpoints
+move between world sizes. Each rank runs one thread."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from conftest import corpus_text
+from sharded import sharded_text
 
 from llm_foundry.presets import get_preset
 from llm_foundry.train.config import TrainConfig
@@ -171,6 +173,29 @@ def test_save_with_one_process_resume_with_two_ranks(parallel, data_dir, tmp_pat
     r = torchrun(args + _flags(**TRAIN, batch_size=batch, max_steps=10, parallel=parallel))
     assert r.returncode == 0, r.stderr[-3000:]
     assert_close(losses(run), losses(full))
+
+
+@pytest.fixture(scope="module")
+def sharded_dir(tmp_path_factory) -> Path:
+    """The corpus's paragraphs as documents in 3 train shards (tests/sharded.py)."""
+    return sharded_text(tmp_path_factory.mktemp("shards") / "d", corpus_text(30_000), 3, 2)
+
+
+def test_sharded_packed_corpus_on_two_ranks_then_one_process(sharded_dir, tmp_path):
+    """Rows packed with whole documents of several shards: 2 DDP ranks give one process's
+    losses; their checkpoint (step 5), resumed by one process, gives the uninterrupted run's."""
+    packed = dict(data_sampling="packed", document_mask=True)
+    full = tmp_path / "full"
+    one_process(sharded_dir, full, max_steps=10, **packed)
+    run = tmp_path / "run"
+    args = ["train", "--data", str(sharded_dir), "--out", str(run)]
+    args += _flags(**TRAIN, batch_size=GLOBAL_BATCH // 2, max_steps=5, parallel="ddp", **packed)
+    r = torchrun(args)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert_close(losses(run), {k: v for k, v in losses(full).items() if k <= 5})
+    one_process(sharded_dir, run, resume=True, max_steps=10, **packed)
+    assert_close(losses(run), losses(full))
+    assert_close(val_losses(run), val_losses(full))
 
 
 def test_a_failing_rank_stops_the_job_with_its_error(data_dir, tmp_path):

@@ -49,7 +49,12 @@ def parser(finetune: bool = False) -> SettingsParser:
         f"architecture preset: {', '.join(preset_names())} (default {DEFAULT_PRESET}; a "
         "resumed run keeps its own)",
     )
-    p.add_argument("--data", default=None, help=f"directory written by `prepare` ({DEFAULT_DATA})")
+    p.add_argument(
+        "--data",
+        default=None,
+        help=f"directory written by `prepare` ({DEFAULT_DATA}; sharded or not), or a mixture "
+        "DIR=WEIGHT,DIR=WEIGHT (one tokenizer; each row's directory drawn by weight)",
+    )
     p.add_argument("--out", default=None, help="run directory (default runs/NAME-TIME)")
     p.add_argument(
         "--resume",
@@ -153,13 +158,12 @@ def _main(argv: list[str], finetune: bool, prog: str) -> int:
                 f"--out {out} already holds a run with checkpoints: continue it with --resume, "
                 "or pass another --out"
             )
-        data = Path(data_dir)
-        if data_dir == DEFAULT_DATA and not (data / "meta.json").exists():
-            _prepare_default(data)
+        if data_dir == DEFAULT_DATA and not (Path(data_dir) / "meta.json").exists():
+            _prepare_default(Path(data_dir))
         import torch.distributed as dist
 
         try:
-            result = train_and_report(cfg, train_cfg, data, out, resume=ns.resume)
+            result = train_and_report(cfg, train_cfg, data_dir, out, resume=ns.resume)
             if dist.is_initialized():  # ranks tear down together, not while rank 0 still writes
                 dist.barrier()
         finally:
@@ -186,8 +190,9 @@ def _prepare_default(data: Path, wait_s: float = 600.0) -> None:
     prepare(data, dataset="shakespeare", tokenizer="char")
 
 
-def train_and_report(model_cfg, train_cfg, data: Path, out: Path, resume: bool = False):
-    """Train, then (rank 0) plot the losses, print a sample and write summary.json."""
+def train_and_report(model_cfg, train_cfg, data: str | Path, out: Path, resume: bool = False):
+    """Train on ``data`` (a directory or a mixture spec), then (rank 0) plot the losses, print a
+    sample and write summary.json."""
     from llm_foundry.accounting import human
     from llm_foundry.generate import sample_text
     from llm_foundry.plots import plot_losses
@@ -198,7 +203,9 @@ def train_and_report(model_cfg, train_cfg, data: Path, out: Path, resume: bool =
     trainer = Trainer(model_cfg, train_cfg, data, out, resume=resume)
     # the sample at the end needs the tokenizer: a missing one fails now, not after training
     try:
-        tok = load_tokenizer(data / "tokenizer.json") if train_cfg.sample_tokens else None
+        tok = (
+            load_tokenizer(trainer.data_dir / "tokenizer.json") if train_cfg.sample_tokens else None
+        )
     except BaseException:
         trainer.release()
         raise

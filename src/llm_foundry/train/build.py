@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from llm_foundry.config import ConfigError, ModelConfig
-from llm_foundry.data import BatchSampler, load_split
+from llm_foundry.data.loader import Loader, PreparedSplit, Source
 from llm_foundry.data.sft import SFTSampler
 from llm_foundry.loading import load_any
 from llm_foundry.models import Transformer
@@ -32,7 +32,8 @@ log = logging.getLogger(__name__)
 def model_config_for_data(mc: ModelConfig, tc: TrainConfig, meta: dict, data_dir: Path):
     """``mc`` as it trains on the data ``meta`` describes: its vocabulary the tokenizer's (with a
     note when the config said otherwise). Refuses a ``tc.block_size`` past ``mc.max_seq_len``, and
-    packed fine-tuning rows where the data is plain text or the positions are absolute."""
+    packed fine-tuning rows where the data is plain text, packed text rows where it is fine-tuning
+    rows, and either with document masking where the positions are absolute."""
     if tc.block_size > mc.max_seq_len:
         raise ValueError(
             f"train.block_size={tc.block_size} is past model.max_seq_len={mc.max_seq_len} (the "
@@ -48,11 +49,20 @@ def model_config_for_data(mc: ModelConfig, tc: TrainConfig, meta: dict, data_dir
         raise ValueError(
             f"train.sft_packing needs fine-tuning data (prepare --sft); {data_dir} is text"
         )
-    if tc.sft_packing and position_traits(mc).absolute:
+    packed = tc.data_sampling == "packed"
+    if packed and is_sft(meta):
+        raise ValueError(
+            f"train.data_sampling=packed packs text documents; {data_dir} holds fine-tuning rows: "
+            "use train.sft_packing=true"
+        )
+    masked = tc.sft_packing or (packed and tc.document_mask)
+    if masked and position_traits(mc).absolute:
+        field = "train.sft_packing" if tc.sft_packing else "train.document_mask"
         raise ConfigError(
             [f"pos_encoding={mc.pos_encoding!r}: packed documents would see absolute "
-             "positions past their start; packing needs rope, alibi or none"],
-            "train.sft_packing",
+             "positions past their start; packing needs rope, alibi or none"
+             + ("" if tc.sft_packing else " (or train.document_mask=false)")],
+            field,
         )  # fmt: skip
     return mc
 
@@ -100,20 +110,23 @@ def load_initial_weights(model: Transformer, path: Path) -> None:
 
 
 def build_sampler(
-    data_dir: Path,
+    sources: list[Source],
     split: str,
     tc: TrainConfig,
     seed: int,
     world: World | None = None,
     sft: bool = False,
-    tokens=None,
-) -> BatchSampler | SFTSampler:
+    corpora: list[PreparedSplit] | None = None,
+) -> Loader | SFTSampler:
     """The batches of ``split``, seeded by ``seed``, this data-parallel rank's share of them:
-    random windows of the token stream (``tokens``: the split already mapped), or whole
-    fine-tuning examples (``sft``; packed as ``tc.sft_packing`` says)."""
+    random windows or packed documents of the sources' shards, each row's source drawn by weight
+    (``corpora``: their ``split`` already opened), or whole fine-tuning examples of the one
+    source (``sft``; packed as ``tc.sft_packing`` says)."""
     rank, size = (world.dp_rank, world.dp_size) if world is not None else (0, 1)
     if sft:
-        return SFTSampler(data_dir, split, tc.block_size, tc.batch_size, seed,
+        return SFTSampler(sources[0].dir, split, tc.block_size, tc.batch_size, seed,
                           rank=rank, world_size=size, pack=tc.sft_packing)  # fmt: skip
-    data = tokens if tokens is not None else load_split(data_dir, split)
-    return BatchSampler(data, tc.block_size, tc.batch_size, seed, rank=rank, world_size=size)
+    corpora = corpora if corpora is not None else [PreparedSplit(s.dir, split) for s in sources]
+    return Loader(corpora, [s.weight for s in sources], tc.block_size, tc.batch_size, seed,
+                  rank=rank, world_size=size, packed=tc.data_sampling == "packed",
+                  document_mask=tc.document_mask)  # fmt: skip

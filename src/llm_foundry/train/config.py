@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from llm_foundry.config import ConfigError, count_problem, from_fields, is_int, is_number, one_of
+from llm_foundry.data.loader import SAMPLING
 from llm_foundry.messages import shown
 from llm_foundry.models.lora import BASE_DTYPES as LORA_BASE_DTYPES
 from llm_foundry.models.lora import TARGETS as LORA_TARGETS
@@ -86,6 +87,11 @@ class TrainConfig:
     lora_rslora: bool = False  # rank-stabilised scale (Kalajdzievski 2023)
     lora_base_dtype: str = "fp32"  # adapted projections' frozen weights: fp32 | bf16 | int8
     sft_packing: bool = False  # SFT data: fill rows with whole examples, attention kept in each
+    # text data (llm_foundry.data.loader): random windows of the shards, or rows packed with
+    # whole documents in a seeded order (the row's last one cut; needs the shards' .idx indexes)
+    data_sampling: str = "windows"  # windows | packed
+    document_mask: bool = True  # packed rows: attention and targets kept inside each document
+    prefetch: int = 2  # batches built ahead in a background thread; 0 builds each in the step
 
     def __post_init__(self) -> None:
         p: list[str] = []
@@ -100,6 +106,7 @@ class TrainConfig:
             "sample_tokens",
             "lora_r",
             "tp_size",
+            "prefetch",
         ):
             count_problem(p, name, getattr(self, name), "a non-negative integer", low=0)
         seed = self.seed
@@ -114,6 +121,10 @@ class TrainConfig:
         one_of(p, "on_nonfinite", self.on_nonfinite, ON_NONFINITE)
         one_of(p, "parallel", self.parallel, PARALLEL)
         one_of(p, "optimizer", self.optimizer, OPTIMIZERS)
+        one_of(p, "data_sampling", self.data_sampling, SAMPLING)
+        if self.data_sampling == "packed" and self.sft_packing is True:
+            p.append("data_sampling='packed' with sft_packing=true: data_sampling is for text "
+                     "and sft_packing for fine-tuning rows; set the one your data needs")  # fmt: skip
         parallel = self.parallel if self.parallel in PARALLEL else "none"  # named above if not
         p += settings_problems(self, parallel)  # what tensor parallelism cannot train with
         if self.optimizer == "muon" and self.dtype == "fp16":

@@ -200,12 +200,22 @@ def resume_point(run_dir: str | Path) -> tuple[Path, ModelConfig, TrainConfig, s
 
 
 def check_resumable(
-    state: dict, path: Path, mc: ModelConfig, tc: TrainConfig, data_id: dict, data_dir: Path
+    state: dict, path: Path, mc: ModelConfig, tc: TrainConfig, data_id: dict, data_dir: str | Path
 ) -> list[str]:
     """Refuse (ConfigError) resuming checkpoint ``path`` (its ``state``) as a run of ``mc`` and
     ``tc`` on the data ``data_id`` fingerprints when the weights would not fit: another
     architecture, another frozen-base dtype, other data. Returns the training settings that
     differ from the saved run's ("name old -> new"; allowed: e.g. a larger max_steps)."""
+    # data of another tokenizer first: its vocabulary would otherwise show as another model
+    saved_data = state.get("data")  # absent in checkpoints written before it was recorded
+    tokenizer = "tokenizer_sha256"
+    if saved_data is not None and saved_data.get(tokenizer) != data_id.get(tokenizer):
+        raise ConfigError(
+            [f"{tokenizer}: saved {saved_data.get(tokenizer)!r}, now {data_id.get(tokenizer)!r}"],
+            f"resume: {path} was trained on tokens of another tokenizer than {data_dir}'s; a "
+            "run resumes on data tokenized as it started: pass that --data, or start a new run "
+            "with --out",
+        )
     # fields added since a run was saved take their defaults; runs saved before n_kv_heads
     # could stay unset hold the effective count: compare that
     saved = ModelConfig.from_dict(state["model_config"]).to_dict()
@@ -229,7 +239,6 @@ def check_resumable(
             f"resume: {path} holds its frozen base as {saved_base}; resume with "
             f"--train.lora_base_dtype {saved_base}",
         )
-    saved_data = state.get("data")  # absent in checkpoints written before it was recorded
     if saved_data is not None and saved_data != data_id:
         raise ConfigError(
             [

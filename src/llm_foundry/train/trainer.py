@@ -3,7 +3,8 @@
 One step = ``grad_accum`` micro-batches, one clip, one optimizer update; on fine-tuning (SFT) data
 the step's loss is the mean over all its target tokens, whatever the ranks and micro-batches.
 Everything a resumed run needs to continue bit for bit (weights, optimizer moments, RNG and
-data-sampler states) goes into each checkpoint; ``metrics.jsonl`` is cut back to the checkpoint's
+data-sampler states: those of the batches trained on, not of those the prefetch thread built
+ahead) goes into each checkpoint; ``metrics.jsonl`` is cut back to the checkpoint's
 step on resume. With ``monitor_interval`` set, ``llm_foundry.train.monitor`` adds a
 training-dynamics record every N steps.
 """
@@ -26,7 +27,16 @@ from tqdm import tqdm
 import llm_foundry
 from llm_foundry import lock
 from llm_foundry.config import ModelConfig
-from llm_foundry.data import BatchSampler, data_fingerprint, load_meta, load_split
+from llm_foundry.data import load_split
+from llm_foundry.data.loader import (
+    Prefetch,
+    PreparedSplit,
+    parse_sources,
+    source_metas,
+    source_shares,
+    sources_fingerprint,
+    sources_text,
+)
 from llm_foundry.data.sft import IGNORE
 from llm_foundry.models import Transformer
 from llm_foundry.models.lora import apply_lora_settings, lora_settings
@@ -71,7 +81,8 @@ class RunResult:
 
 class Trainer:
     """One training run in ``out_dir``: its pieces built from the configs (``train.build``,
-    ``optim``, ``precision``, ``distributed``), then ``run`` steps, evaluates and checkpoints."""
+    ``optim``, ``precision``, ``distributed``), then ``run`` steps, evaluates and checkpoints.
+    ``data_dir``: a prepared directory, or a mixture ``a=0.7,b=0.3`` (``loader.parse_sources``)."""
 
     def __init__(
         self,
@@ -82,11 +93,15 @@ class Trainer:
         resume: bool = False,
     ):
         tc = self.tc = train_cfg
-        self.data_dir, self.out = Path(data_dir), Path(out_dir)
+        self.sources = parse_sources(data_dir)
+        # the first source's meta.json and tokenizer stand for all (a mixture has one tokenizer)
+        self.data_dir, self.out = self.sources[0].dir, Path(out_dir)
         self.ckpt_root = RunDir(self.out).checkpoints
-        self.meta = load_meta(self.data_dir)
+        self.meta = source_metas(self.sources)[0]
         self.mc = model_config_for_data(model_cfg, tc, self.meta, self.data_dir)
         self.sft = is_sft(self.meta)  # whole examples with masked prompts
+        # rows whose targets are partly ignored: a step's loss is weighed by targets, not rows
+        self.weighted = self.sft or (tc.data_sampling == "packed" and tc.document_mask)
         self.world, self.device = D.init_world(D.resolve_device(tc.device), tc.parallel, tc.tp_size)
         # a config that cannot fit is refused here, before the model is built
         check_training_memory(self.mc, tc, self.device, self.world)
@@ -108,9 +123,15 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, tc, self.device, self.sharded,
                                          self.precision.ns_dtype)  # fmt: skip
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.dtype == "fp16")
-        self.train_data = load_split(self.data_dir, "train")
-        self.val_data = load_split(self.data_dir, "val")
+        # text: every source's splits mapped once (shards checked); SFT rows: SFTSampler's own
+        self.corpora = {} if self.sft else {
+            split: [PreparedSplit(s.dir, split) for s in self.sources] for split in ("train", "val")
+        }  # fmt: skip
+        self.val_data = (
+            load_split(self.data_dir, "val") if self.sft else self.corpora["val"][0].tokens
+        )
         self.sampler = self._sampler("train", tc.seed)
+        self.feed = self.sampler  # run() reads through a Prefetch of it
         if self.sft and (self.sampler.cut or self.sampler.dropped) and self.world.main:
             log.info(
                 f"note: {self.sampler.cut} of {len(self.sampler.offsets) - 1} training examples are "
@@ -118,7 +139,9 @@ class Trainer:
                 f"{self.sampler.dropped} keep no target and are left out"
             )
         # the validation split must hold a window too: fail now, not at the first evaluation
-        self._sampler("val", tc.seed + 1)
+        for k in range(len(self.sources)):
+            self._sampler("val", tc.seed + 1, k)
+        self.val_by_source: dict[str, float] = {}  # a mixture's last validation, per source
         if tc.monitor_interval and self.sharded:
             raise ValueError("train.monitor_interval needs whole weights: use parallel=ddp or none")
         self.monitor = (
@@ -134,7 +157,7 @@ class Trainer:
         self.best_name: str | None = None
         self.skipped = 0
         self.resumed_from: Path | None = None
-        self.data_id = data_fingerprint(self.data_dir)
+        self.data_id = sources_fingerprint(self.sources)
         if self.world.main:  # the run directory is this process's until run() ends
             lock.acquire(self.out, "run directory")
         try:
@@ -161,7 +184,9 @@ class Trainer:
                 "start without --resume"
             )
         state = read_state(path)
-        changed = check_resumable(state, path, self.mc, self.tc, self.data_id, self.data_dir)
+        changed = check_resumable(
+            state, path, self.mc, self.tc, self.data_id, sources_text(self.sources)
+        )
         if changed and self.world.main:
             log.info("resuming with changed training settings: " + ", ".join(changed))
         if self.sharded:  # every rank reads the full tensors and keeps its shard
@@ -184,10 +209,13 @@ class Trainer:
         if self.world.main:
             log.info(f"resumed from {path} at step {self.step}")
 
-    def _sampler(self, split: str, seed: int) -> BatchSampler:
-        """Random windows of the token stream, or whole fine-tuning examples (SFT data)."""
-        tokens = self.train_data if split == "train" else self.val_data
-        return build_sampler(self.data_dir, split, self.tc, seed, self.world, self.sft, tokens)
+    def _sampler(self, split: str, seed: int, source: int | None = None):
+        """Random windows or packed documents of every source (``source``: of that one alone),
+        or whole fine-tuning examples (SFT data)."""
+        pick = slice(None) if source is None else slice(source, source + 1)
+        corpora = None if self.sft else self.corpora[split][pick]
+        return build_sampler(self.sources[pick], split, self.tc, seed, self.world, self.sft,
+                             corpora)  # fmt: skip
 
     def _say_muon_precision(self) -> None:
         """Log the precision of Muon's Newton-Schulz iteration, and why (after a resume: the
@@ -208,7 +236,7 @@ class Trainer:
         info = dict(
             model=self.mc.to_dict(),
             train=self.tc.to_dict(),
-            data=dict(dir=str(self.data_dir), meta=self.meta),
+            data=dict(dir=sources_text(self.sources), meta=self.meta),
             llm_foundry=llm_foundry.__version__,
             torch=torch.__version__,
             python=platform.python_version(),
@@ -227,23 +255,37 @@ class Trainer:
             muon_ns_dtype=self.muon_ns_dtype(),  # a resumed run keeps its optimizer state's
             resumed_from=str(self.resumed_from) if self.resumed_from else None,
         )
+        if len(self.sources) > 1:  # a mixture: each directory, its weight and share of the rows
+            info["data"]["sources"] = [
+                dict(dir=str(s.dir), name=s.name, weight=s.weight, share=share)
+                for s, share in zip(self.sources, source_shares(self.sources), strict=True)
+            ]
         write_json_atomic(self.out / RUN_INFO, info)
 
     # ------------------------------------------------------------------------------------------
     def _autocast(self):
         return self.precision.autocast(self.device.type)
 
-    @torch.no_grad()
     def evaluate(self) -> float:
         """Mean loss over ``eval_batches`` fixed validation batches (the same ones every time);
-        with several ranks each scores its share of every batch and the means are averaged."""
+        with several ranks each scores its share of every batch and the means are averaged. A
+        mixture: each source's own batches, and the mean of their losses weighted by the
+        sources' shares (each one's in ``val_by_source``)."""
+        if len(self.sources) == 1:
+            return self._evaluate()
+        losses = [self._evaluate(k) for k in range(len(self.sources))]
+        self.val_by_source = {s.name: v for s, v in zip(self.sources, losses, strict=True)}
+        return sum(w * v for w, v in zip(source_shares(self.sources), losses, strict=True))
+
+    @torch.no_grad()
+    def _evaluate(self, source: int | None = None) -> float:
         self.model.eval()
         w = self.world
-        sampler = self._sampler("val", self.tc.seed + 1)
+        sampler = self._sampler("val", self.tc.seed + 1, source)
         total = torch.zeros((), device=self.device)
         for _ in range(self.tc.eval_batches):
             x, y, *doc = (t.to(self.device) for t in sampler.next())
-            share = self._target_shares([y])[0] if self.sft else 1
+            share = self._target_shares([y])[0] if self.weighted else 1
             with self.loss_context(), self._autocast():
                 loss = TP.local(self.forward(x, y, doc=doc[0] if doc else None)[1])
                 total += loss.float() * share
@@ -252,7 +294,7 @@ class Trainer:
 
     def save(self) -> Path:
         state = dict(
-            sampler=self.sampler.state_dict(),
+            sampler=self.feed.state_dict(),  # the batches trained on
             scaler=self.scaler.state_dict() if self.scaler.is_enabled() else None,
             best_val=self.best_val if math.isfinite(self.best_val) else None,
             best_name=self.best_name,
@@ -284,7 +326,7 @@ class Trainer:
         targets of all micro-batches on all ranks; DDP then averages over ranks). SFT rows hold
         different numbers of targets (prompts and padding are masked), so a plain average of
         per-batch means would weigh tokens unequally and depend on the world size. One process,
-        one micro-batch: exactly 1. Returns (micro-batches,) fp32, on the device (no host sync)."""
+        one micro-batch: exactly 1 (packed text rows with document masks: the same). Returns (micro-batches,) fp32, on the device (no host sync)."""
         n = torch.stack([(y != IGNORE).sum() for y in ys]).double()  # (micro-batches,)
         total = D.mean(n.sum(), self.world) * self.world.world_size  # all ranks' targets
         return (n * self.world.world_size / total).float()
@@ -298,10 +340,10 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         aux_sum = torch.zeros((), device=self.device)
         batches = [
-            [t.to(self.device, non_blocking=True) for t in self.sampler.next()]
+            [t.to(self.device, non_blocking=True) for t in self.feed.next()]
             for _ in range(tc.grad_accum)
         ]
-        shares = self._target_shares([b[1] for b in batches]) if self.sft else None
+        shares = self._target_shares([b[1] for b in batches]) if self.weighted else None
         for micro, (x, y, *doc) in enumerate(batches):
             last = micro == tc.grad_accum - 1
             sync = D.sync_gradients(self.wrapped, tc.parallel, last)
@@ -368,6 +410,8 @@ class Trainer:
         tokens_per_step = tc.tokens_per_step * self.world.dp_size
         t_start = time.perf_counter()
         self.model.train()
+        # the next batches built while this step runs; saved states are those of batches trained
+        self.feed = Prefetch(self.sampler, tc.prefetch) if tc.prefetch else self.sampler
         try:
             while self.step < tc.max_steps:
                 watch = self.monitor is not None and self.monitor.due(self.step + 1)
@@ -416,10 +460,13 @@ class Trainer:
                     val = self.evaluate()
                     val_history.append((self.step, val))
                     ev = dict(step=self.step, val_loss=val, val_ppl=math.exp(val))
+                    ev.update({f"val_loss/{k}": v for k, v in self.val_by_source.items()})
                     metrics.write(ev)
                     if tb:
                         tb_write(tb, "val", ev)
-                    say(f"step {self.step}: train loss {loss:.4f}, val loss {val:.4f}")
+                    each = ", ".join(f"{k} {v:.4f}" for k, v in self.val_by_source.items())
+                    say(f"step {self.step}: train loss {loss:.4f}, val loss {val:.4f}"
+                        + (f" (weighted mean of {each})" if each else ""))  # fmt: skip
                     if val < self.best_val:  # the best model is always on disk
                         self.best_val, self.best_name = val, step_name(self.step)
                         save_now = True
@@ -436,6 +483,9 @@ class Trainer:
                     )
                     break
         finally:
+            if self.feed is not self.sampler:  # stopped; the sampler back at the batches trained
+                self.feed.close()
+                self.feed = self.sampler
             bar.close()
             metrics.close()
             self.release()
