@@ -58,10 +58,18 @@ def write_sharded(
     return out
 
 
-def text_documents(text: str, tokenizer: CharTokenizer) -> list[list[int]]:
-    """``text``'s paragraphs as documents: each encoded with the blank line that ends it (its
-    last id, the newline's, stands for the end-of-text id)."""
-    return [tokenizer.encode(p.strip("\n") + "\n\n") for p in text.split("\n\n") if p.strip()]
+def text_documents(text: str, tokenizer: CharTokenizer, lines: int = 4) -> list[list[int]]:
+    """``text`` as documents of consecutive lines, each ending at a blank line or after
+    ``lines`` lines, its last id (the newline's) standing for the end-of-text id."""
+    docs, doc = [], []
+    for line in text.splitlines(keepends=True):
+        if line.strip():
+            doc.append(line)
+        if doc and (not line.strip() or len(doc) == lines):
+            docs.append(doc)
+            doc = []
+    docs += [doc] if doc else []
+    return [tokenizer.encode("".join(d).rstrip("\n") + "\n") for d in docs]
 
 
 def shard_documents(docs: list, n: int) -> list[list]:
@@ -71,8 +79,8 @@ def shard_documents(docs: list, n: int) -> list[list]:
 
 
 def sharded_text(out: Path, text: str, train_shards: int = 3, val_shards: int = 2) -> Path:
-    """``text`` as a sharded character-level corpus: its paragraphs as documents, the last tenth
-    of them validation."""
+    """``text`` as a sharded character-level corpus: its documents (``text_documents``), the
+    last tenth of them validation."""
     tok = CharTokenizer.train(text)
     docs = text_documents(text, tok)
     n_val = max(val_shards, len(docs) // 10)
