@@ -19,8 +19,8 @@ from sharded import sharded_text, write_sharded
 from llm_foundry.cli import main
 from llm_foundry.config import ConfigError
 from llm_foundry.data import BatchSampler, DataError, load_split
+from llm_foundry.data.batches import IGNORE
 from llm_foundry.data.loader import Loader, Prefetch, PreparedSplit, parse_sources
-from llm_foundry.data.sft import IGNORE
 from llm_foundry.train.state import write_json_atomic
 
 T = 16  # block size of the loader-level tests

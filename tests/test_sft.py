@@ -12,7 +12,8 @@ import torch
 from conftest import cli_status
 
 from llm_foundry.data import DataError
-from llm_foundry.data.sft import IGNORE, SFTSampler, encode_row, prepare_sft, read_rows
+from llm_foundry.data.batches import IGNORE
+from llm_foundry.data.sft import SFTSampler, encode_row, prepare_sft, read_rows
 from llm_foundry.tokenizer import CharTokenizer
 
 TEXT = "ROMEO: what light? JULIET: ay me!\nUSER: ASSISTANT: SYSTEM: who speaks next\n" * 3

@@ -22,6 +22,7 @@ from llm_foundry.data.sources import DataError
 from llm_foundry.tokenizer import json_type
 
 SPLITS = ("train", "val")
+IGNORE = -100  # the target of positions that do not count (the model's ignore_index)
 
 
 def load_meta(data_dir: str | Path) -> dict:
@@ -334,3 +335,15 @@ def _as_tokens(data: np.ndarray | str | Path) -> tuple[np.ndarray, str]:
     if array.ndim != 1:
         raise DataError(f"{name} must be 1-D (a token stream); got shape {array.shape}")
     return (data if isinstance(data, np.memmap) else array), name
+
+
+def packed_row(
+    ids: np.ndarray, doc: np.ndarray, trained: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """x, y, doc of one packed row from its block_size + 1 tokens ``ids`` and their document
+    numbers ``doc``: no position targets the next document's first token (y = IGNORE there),
+    nor, given ``trained`` (whether each token is a target: SFT rows), a token that is not."""
+    keep = doc[1:] == doc[:-1]
+    if trained is not None:
+        keep &= trained[1:]
+    return ids[:-1], np.where(keep, ids[1:], IGNORE), doc[:-1]

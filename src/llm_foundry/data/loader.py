@@ -44,8 +44,8 @@ from llm_foundry.data.batches import (
     check_files,
     data_fingerprint,
     load_meta,
+    packed_row,
 )
-from llm_foundry.data.sft import IGNORE
 from llm_foundry.data.shards import document_starts, open_shard, split_shards
 from llm_foundry.data.sources import DataError
 
@@ -209,18 +209,6 @@ class Documents:
 
 # ----------------------------------------------------------------------------------------------
 # The sampler
-
-
-def packed_row(
-    ids: np.ndarray, doc: np.ndarray, trained: np.ndarray | None = None
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """x, y, doc of one packed row from its block_size + 1 tokens ``ids`` and their document
-    numbers ``doc``: no position targets the next document's first token (y = IGNORE there),
-    nor, given ``trained`` (whether each token is a target: SFT rows), a token that is not."""
-    keep = doc[1:] == doc[:-1]
-    if trained is not None:
-        keep &= trained[1:]
-    return ids[:-1], np.where(keep, ids[1:], IGNORE), doc[:-1]
 
 
 class Loader(BatchSampler):

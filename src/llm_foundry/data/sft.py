@@ -48,7 +48,15 @@ import torch
 
 from llm_foundry import lock
 from llm_foundry.chat import load_chat_template, response_spans
-from llm_foundry.data.batches import BatchSampler, check_files, file_entry, load_meta, open_tokens
+from llm_foundry.data.batches import (
+    IGNORE,
+    BatchSampler,
+    check_files,
+    file_entry,
+    load_meta,
+    open_tokens,
+    packed_row,
+)
 from llm_foundry.data.encode import token_dtype
 from llm_foundry.data.sources import (
     DataError,
@@ -61,7 +69,6 @@ from llm_foundry.messages import shown
 from llm_foundry.tokenizer import load_any_tokenizer
 
 ROLES = ("system", "user", "assistant")
-IGNORE = -100  # the target of positions that do not count (the model's ignore_index)
 TOKEN_FILES = tuple(f"{s}.{k}bin" for s in ("train", "val") for k in ("", "mask.", "offsets."))
 OUTPUTS = (*TOKEN_FILES, "tokenizer.json", "meta.json")
 JSON_SPACE = " \t\r\n"  # what JSON counts as whitespace (str.strip would take U+2028 too)
@@ -434,10 +441,7 @@ class SFTSampler(BatchSampler):
         y = np.full((B, T), IGNORE, dtype=np.int64)
         d = np.zeros((B, T), dtype=np.int64)
         for b, (ids, mask, doc) in enumerate(rows[self.rank * B : (self.rank + 1) * B]):
-            ids, mask, doc = np.array(ids), np.array(mask, dtype=bool), np.array(doc)
-            x[b], d[b] = ids[:-1], doc[:-1]
-            keep = mask[1:] & (doc[1:] == doc[:-1])  # a target inside the same document
-            y[b] = np.where(keep, ids[1:], IGNORE)
+            x[b], y[b], d[b] = packed_row(np.array(ids), np.array(doc), np.array(mask, dtype=bool))
         self.batches += 1
         return torch.from_numpy(x), torch.from_numpy(y), torch.from_numpy(d)
 

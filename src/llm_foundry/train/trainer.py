@@ -28,6 +28,7 @@ import llm_foundry
 from llm_foundry import lock
 from llm_foundry.config import ModelConfig
 from llm_foundry.data import load_split
+from llm_foundry.data.batches import IGNORE
 from llm_foundry.data.loader import (
     Prefetch,
     PreparedSplit,
@@ -37,7 +38,6 @@ from llm_foundry.data.loader import (
     sources_fingerprint,
     sources_text,
 )
-from llm_foundry.data.sft import IGNORE
 from llm_foundry.models import Transformer
 from llm_foundry.models.lora import apply_lora_settings, lora_settings
 from llm_foundry.rundir import METRICS, RUN_INFO, RunDir, latest_checkpoint, read_state, step_name
