@@ -713,7 +713,12 @@ def test_ctrl_c_while_the_files_are_put_in_place_is_one_line_and_leaves_no_meta_
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--tokenizer-from", "x.json"], "--tokenizer-from is for --sft/--sft-demo"),
+        (["--tokenizer-from", "x.json"], "--tokenizer-from with text: give the files as --input"),
+        (
+            ["--workers", "2"],
+            "--workers is for a document corpus (--input / --hf-dataset), not --text",
+        ),
+        (["--shard-tokens", "1M"], "--shard-tokens is for a document corpus"),
         (["--vocab-size", "512"], "--vocab-size 512 is for --tokenizer bpe"),
         (["--tokenizer", "bpe", "--vocab-size", "-3"], "--vocab-size -3: must be at least 259"),
         (["--rows", "10"], "--rows is for --sft-demo"),

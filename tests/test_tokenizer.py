@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llm_foundry.tokenizer import (
+    CHAT_TOKENS,
     BPETokenizer,
     CharTokenizer,
     build_tokenizer,
@@ -112,6 +113,23 @@ def test_bpe_special_tokens_distinct_and_never_read_from_text(bpe):
     assert bpe.decode(list(specials)) == "<bos><eos><pad>"
     ids = bpe.encode("a <bos> b <eos> <pad>")  # written text, not control tokens
     assert not set(ids) & set(specials)
+
+
+def test_bpe_for_documents_reserves_the_chat_markers_after_the_specials(bpe, tmp_path):
+    chat = BPETokenizer.train([CORPUS], vocab_size=300, chat_tokens=True)
+    assert CHAT_TOKENS == ("<|im_start|>", "<|im_end|>")
+    assert chat.special_ids == {"<bos>": 0, "<eos>": 1, "<pad>": 2, "<|im_start|>": 3,
+                                "<|im_end|>": 4}  # fmt: skip
+    assert chat.vocab_size == 300 and chat.decode([3, 4]) == "<|im_start|><|im_end|>"
+    assert not set(chat.encode("<|im_start|>user hi<|im_end|>")) & {3, 4}  # text stays text
+    chat.save(tmp_path / "chat.json")
+    assert load_tokenizer(tmp_path / "chat.json").chat_ids == {"<|im_start|>": 3, "<|im_end|>": 4}
+    # a tokenizer trained without them (all saved before) still loads, with none
+    bpe.save(tmp_path / "plain.json")
+    plain = load_tokenizer(tmp_path / "plain.json")
+    assert plain.chat_ids == {} and plain.special_ids == {"<bos>": 0, "<eos>": 1, "<pad>": 2}
+    with pytest.raises(ValueError, match=r">= 261 \(256 bytes \+ 5 special tokens\); got 260"):
+        BPETokenizer.train([CORPUS], vocab_size=260, chat_tokens=True)
 
 
 def test_bpe_save_load_identical_encodings(bpe, tmp_path):

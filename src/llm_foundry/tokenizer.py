@@ -4,8 +4,12 @@
   (nanoGPT's ``shakespeare_char``: 65 symbols for tiny Shakespeare). No special tokens.
 - ``BPETokenizer``: byte-level BPE (GPT-2's scheme) trained with Hugging Face ``tokenizers``.
   Its 256-byte base alphabet makes any Unicode string encodable and decodable exactly; special
-  tokens ``<bos>``, ``<eos>``, ``<pad>`` take ids 0, 1, 2. The saved file *is* a Hugging Face
-  ``tokenizer.json``, so ``tokenizers.Tokenizer.from_file`` and ``transformers`` read it too.
+  tokens ``<bos>``, ``<eos>``, ``<pad>`` take ids 0, 1, 2; ``<eos>`` is also the end of text that
+  ends every document of a prepared corpus. A tokenizer trained for a document corpus
+  (``chat_tokens=True``) reserves the chat markers ``CHAT_TOKENS`` as ids 3 and 4, so that a
+  model pretrained with it can later be tuned on chats without growing its vocabulary. The saved
+  file *is* a Hugging Face ``tokenizer.json``, so ``tokenizers.Tokenizer.from_file`` and
+  ``transformers`` read it too.
 
 ``load_tokenizer(path)`` reads either kind back; ``build_tokenizer(kind, texts)`` trains one.
 """
@@ -19,7 +23,11 @@ from collections.abc import Iterable
 from pathlib import Path
 
 TOKENIZER_KINDS = ("char", "bpe")
-SPECIAL_TOKENS = ("<bos>", "<eos>", "<pad>")
+SPECIAL_TOKENS = ("<bos>", "<eos>", "<pad>")  # every BPE tokenizer of ours has these, ids 0-2
+END_OF_TEXT = "<eos>"  # what ends each document of a prepared corpus
+# reserved (ChatML's markers) by tokenizers trained with chat_tokens=True: ids 3, 4; optional,
+# so that tokenizers saved before them still load
+CHAT_TOKENS = ("<|im_start|>", "<|im_end|>")
 BYTE_ALPHABET = 256
 MIN_BPE_VOCAB = BYTE_ALPHABET + len(SPECIAL_TOKENS)  # every byte and the specials
 DEFAULT_BPE_VOCAB = 4096
@@ -123,28 +131,43 @@ class BPETokenizer(Tokenizer):
                 f"{list(SPECIAL_TOKENS)}"
             )
         self.bos_id, self.eos_id, self.pad_id = ids
+        # the chat markers it reserves (none in a tokenizer trained without them)
+        self.chat_ids = {t: i for t in CHAT_TOKENS if (i := self.hf.token_to_id(t)) is not None}
+
+    @property
+    def special_ids(self) -> dict[str, int]:
+        """Every special token it has, by name: ``<bos>``, ``<eos>``, ``<pad>``, chat markers."""
+        named = dict(zip(SPECIAL_TOKENS, (self.bos_id, self.eos_id, self.pad_id), strict=True))
+        return {**named, **self.chat_ids}
 
     @classmethod
-    def train(cls, texts: str | Iterable[str], vocab_size: int = DEFAULT_BPE_VOCAB) -> BPETokenizer:
-        """Learn merges from ``texts`` until ``vocab_size`` ids (256 bytes + 3 specials + merges).
+    def train(
+        cls,
+        texts: str | Iterable[str],
+        vocab_size: int = DEFAULT_BPE_VOCAB,
+        chat_tokens: bool = False,
+    ) -> BPETokenizer:
+        """Learn merges from ``texts`` until ``vocab_size`` ids (256 bytes + the specials +
+        merges); ``chat_tokens``: reserve ``CHAT_TOKENS`` too (ids 3, 4).
 
         A corpus too small to supply that many merges yields a smaller vocabulary (with a warning).
         """
         from tokenizers import Tokenizer as HFTokenizer
         from tokenizers import decoders, models, pre_tokenizers, trainers
 
-        minimum = MIN_BPE_VOCAB
+        specials = list(SPECIAL_TOKENS) + (list(CHAT_TOKENS) if chat_tokens else [])
+        minimum = BYTE_ALPHABET + len(specials)
         if not isinstance(vocab_size, numbers.Integral) or vocab_size < minimum:
             raise ValueError(
                 f"BPE vocab_size must be an integer >= {minimum} (256 bytes + "
-                f"{len(SPECIAL_TOKENS)} special tokens); got {vocab_size!r}"
+                f"{len(specials)} special tokens); got {vocab_size!r}"
             )
         hf = HFTokenizer(models.BPE())
         hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         hf.decoder = decoders.ByteLevel()
         trainer = trainers.BpeTrainer(
             vocab_size=int(vocab_size),
-            special_tokens=list(SPECIAL_TOKENS),
+            special_tokens=specials,
             initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
             show_progress=False,
         )
@@ -382,3 +405,69 @@ def load_any_tokenizer(path: str | Path, eos_id: int | None = None):
                 f"Hugging Face tokenizers file ({e})"
             ) from None
         return HFTokenizerFile(hf, eos_id)
+
+
+# ----------------------------------------------------------------------------------------------
+# Batch encoding, here or in worker processes (``prepare --input --workers N``): this module
+# imports neither torch nor the data package, so a worker process stays small
+
+
+class BatchEncoder:
+    """Token ids of a batch of texts with a tokenizer.json's tokenizer: (the ids one after
+    another as ``dtype``, each text's number of ids). Special tokens written in the texts are
+    encoded as text."""
+
+    def __init__(self, tokenizer_json: str, dtype: str):
+        import numpy as np
+        from tokenizers import Tokenizer as HFTokenizer
+
+        self.hf = HFTokenizer.from_str(tokenizer_json)
+        self.hf.encode_special_tokens = True
+        self.dtype = np.dtype(dtype)
+        self._batch = getattr(self.hf, "encode_batch_fast", self.hf.encode_batch)
+
+    def __call__(self, texts: list[str]):
+        import itertools
+
+        import numpy as np
+
+        ids = [e.ids for e in self._batch(texts, add_special_tokens=False)]
+        lengths = np.array([len(x) for x in ids], dtype=np.int64)
+        flat = np.fromiter(itertools.chain.from_iterable(ids), self.dtype, int(lengths.sum()))
+        return flat, lengths
+
+
+_worker: BatchEncoder | None = None
+
+
+PARENT_CHECK_S = 1.0  # how often a worker looks whether the process it works for still runs
+
+
+def start_encoding_worker(tokenizer_json: str, dtype: str, parent: int) -> None:
+    """A worker process's start: its encoder; Ctrl-C left to the parent process (``parent``,
+    its pid); one thread; and a watch that ends the worker once that process is gone (killed
+    outright, it cannot end its workers, which would otherwise wait for work forever)."""
+    import os
+    import signal
+    import threading
+    import time
+
+    global _worker
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    _worker = BatchEncoder(tokenizer_json, dtype)
+
+    def watch() -> None:
+        while True:
+            time.sleep(PARENT_CHECK_S)
+            try:
+                os.kill(parent, 0)
+            except (ProcessLookupError, PermissionError):  # gone (its pid another user's now)
+                os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="parent-watch").start()
+
+
+def encode_in_worker(texts: list[str]):
+    """``BatchEncoder(texts)`` in a worker process started by ``start_encoding_worker``."""
+    return _worker(texts)

@@ -1,4 +1,15 @@
-"""``llm-foundry prepare``: a corpus into train.bin/val.bin, tokenizer.json and meta.json.
+"""``llm-foundry prepare``: a corpus into token files, tokenizer.json and meta.json.
+
+Three kinds of input, one per call:
+
+- a text stream (``--text FILE...`` or ``--dataset shakespeare``): the files joined into one
+  stream, a char or BPE tokenizer trained on all of it, the first 90% of the tokens in
+  ``train.bin`` and the rest in ``val.bin`` (nanoGPT's layout);
+- a document corpus (``--input`` and/or ``--hf-dataset``; any of their flags): many files of text,
+  JSONL, parquet or ``datasets``, one document each (a text file) or per row, tokenized in
+  ``--workers`` processes into shards with document indexes (``data/shards.py``'s layout),
+  whole documents held out for validation; an interrupted run resumes when run again;
+- fine-tuning rows (``--sft``): prompt/completion or chat rows, the loss on the answers.
 
 Ctrl-C stops it with one line and exit status 130; what it leaves is either complete (meta.json
 there, its files checked against it) or recognisably not (no meta.json)."""
@@ -7,24 +18,52 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 DEMO_ROWS = 2000
+# flags of the document corpus alone (their presence makes the call one)
+DOCUMENT_FLAGS = ("input", "hf_dataset", "split", "text_field", "text_column", "val_source",
+                  "workers", "shard_tokens", "tokenizer_sample", "dtype", "on_bad_utf8",
+                  "restart")  # fmt: skip
+
+
+def count(flag: str, text: str | int) -> int:
+    """An integer >= 1, written with an optional K, M or G (thousands, millions, billions):
+    100M; else a one-line error naming ``flag``."""
+    if isinstance(text, int):
+        return text
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)\s*", text)
+    if not match:
+        raise ValueError(f"{flag} {text!r}: not a count (e.g. 5000, 100M, 1.5G)")
+    value = float(match.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[match.group(2).lower()]
+    if value < 1 or value != int(value):
+        raise ValueError(f"{flag} {text!r}: must be a whole number >= 1")
+    return int(value)
 
 
 def main(argv: list[str]) -> int:
     from llm_foundry.cli.options import stopped
-    from llm_foundry.data import DATASETS, prepare
+    from llm_foundry.data import DATASETS
+    from llm_foundry.data.corpus import BAD_UTF8
+    from llm_foundry.data.documents import (
+        DEFAULT_SHARD_TOKENS,
+        DEFAULT_TOKENIZER_SAMPLE,
+        DTYPES,
+    )
     from llm_foundry.tokenizer import TOKENIZER_KINDS
 
     p = argparse.ArgumentParser(
         prog="llm-foundry prepare",
-        description="Tokenize a corpus into train.bin/val.bin (uint16 or uint32 memmaps), "
-        "tokenizer.json and meta.json.",
+        description="Tokenize a corpus: a text stream (--text, --dataset) into "
+        "train.bin/val.bin; a document corpus (--input, --hf-dataset) into shards with document "
+        "indexes; fine-tuning rows (--sft). Each writes tokenizer.json and, last, meta.json.",
     )
-    src = p.add_mutually_exclusive_group(required=True)
+    src = p.add_mutually_exclusive_group()
     src.add_argument("--dataset", choices=DATASETS, help="a known corpus (fetched and cached)")
-    src.add_argument("--text", nargs="+", metavar="FILE", help="your own UTF-8 text files")
+    src.add_argument(
+        "--text", nargs="+", metavar="FILE", help="your own UTF-8 text files, as one stream"
+    )
     src.add_argument(
         "--sft",
         metavar="FILE.jsonl",
@@ -42,36 +81,123 @@ def main(argv: list[str]) -> int:
     p.add_argument(
         "--tokenizer-from",
         metavar="PATH",
-        help="--sft, --sft-demo (needed): the tokenizer of the model to tune, its tokenizer.json "
-        "or a run / checkpoint directory",
+        help="use a model's tokenizer instead of training one: its tokenizer.json, an HF model "
+        "directory, or one of our runs / checkpoints (needed by --sft and --sft-demo; with "
+        "--input its end-of-text token ends each document)",
     )
     p.add_argument(
         "--tokenizer",
         choices=TOKENIZER_KINDS,
         default=None,
-        help="text: the tokenizer to train (default char)",
+        help="the tokenizer to train (text stream: default char; documents: bpe only, with the "
+        "chat markers reserved)",
     )
-    p.add_argument("--vocab-size", type=int, default=None, help="--tokenizer bpe: vocabulary size")
-    p.add_argument("--val-fraction", type=float, default=0.1, help="last fraction kept for val")
+    p.add_argument(
+        "--vocab-size", type=int, default=None, help="BPE: vocabulary size (default 4096)"
+    )
+    p.add_argument(
+        "--val-fraction",
+        type=float,
+        default=None,
+        help="held out for validation (default 0.1): a text stream's last tokens; of a document "
+        "corpus, whole documents spread evenly through it",
+    )
     p.add_argument("--out", required=True, help="directory to write")
     p.add_argument("--json", action="store_true", help="print meta.json")
+
+    d = p.add_argument_group("document corpus (shards)")
+    d.add_argument(
+        "--input",
+        nargs="+",
+        metavar="PATH",
+        help="files, globs (quote them) or directories of .txt (one document per file), .jsonl, "
+        ".jsonl.gz, .jsonl.zst, .parquet (one per row), or saved `datasets` directories",
+    )
+    d.add_argument(
+        "--hf-dataset",
+        nargs="+",
+        metavar="NAME",
+        help="Hugging Face hub datasets (NAME or NAME:CONFIG), read through the datasets cache",
+    )
+    d.add_argument(
+        "--split", default=None, help="the split of a dataset or DatasetDict (default train)"
+    )
+    d.add_argument(
+        "--text-field", default="text", help="JSONL: the field holding the text (default text)"
+    )
+    d.add_argument(
+        "--text-column",
+        default="text",
+        help="parquet and datasets: the column holding the text (default text)",
+    )
+    d.add_argument(
+        "--val-source",
+        nargs="+",
+        metavar="PATH",
+        help="validation documents from these inputs instead of --val-fraction",
+    )
+    d.add_argument(
+        "--workers", type=int, default=1, help="tokenizing processes (default 1: this process)"
+    )
+    d.add_argument(
+        "--shard-tokens",
+        default=DEFAULT_SHARD_TOKENS,
+        metavar="N",
+        help="a shard closes at the first document end past N tokens (default 100M)",
+    )
+    d.add_argument(
+        "--tokenizer-sample",
+        default=DEFAULT_TOKENIZER_SAMPLE,
+        metavar="BYTES",
+        help="BPE: train on at most this much text, drawn evenly over the training documents "
+        f"(default {DEFAULT_TOKENIZER_SAMPLE // 1_000_000}M)",
+    )
+    d.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="auto",
+        help="token ids on disk (auto: uint16 while the vocabulary fits, else uint32)",
+    )
+    d.add_argument(
+        "--on-bad-utf8",
+        choices=BAD_UTF8,
+        default="fail",
+        help="a document with bytes that are not UTF-8: stop with its file and row (fail, the "
+        "default), or leave it out and count it (skip)",
+    )
+    d.add_argument(
+        "--restart",
+        action="store_true",
+        help="discard an interrupted prepare in --out instead of resuming it",
+    )
     ns = p.parse_args(argv)
+    ns.defaults = {k: p.get_default(k) for k in DOCUMENT_FLAGS}
+    ns.documents = any(_given(ns, k) for k in DOCUMENT_FLAGS)
     _check_flags(ns)
     try:
         if ns.sft_demo or ns.sft:
             return _prepare_sft(ns)
+        if ns.documents:
+            return _prepare_documents(ns)
+        from llm_foundry.data import prepare
+
         meta = prepare(
             ns.out,
             dataset=ns.dataset,
             text_files=ns.text,
             tokenizer=ns.tokenizer or "char",
             vocab_size=ns.vocab_size,
-            val_fraction=ns.val_fraction,
+            val_fraction=0.1 if ns.val_fraction is None else ns.val_fraction,
         )
     except KeyboardInterrupt:
         out = Path(ns.out)
         if (out / "meta.json").is_file():
             state = f"{out} is complete (its meta.json matches its files)"
+        elif (out / ".progress.json").is_file():
+            state = (
+                f"{out} is incomplete (no meta.json): run the same command again to resume "
+                "from its last complete shard"
+            )
         elif out.is_dir():
             state = f"{out} is incomplete (no meta.json): run prepare again"
         else:
@@ -88,38 +214,118 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+def _prepare_documents(ns) -> int:
+    from llm_foundry.data.documents import prepare_documents
+
+    meta = prepare_documents(
+        ns.out,
+        ns.input or (),
+        hf_datasets=ns.hf_dataset or (),
+        val_sources=ns.val_source or (),
+        split=ns.split,
+        text_field=ns.text_field,
+        text_column=ns.text_column,
+        vocab_size=ns.vocab_size,
+        tokenizer_from=ns.tokenizer_from,
+        tokenizer_sample=ns.tokenizer_sample,
+        val_fraction=ns.val_fraction,
+        shard_tokens=ns.shard_tokens,
+        dtype=ns.dtype,
+        workers=ns.workers,
+        on_bad_utf8=ns.on_bad_utf8,
+        restart=ns.restart,
+    )
+    if ns.json:
+        print(json.dumps(meta, indent=2))
+        return 0
+    shards = {s: len(meta["shards"][s]) for s in ("train", "val")}
+    empty = sum(s["empty"] for s in meta["sources"])
+    bad = sum(s["bad_utf8"] for s in meta["sources"])
+    first = next((s["bad_utf8_first"] for s in meta["sources"] if s["bad_utf8_first"]), None)
+    skipped = f"; left out {empty:,} empty documents" if empty else ""
+    if bad:
+        skipped += f"; left out {bad:,} documents that are not UTF-8 (first: {first})"
+    plural = {s: "s" if n != 1 else "" for s, n in shards.items()}
+    print(
+        f"wrote {ns.out}: {shards['train']:,} train shard{plural['train']} "
+        f"({meta['train_tokens']:,} tokens, {meta['train_documents']:,} documents) + "
+        f"{shards['val']:,} val shard{plural['val']} "
+        f"({meta['val_tokens']:,} tokens, {meta['val_documents']:,} documents), "
+        f"{meta['dtype']}; {meta['tokenizer']} tokenizer with {meta['vocab_size']:,} entries, "
+        f"documents ended by {meta['eot']} ({meta['eot_id']}); "
+        f"{len(meta['sources'])} input(s){skipped}"
+    )
+    return 0
+
+
 def _check_flags(ns) -> None:
     """Flags out of range, or given where they do nothing: one line each."""
     sft = bool(ns.sft or ns.sft_demo)
-    if not 0 < ns.val_fraction < 1:
+    stream = bool(ns.text or ns.dataset)
+    docs = ns.documents
+    if not (stream or ns.sft or docs):
+        raise ValueError(
+            "give what to prepare: --text FILE... or --dataset shakespeare (a text stream), "
+            "--input PATH... or --hf-dataset NAME (a document corpus), or --sft FILE.jsonl"
+        )
+    if ns.val_fraction is not None and not 0 < ns.val_fraction < 1:
         raise ValueError(f"--val-fraction {ns.val_fraction}: must be strictly between 0 and 1")
     if ns.rows is not None and not ns.sft_demo:
         raise ValueError("--rows is for --sft-demo (how many demonstration rows to make)")
     if ns.sft_demo and ns.rows is not None and ns.rows < 2:
         raise ValueError(f"--rows {ns.rows}: must be at least 2 (a train and a val row)")
+    if docs and (stream or sft):
+        flag = next(f"--{k.replace('_', '-')}" for k in DOCUMENT_FLAGS if _given(ns, k))
+        what = "--sft/--sft-demo" if sft else ("--text" if ns.text else "--dataset")
+        raise ValueError(
+            f"{flag} is for a document corpus (--input / --hf-dataset), not {what}"
+            + ("; to prepare text files as documents, give them as --input" if ns.text else "")
+        )
+    if docs and not (ns.input or ns.hf_dataset):
+        flag = next(f"--{k.replace('_', '-')}" for k in DOCUMENT_FLAGS if _given(ns, k))
+        raise ValueError(f"{flag} needs the documents: --input PATH... or --hf-dataset NAME")
     if sft and (ns.tokenizer is not None or ns.vocab_size is not None):
         flag = "--tokenizer" if ns.tokenizer is not None else "--vocab-size"
         raise ValueError(
             f"{flag} does not apply to --sft/--sft-demo: their tokens are those of the model's "
             "tokenizer (--tokenizer-from)"
         )
-    if not sft and ns.tokenizer_from:
+    if stream and not sft and ns.tokenizer_from:
         raise ValueError(
-            "--tokenizer-from is for --sft/--sft-demo; text prepare trains its tokenizer "
-            "(--tokenizer, --vocab-size)"
+            "--tokenizer-from with text: give the files as --input (a document corpus, each file "
+            "a document); --text trains its tokenizer (--tokenizer, --vocab-size)"
         )
-    if ns.vocab_size is not None and (ns.tokenizer or "char") != "bpe":
+    if docs and ns.tokenizer == "char":
+        raise ValueError(
+            "--tokenizer char is for a text stream (--text, --dataset): a document corpus needs "
+            "an end-of-text token between documents; use bpe or --tokenizer-from"
+        )
+    if docs and ns.tokenizer_from and (ns.tokenizer or ns.vocab_size is not None):
+        flag = "--tokenizer" if ns.tokenizer else "--vocab-size"
+        raise ValueError(f"{flag} trains a tokenizer; --tokenizer-from uses the model's: give one")
+    if docs and ns.val_source and ns.val_fraction is not None:
+        raise ValueError("give --val-fraction or --val-source, not both")
+    ns.shard_tokens = count("--shard-tokens", ns.shard_tokens)
+    ns.tokenizer_sample = count("--tokenizer-sample", ns.tokenizer_sample)
+    if docs and ns.workers < 1:
+        raise ValueError(f"--workers {ns.workers}: must be at least 1")
+    if ns.vocab_size is not None and not docs and (ns.tokenizer or "char") != "bpe":
         raise ValueError(
             f"--vocab-size {ns.vocab_size} is for --tokenizer bpe; a char tokenizer's vocabulary "
             "is the corpus' characters"
         )
-    from llm_foundry.tokenizer import MIN_BPE_VOCAB
+    from llm_foundry.tokenizer import CHAT_TOKENS, MIN_BPE_VOCAB
 
-    if ns.vocab_size is not None and ns.vocab_size < MIN_BPE_VOCAB:
+    least = MIN_BPE_VOCAB + (len(CHAT_TOKENS) if docs else 0)
+    if ns.vocab_size is not None and ns.vocab_size < least:
         raise ValueError(
-            f"--vocab-size {ns.vocab_size}: must be at least {MIN_BPE_VOCAB} (every byte and "
+            f"--vocab-size {ns.vocab_size}: must be at least {least} (every byte and "
             "the special tokens)"
         )
+
+
+def _given(ns, key: str) -> bool:
+    return getattr(ns, key) not in (None, False, ns.defaults[key])
 
 
 def _prepare_sft(ns) -> int:
@@ -134,12 +340,13 @@ def _prepare_sft(ns) -> int:
         tok = checkpoint_dir(tok, "--tokenizer-from") / "tokenizer.json"
     if not tok.is_file():
         raise FileNotFoundError(f"--tokenizer-from {ns.tokenizer_from}: no tokenizer.json there")
+    fraction = 0.1 if ns.val_fraction is None else ns.val_fraction
     if ns.sft_demo:
         with lock.hold(ns.out, "data directory", readers=True):
             rows = _demo_rows(ns)
-            meta = prepare_sft(ns.out, rows, tok, ns.val_fraction)
+            meta = prepare_sft(ns.out, rows, tok, fraction)
     else:
-        meta = prepare_sft(ns.out, ns.sft, tok, ns.val_fraction)
+        meta = prepare_sft(ns.out, ns.sft, tok, fraction)
     if ns.json:
         print(json.dumps(meta, indent=2))
     else:

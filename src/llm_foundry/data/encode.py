@@ -31,6 +31,7 @@ from tqdm import tqdm
 
 from llm_foundry import lock
 from llm_foundry.data.batches import file_entry
+from llm_foundry.data.shard_writer import remove_unlisted
 from llm_foundry.data.sources import (
     DATASETS,
     DataError,
@@ -236,6 +237,7 @@ def _prepare_locked(
             "files": {name: file_entry(tmp) for name, tmp in written.items()},
         }
         publish(out, written, json.dumps(meta, indent=2) + "\n")
+        remove_unlisted(out, set())  # shards of a document corpus prepared here before
     finally:
         for tmp in [tokens, *written.values()]:
             tmp.unlink(missing_ok=True)

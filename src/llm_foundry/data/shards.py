@@ -13,10 +13,18 @@ meta.json's ``"shards"`` lists, per split, each shard's ``file``, ``tokens``, ``
 every file's size and check digest (``batches.file_entry``), so a shard truncated or replaced on
 disk is refused. A directory from before shards (one ``train.bin``/``val.bin``, no index) reads
 as one shard per split.
+
+``prepare --input`` (``documents.prepare_documents``, through ``shard_writer``) writes this
+layout; its meta.json adds ``eot_id`` (= ``eos_id``: the id that ends every document), a
+``sha256`` of each shard's bytes in its entry, ``train_documents``/``val_documents``, the
+``sources`` read (per input: files, bytes, documents, tokens, empty and non-UTF-8 documents left
+out), the ``settings`` that made it and ``timing`` (the one part that differs between runs of
+the same inputs).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +35,7 @@ from llm_foundry.data.batches import SPLITS, check_files, load_meta, open_tokens
 from llm_foundry.data.sources import DataError
 
 INDEX_DTYPE = np.dtype("<u8")  # document starts: uint64 little-endian
+SHARD_FILE = re.compile(r"(train|val)_\d{5,}\.(bin|idx)")  # the names shard_name/index_name give
 
 
 def shard_name(split: str, number: int) -> str:
