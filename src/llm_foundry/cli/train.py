@@ -139,8 +139,8 @@ def _main(argv: list[str], finetune: bool, prog: str) -> int:
         train_cfg = type(train_cfg).from_dict({**train_cfg.to_dict(), "init_from": str(start[0])})
         if ns.data is None:
             raise ValueError("finetune needs --data: a directory `prepare` wrote with the "
-                             "checkpoint's tokenizer (prepare --sft ROWS --tokenizer-from "
-                             "CHECKPOINT)")  # fmt: skip
+                             "checkpoint's tokenizer (prepare --input FILES or --sft ROWS, "
+                             "--tokenizer-from CHECKPOINT)")  # fmt: skip
     data_dir = ns.data or data_base or DEFAULT_DATA
     if ns.resume and ns.out is None:
         raise ValueError("--resume needs --out RUN_DIR (the run to continue)")

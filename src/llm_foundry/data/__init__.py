@@ -1,8 +1,11 @@
 """Data: a corpus -> token files on disk -> random (x, y) training batches.
 
 ``sources``: where text comes from (files, the ``shakespeare`` dataset and its download
-fallback), read as a stream. ``encode``: ``prepare`` tokenizes a corpus in bounded memory into
-``train.bin``/``val.bin``/``tokenizer.json``/``meta.json``. ``batches``: reading a prepared
+fallback), read as a stream. ``encode``: ``prepare`` tokenizes a text in bounded memory into
+``train.bin``/``val.bin``/``tokenizer.json``/``meta.json``. ``corpus``: documents of many
+files and formats (txt, jsonl[.gz|.zst], parquet, saved ``datasets``) read in a fixed order;
+``documents``: ``prepare_documents`` tokenizes them in worker processes into shards
+(``shard_writer``), resumable, the same bytes whatever the workers. ``batches``: reading a prepared
 directory back (``load_meta``, memmapped splits) and ``BatchSampler``. ``shards``: the sharded
 layout. ``loader``: training batches of a split's shards (random windows or packed documents),
 from one directory or a weighted mixture, prefetched in a thread.

@@ -102,8 +102,9 @@ def load_initial_weights(model: Transformer, path: Path) -> None:
     if diff:
         hint = ""
         if source.cfg.vocab_size != model.cfg.vocab_size:
-            hint = ("; the data must be tokenized with that model's tokenizer (chat/SFT rows: "
-                    "prepare --sft ... --tokenizer-from MODEL)")  # fmt: skip
+            hint = ("; the data must be tokenized with that model's tokenizer: prepare --input "
+                    "FILES --tokenizer-from MODEL (chat/SFT rows: prepare --sft ROWS "
+                    "--tokenizer-from MODEL)")  # fmt: skip
         raise ConfigError(diff, f"train.init_from {path} holds another model{hint}")
     with torch.no_grad():
         model.load_state_dict(source.state_dict())
