@@ -724,6 +724,19 @@ def test_workers_without_documents_is_one_line(tmp_path, capsys):
         "llm-foundry prepare: error: --workers needs the documents: --input PATH... or "
         "--hf-dataset NAME\n"
     )
+    # a document flag given with its default value, or 0, counts as given
+    (tmp_path / "t.txt").write_text("some text")
+    for n in ("1", "0"):
+        argv = ["prepare", "--text", str(tmp_path / "t.txt"), "--workers", n]
+        rc, err = cli_status([*argv, "--out", str(tmp_path / "d")], capsys)
+        assert rc == 2 and "--workers is for a document corpus" in err, err
+
+
+def test_counts_are_exact_whatever_their_size():
+    from llm_foundry.cli.prepare import count
+
+    assert count("--shard-tokens", "9007199254740993") == 2**53 + 1  # past float precision
+    assert count("--shard-tokens", "1.5K") == 1500 and count("--shard-tokens", "100M") == 10**8
 
 
 RSS_SCRIPT = """

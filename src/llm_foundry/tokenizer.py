@@ -458,8 +458,14 @@ def start_encoding_worker(tokenizer_json: str, dtype: str, parent: int) -> None:
     _worker = BatchEncoder(tokenizer_json, dtype)
 
     def watch() -> None:
+        # a worker's parent is the forkserver, which ends with the process it serves (and the
+        # worker is reparented): a changed parent pid means the work is gone, and unlike a pid
+        # test it cannot be fooled by the pid being reused
+        first = os.getppid()
         while True:
             time.sleep(PARENT_CHECK_S)
+            if os.getppid() != first:
+                os._exit(1)
             try:
                 os.kill(parent, 0)
             except (ProcessLookupError, PermissionError):  # gone (its pid another user's now)

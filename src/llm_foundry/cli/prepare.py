@@ -36,8 +36,11 @@ def count(flag: str, text: str | int) -> int:
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)\s*", text)
     if not match:
         raise ValueError(f"{flag} {text!r}: not a count (e.g. 5000, 100M, 1.5G)")
-    value = float(match.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[match.group(2).lower()]
-    if value < 1 or value != int(value):
+    from fractions import Fraction
+
+    scale = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}[match.group(2).lower()]
+    value = Fraction(match.group(1)) * scale  # exact: no float rounding of large counts
+    if value < 1 or value.denominator != 1:
         raise ValueError(f"{flag} {text!r}: must be a whole number >= 1")
     return int(value)
 
@@ -51,6 +54,7 @@ def main(argv: list[str]) -> int:
         DEFAULT_TOKENIZER_SAMPLE,
         DTYPES,
     )
+    from llm_foundry.data.shard_writer import PROGRESS_FILE
     from llm_foundry.tokenizer import TOKENIZER_KINDS
 
     p = argparse.ArgumentParser(
@@ -170,9 +174,18 @@ def main(argv: list[str]) -> int:
         action="store_true",
         help="discard an interrupted prepare in --out instead of resuming it",
     )
+    # the document flags left unset stay absent, so that what was given is known (a default
+    # value typed out counts as given), then take their defaults
+    defaults = {k: p.get_default(k) for k in DOCUMENT_FLAGS}
+    for action in p._actions:  # the parser's own list: argparse has no public setter for this
+        if action.dest in defaults:
+            action.default = argparse.SUPPRESS
     ns = p.parse_args(argv)
-    ns.defaults = {k: p.get_default(k) for k in DOCUMENT_FLAGS}
-    ns.documents = any(_given(ns, k) for k in DOCUMENT_FLAGS)
+    ns.given = [k for k in DOCUMENT_FLAGS if hasattr(ns, k)]
+    for key, value in defaults.items():
+        if not hasattr(ns, key):
+            setattr(ns, key, value)
+    ns.documents = bool(ns.given)
     _check_flags(ns)
     try:
         if ns.sft_demo or ns.sft:
@@ -193,7 +206,7 @@ def main(argv: list[str]) -> int:
         out = Path(ns.out)
         if (out / "meta.json").is_file():
             state = f"{out} is complete (its meta.json matches its files)"
-        elif (out / ".progress.json").is_file():
+        elif (out / PROGRESS_FILE).is_file():
             state = (
                 f"{out} is incomplete (no meta.json): run the same command again to resume "
                 "from its last complete shard"
@@ -275,14 +288,14 @@ def _check_flags(ns) -> None:
     if ns.sft_demo and ns.rows is not None and ns.rows < 2:
         raise ValueError(f"--rows {ns.rows}: must be at least 2 (a train and a val row)")
     if docs and (stream or sft):
-        flag = next(f"--{k.replace('_', '-')}" for k in DOCUMENT_FLAGS if _given(ns, k))
+        flag = next(f"--{k.replace('_', '-')}" for k in ns.given)
         what = "--sft/--sft-demo" if sft else ("--text" if ns.text else "--dataset")
         raise ValueError(
             f"{flag} is for a document corpus (--input / --hf-dataset), not {what}"
             + ("; to prepare text files as documents, give them as --input" if ns.text else "")
         )
     if docs and not (ns.input or ns.hf_dataset):
-        flag = next(f"--{k.replace('_', '-')}" for k in DOCUMENT_FLAGS if _given(ns, k))
+        flag = next(f"--{k.replace('_', '-')}" for k in ns.given)
         raise ValueError(f"{flag} needs the documents: --input PATH... or --hf-dataset NAME")
     if sft and (ns.tokenizer is not None or ns.vocab_size is not None):
         flag = "--tokenizer" if ns.tokenizer is not None else "--vocab-size"
@@ -322,10 +335,6 @@ def _check_flags(ns) -> None:
             f"--vocab-size {ns.vocab_size}: must be at least {least} (every byte and "
             "the special tokens)"
         )
-
-
-def _given(ns, key: str) -> bool:
-    return getattr(ns, key) not in (None, False, ns.defaults[key])
 
 
 def _prepare_sft(ns) -> int:

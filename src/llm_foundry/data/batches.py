@@ -54,16 +54,21 @@ def load_meta(data_dir: str | Path) -> dict:
     return meta
 
 
+def tokenizer_sha256(data_dir: str | Path, meta: dict) -> str | None:
+    """sha256 of a prepared directory's tokenizer file (None: it has none)."""
+    tok = Path(data_dir) / meta.get("tokenizer_file", "tokenizer.json")
+    return hashlib.sha256(tok.read_bytes()).hexdigest() if tok.is_file() else None
+
+
 def data_fingerprint(data_dir: str | Path) -> dict:
     """What identifies a prepared corpus: the text's sha256, its tokenizer file's sha256 and the
     split; a sharded one (``data.shards``) also its shards' token counts and check digests
     (``shards_sha256``). Two directories with equal fingerprints give a model the same batches."""
     data_dir = Path(data_dir)
     meta = load_meta(data_dir)
-    tok = data_dir / meta.get("tokenizer_file", "tokenizer.json")
     found = {
         "text_sha256": meta.get("sha256"),
-        "tokenizer_sha256": hashlib.sha256(tok.read_bytes()).hexdigest() if tok.is_file() else None,
+        "tokenizer_sha256": tokenizer_sha256(data_dir, meta),
         "vocab_size": meta["vocab_size"],
         "train_tokens": meta.get("train_tokens"),
         "val_tokens": meta.get("val_tokens"),

@@ -27,7 +27,6 @@ background thread; its ``state_dict()`` is that of the batches handed out, not o
 
 from __future__ import annotations
 
-import hashlib
 import math
 import queue
 import threading
@@ -45,9 +44,11 @@ from llm_foundry.data.batches import (
     data_fingerprint,
     load_meta,
     packed_row,
+    tokenizer_sha256,
 )
 from llm_foundry.data.shards import document_starts, open_shard, split_shards
 from llm_foundry.data.sources import DataError
+from llm_foundry.messages import shown
 
 SAMPLING = ("windows", "packed")  # what train.data_sampling accepts
 
@@ -82,7 +83,7 @@ def parse_sources(spec: str | Path | list) -> list[Source]:
             where, sep, w = entry.rpartition("=")
             if not sep or not where.strip():
                 raise DataError(
-                    f"--data entry {entry!r} of {text!r}: expected DIR=WEIGHT (a mixture gives "
+                    f"--data entry {shown(entry, 200)}: expected DIR=WEIGHT (a mixture gives "
                     "every directory a weight)"
                 )
             try:
@@ -95,9 +96,11 @@ def parse_sources(spec: str | Path | list) -> list[Source]:
     seen: set[Path] = set()
     for entry, where, w in entries:
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not w > 0:
-            raise DataError(f"--data entry {entry!r}: the weight {w!r} must be a number > 0")
+            raise DataError(
+                f"--data entry {shown(entry, 200)}: the weight {shown(w)} must be a number > 0"
+            )
         if where.resolve() in seen:
-            raise DataError(f"--data entry {entry!r}: {where} is named twice; give it once")
+            raise DataError(f"--data entry {shown(entry, 200)}: {where} is named twice; give it once")
         seen.add(where.resolve())
     names = [where.name or str(where) for _, where, _ in entries]
     if len(set(names)) < len(names):  # two directories of one name: their paths tell them apart
@@ -116,11 +119,6 @@ def source_shares(sources: list[Source]) -> list[float]:
     """The sources' weights normalised to sum to 1."""
     total = sum(s.weight for s in sources)
     return [s.weight / total for s in sources]
-
-
-def tokenizer_sha256(data_dir: Path, meta: dict) -> str | None:
-    tok = Path(data_dir) / meta.get("tokenizer_file", "tokenizer.json")
-    return hashlib.sha256(tok.read_bytes()).hexdigest() if tok.is_file() else None
 
 
 def source_metas(sources: list[Source]) -> list[dict]:
@@ -238,7 +236,6 @@ class Loader(BatchSampler):
         self.corpora, self.packed, self.document_mask = corpora, packed, document_mask
         total = sum(weights)
         self.cumulative = np.cumsum([w / total for w in weights])
-        self.data = corpora[0].tokens[0] if len(corpora[0].tokens) == 1 else None
         if packed:
             self.documents = [c.documents() for c in corpora]
             self.epoch, self.cursor = [0] * len(corpora), [0] * len(corpora)
@@ -405,8 +402,12 @@ class Prefetch:
                 batch, state, error = self._queue.get(timeout=1.0)
                 break
             except queue.Empty:
-                if not self._thread.is_alive():
-                    raise RuntimeError("the prefetch thread stopped") from None
+                if not self._thread.is_alive():  # it may have put its error just now
+                    try:
+                        batch, state, error = self._queue.get_nowait()
+                        break
+                    except queue.Empty:
+                        raise RuntimeError("the prefetch thread stopped") from None
         if error is not None:
             raise error
         self.consumed = state

@@ -33,6 +33,7 @@ import numpy as np
 from llm_foundry import lock
 from llm_foundry.data.batches import SPLITS, check_files, load_meta, open_tokens
 from llm_foundry.data.sources import DataError
+from llm_foundry.messages import shown
 
 INDEX_DTYPE = np.dtype("<u8")  # document starts: uint64 little-endian
 SHARD_FILE = re.compile(r"(train|val)_\d{5,}\.(bin|idx)")  # the names shard_name/index_name give
@@ -70,14 +71,14 @@ def split_shards(data_dir: str | Path, split: str, meta: dict | None = None) -> 
         return [Shard(data_dir / f"{split}.bin", int(meta.get(f"{split}_tokens") or 0))]
     where = data_dir / "meta.json"
     if not isinstance(listed, list) or not listed:
-        raise DataError(f"{where}: shards.{split} is {listed!r}; expected a non-empty list")
+        raise DataError(f"{where}: shards.{split} is {shown(listed)}; expected a non-empty list")
     shards = []
     for i, entry in enumerate(listed):
         ok = isinstance(entry, dict) and isinstance(entry.get("file"), str)
         ok = ok and isinstance(entry.get("tokens"), int) and entry["tokens"] > 0
         if not ok:
             raise DataError(
-                f"{where}: shards.{split}[{i}] is {entry!r}; expected file and tokens > 0"
+                f"{where}: shards.{split}[{i}] is {shown(entry)}; expected file and tokens > 0"
             )
         index = entry.get("index")
         shards.append(

@@ -411,8 +411,9 @@ class Trainer:
         t_start = time.perf_counter()
         self.model.train()
         # the next batches built while this step runs; saved states are those of batches trained
-        self.feed = Prefetch(self.sampler, tc.prefetch) if tc.prefetch else self.sampler
+        self.feed = self.sampler
         try:
+            self.feed = Prefetch(self.sampler, tc.prefetch) if tc.prefetch else self.sampler
             while self.step < tc.max_steps:
                 watch = self.monitor is not None and self.monitor.due(self.step + 1)
                 # probed before the step: the weights this step's forward and backward see
@@ -483,16 +484,18 @@ class Trainer:
                     )
                     break
         finally:
-            if self.feed is not self.sampler:  # stopped; the sampler back at the batches trained
-                self.feed.close()
-                self.feed = self.sampler
-            bar.close()
-            metrics.close()
-            self.release()
-            if tb:
-                tb.close()
-            for s, handler in old.items():
-                signal.signal(s, handler)
+            try:
+                if self.feed is not self.sampler:  # the sampler back at the batches trained
+                    self.feed.close()
+                    self.feed = self.sampler
+            finally:  # whatever closing the feed raised, the run's resources are let go
+                bar.close()
+                metrics.close()
+                self.release()
+                if tb:
+                    tb.close()
+                for s, handler in old.items():
+                    signal.signal(s, handler)
         return RunResult(
             step=self.step,
             last_train_loss=last_loss,
