@@ -24,6 +24,8 @@ from llm_foundry.presets import get_preset
 from llm_foundry.train.config import TrainConfig
 
 SECTIONS: dict[str, type] = {"model": ModelConfig, "train": TrainConfig}
+# config files the package ships (recipes such as pretrain-124m-gpt2), named without a path
+CONFIGS_DIR = Path(__file__).parent / "configs"
 
 
 @dataclass
@@ -83,12 +85,30 @@ def parse_assignment(item: str) -> tuple[str, str, list]:
         raise ValueError(f"{key.strip()}: {e}") from None
 
 
+def config_names() -> list[str]:
+    """The config files the package ships, by the name ``--config`` takes."""
+    return sorted(p.stem for p in CONFIGS_DIR.glob("*.yaml"))
+
+
+def config_path(name: str | Path) -> Path:
+    """``name`` as a file: the path itself when it is one, else the shipped config of that name
+    (a file the user has wins over a built-in name)."""
+    path = Path(name)
+    if path.is_file():
+        return path
+    if str(name) in config_names():
+        return CONFIGS_DIR / f"{name}.yaml"
+    raise FileNotFoundError(
+        f"--config {name}: no such file, nor a built-in config (built-in: "
+        f"{', '.join(config_names())})"
+    )
+
+
 def read_config_file(path: str | Path) -> dict[str, Any]:
-    """A YAML/JSON settings file: ``model:`` and ``train:`` mappings plus top-level keys (such
-    as ``out``); errors name the file, the key and what is valid."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"--config {path}: no such file")
+    """A YAML/JSON settings file, or a shipped config by name: ``model:`` and ``train:``
+    mappings plus top-level keys (such as ``out``); errors name the file, the key and what is
+    valid."""
+    path = config_path(path)
     try:
         conf = load_yaml(path.read_text())
     except (UnicodeDecodeError, yaml.YAMLError) as e:

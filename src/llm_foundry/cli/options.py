@@ -16,7 +16,7 @@ import signal
 import sys
 from functools import cache
 
-from llm_foundry.settings import SECTIONS, Settings, field_names, resolve, scalar
+from llm_foundry.settings import SECTIONS, Settings, config_names, field_names, resolve, scalar
 
 
 class SettingsParser(argparse.ArgumentParser):
@@ -49,7 +49,8 @@ def add_settings_arguments(
         action="append",
         default=[],
         metavar="FILE",
-        help="YAML/JSON file with model: and train: sections (repeatable; later files win)",
+        help="YAML/JSON file with model: and train: sections, or a built-in one by name: "
+        f"{', '.join(config_names())} (repeatable; later files win)",
     )
     for section in sections:
         cls = SECTIONS[section]
