@@ -7,20 +7,30 @@
 Nothing is unpickled on load: the config is JSON and the tensors are safetensors. Training
 checkpoints (``train/state.py``) add their own files next to these two, so ``load_checkpoint``
 reads a training step directory as well.
+
+A sharded training checkpoint (``train.checkpoint_format`` dcp, ``train/dcp.py``) holds
+``config.json`` and, in place of ``model.safetensors``, a ``dcp/`` directory written by
+``torch.distributed.checkpoint`` (each rank's shards and a ``.metadata`` index); the weights
+are ``model.<name>`` there. ``load_checkpoint`` reads it too, with no process group. DCP's
+``.metadata`` is a pickle: it is read by an unpickler that builds DCP's own metadata classes
+and nothing else (``read_dcp_metadata``), and the tensors by ``torch.load(weights_only=True)``.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import pickle
 import re
+import warnings
+from functools import cache
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_model, save_model
 
 from llm_foundry.config import ConfigError, ModelConfig
-from llm_foundry.messages import shown
+from llm_foundry.messages import one_line, shown
 from llm_foundry.models.lora import apply_lora_settings, fold_lora, lora_settings
 from llm_foundry.models.lora import check_settings as check_lora
 from llm_foundry.models.quant import apply_quant_settings, quant_settings, read_settings
@@ -30,6 +40,8 @@ FORMAT = "llm-foundry"
 VERSION = 1
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
+DCP_DIR = "dcp"  # a sharded checkpoint's tensors (torch.distributed.checkpoint) in its directory
+DCP_MODEL = "model"  # the weights' prefix in it: "model.<parameter name>"
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -57,7 +69,15 @@ def save_checkpoint(model: torch.nn.Module, path: str | Path) -> Path:
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     save_model(model, str(path / WEIGHTS_FILE), metadata={"format": "pt"})
-    meta = {"format": FORMAT, "version": VERSION, "model": cfg.to_dict()}
+    write_config(model, path)
+    return path
+
+
+def write_config(model: torch.nn.Module, path: Path) -> None:
+    """``path/config.json``: the format, the model config and the LoRA and quantization
+    settings loading rebuilds ``model`` (a ``Transformer``, sharded or not) with."""
+    model = unwrap(model)
+    meta = {"format": FORMAT, "version": VERSION, "model": model.cfg.to_dict()}
     lora = lora_settings(model)
     if lora:  # adapters over a frozen base: loading rebuilds them (and may merge them)
         meta["lora"] = lora
@@ -65,7 +85,6 @@ def save_checkpoint(model: torch.nn.Module, path: str | Path) -> Path:
     if quant:  # which projections hold int8/int4 weights: loading swaps those layers in
         meta["quantization"] = quant
     (path / CONFIG_FILE).write_text(json.dumps(meta, indent=2))
-    return path
 
 
 def read_lora(path: str | Path) -> dict | None:
@@ -234,11 +253,12 @@ def check_weights_fit(
     path: Path,
     lora: dict | None = None,
     quant: dict | None = None,
+    file: Path | None = None,
 ) -> None:
     """Refuse (one line) weights whose names or shapes differ from what ``cfg`` builds, checked
     on the meta device, so that a config can never make the process allocate more than the
-    weights it came with."""
-    file, config_file = path / WEIGHTS_FILE, path / CONFIG_FILE
+    weights it came with. ``file``: where the weights are (``path/model.safetensors``)."""
+    file, config_file = file or path / WEIGHTS_FILE, path / CONFIG_FILE
     check_layer_count(cfg, shapes, file, config_file)
     model = meta_transformer(cfg, config_file, file, lora, quant)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
@@ -304,11 +324,161 @@ def load_checkpoint(
     cfg = read_config(path)
     lora, quant = read_lora(path), read_quantization(path)
     file = path / WEIGHTS_FILE
-    if not file.exists():
-        raise FileNotFoundError(f"{file} not found: {path} is not an llm-foundry checkpoint")
-    check_weights_fit(cfg, read_safetensors_header(file), path, lora, quant)
-    model = build(cfg, lora, quant).to(device)
-    _load_into(model, file)
+    if not file.exists() and is_dcp(path):  # a sharded training checkpoint's weights
+        shapes = dcp_shapes(path / DCP_DIR, DCP_MODEL)
+        check_weights_fit(cfg, shapes, path, lora, quant, path / DCP_DIR)
+        model = build(cfg, lora, quant).to(device)
+        # the state dict's tensors share the parameters' storage: DCP fills them in place
+        load_dcp(path / DCP_DIR, {DCP_MODEL: model.state_dict()})
+        check_finite(model.state_dict(), path / DCP_DIR)
+    else:
+        if not file.exists():
+            raise FileNotFoundError(f"{file} not found: {path} is not an llm-foundry checkpoint")
+        check_weights_fit(cfg, read_safetensors_header(file), path, lora, quant)
+        model = build(cfg, lora, quant).to(device)
+        _load_into(model, file)
     if merge:
         fold_lora(model)
     return model.eval()
+
+
+# ----------------------------------------------------------------------------------------------
+# Sharded checkpoints (torch.distributed.checkpoint): read with or without a process group
+
+
+def is_dcp(path: str | Path) -> bool:
+    """Whether checkpoint directory ``path`` keeps its tensors in DCP's sharded files."""
+    return (Path(path) / DCP_DIR).is_dir()
+
+
+# What DCP's .metadata pickle holds (torch 2.4-2.13): its dataclasses, sizes, dtypes, layouts
+# and a path. BytesStorageMetadata is left out on purpose: it makes the loader torch.load an
+# entry with weights_only=False, and our checkpoints hold tensors only.
+_DCP_METADATA = "torch.distributed.checkpoint.metadata"
+_METADATA_CLASSES = {
+    (_DCP_METADATA, "Metadata"),
+    (_DCP_METADATA, "TensorStorageMetadata"),
+    (_DCP_METADATA, "ChunkStorageMetadata"),
+    (_DCP_METADATA, "TensorProperties"),
+    (_DCP_METADATA, "MetadataIndex"),
+    (_DCP_METADATA, "StorageMeta"),
+    (_DCP_METADATA, "_MEM_FORMAT_ENCODING"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("collections", "OrderedDict"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if (module, name) in _METADATA_CLASSES or dtype:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name}")
+
+
+def read_dcp_metadata(path: str | Path):
+    """DCP's index of the sharded checkpoint directory ``path`` (its ``.metadata``), unpickled
+    with DCP's metadata classes alone; errors are one line naming the file."""
+    file = Path(path) / ".metadata"
+    if not file.is_file():
+        raise FileNotFoundError(
+            f"{file} is missing: {path} is not a complete sharded (DCP) checkpoint (its writer "
+            "stopped before the end?)"
+        )
+    try:
+        with open(file, "rb") as f:
+            return _MetadataUnpickler(f).load()
+    except pickle.UnpicklingError as e:
+        raise ValueError(
+            f"{file} refers to {e}, which DCP's checkpoint metadata never does; not loaded (only "
+            "DCP's own metadata classes are read from it)"
+        ) from None
+    except (EOFError, ValueError, TypeError, AttributeError) as e:
+        raise ValueError(
+            f"{file} is damaged ({one_line(e)}): not DCP checkpoint metadata"
+        ) from None
+
+
+def dcp_shapes(path: str | Path, prefix: str = "") -> dict[str, tuple[int, ...]]:
+    """Every whole tensor's shape in the sharded checkpoint ``path``: the names under ``prefix``
+    (``prefix.`` dropped), or all of them."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    lead = f"{prefix}." if prefix else ""
+    return {
+        key[len(lead) :]: tuple(md.size)
+        for key, md in read_dcp_metadata(path).state_dict_metadata.items()
+        if isinstance(md, TensorStorageMetadata) and key.startswith(lead)
+    }
+
+
+@cache
+def _reader_class():
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeReader(FileSystemReader):
+        """DCP's file reader, its metadata read by ``read_dcp_metadata``."""
+
+        def read_metadata(self, *args, **kwargs):
+            if kwargs.get("rank") is not None:  # per-rank metadata: a layout we never write
+                raise ValueError(f"{self.path}: per-rank DCP metadata is not supported")
+            metadata = read_dcp_metadata(self.path)
+            if getattr(metadata, "storage_meta", None) is None:  # as FileSystemReader does
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeReader
+
+
+def load_dcp(path: str | Path, state_dict: dict, process_group=None) -> None:
+    """Fill ``state_dict``'s tensors (nested dicts of tensors, DTensor shards included: each
+    rank reads what its shards hold) in place from the sharded checkpoint ``path``. Without a
+    process group (none initialised) one process reads everything. A tensor missing from the
+    checkpoint or of another shape is one line naming it."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    reader = _reader_class()(path)
+    alone = not (dist.is_available() and dist.is_initialized())
+    try:
+        with warnings.catch_warnings():  # "torch.distributed is disabled ... single process"
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+            dcp.load(state_dict, storage_reader=reader, process_group=process_group,
+                     no_dist=alone)  # fmt: skip
+    except (CheckpointException, RuntimeError, KeyError, AssertionError) as e:
+        raise ValueError(
+            f"{path}: the sharded checkpoint does not fit ({dcp_failure(e)})"
+        ) from None
+
+
+def dcp_failure(e: BaseException) -> str:
+    """What went wrong in a DCP save or load, on one line: each failing rank's error (DCP's own
+    exception lists them with tracebacks)."""
+    failures = getattr(e, "failures", None)
+    if not isinstance(failures, dict):
+        return one_line(f"{type(e).__name__}: {e}")
+    return "; ".join(
+        f"rank {rank}: {one_line(f'{type(exc).__name__}: {exc}')}"
+        for rank, (exc, _) in sorted(failures.items())
+    )
+
+
+def read_dcp_tensors(path: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the sharded checkpoint ``path`` whole, on the CPU, by its flat name
+    (``model.<name>``, ...): one process, no process group."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    tensors = {
+        key: torch.empty(tuple(md.size), dtype=md.properties.dtype)
+        for key, md in read_dcp_metadata(path).state_dict_metadata.items()
+        if isinstance(md, TensorStorageMetadata)
+    }
+    load_dcp(path, tensors)
+    return tensors
