@@ -1,6 +1,7 @@
 """Training on 2 CPU processes (torchrun, gloo): DDP and FSDP2 give one process's losses (text,
 sharded text packed into documents, experts, SFT rows with and without LoRA), and checkpoints
-move between world sizes. Each rank runs one thread."""
+move between world sizes: full ones, and sharded (DCP) ones that each rank writes (2 -> 4 -> 1
+ranks). Each rank runs one thread."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import corpus_text
 from sharded import sharded_text
 
@@ -409,3 +411,81 @@ def test_tensor_parallelism_refuses_heads_and_sequences_that_do_not_split(data_d
     assert "model.n_heads=3 must divide by the tensor-parallel degree 2" in err
     assert "model.n_kv_heads=3 must divide by the tensor-parallel degree 2" in err
     assert "train.block_size=15 must divide by the tensor-parallel degree 2" in err
+
+
+# ----------------------------------------------------------------------------------------------
+# Sharded checkpoints (train.checkpoint_format dcp): every rank writes its own shards, and a run
+# resumes from them on any number of ranks, in any layout
+
+
+DCP_FLAGS = dict(parallel="fsdp", checkpoint_format="dcp-async", batch_size=GLOBAL_BATCH // 2)
+
+
+@pytest.fixture(scope="module")
+def dcp_run(data_dir, tmp_path_factory) -> Path:
+    """10 steps on 2 FSDP2 ranks saving dcp-async checkpoints: the one of step 5 written in the
+    background while training went on, the last one waited for."""
+    run = tmp_path_factory.mktemp("dcp") / "run"
+    args = ["train", "--data", str(data_dir), "--out", str(run)]
+    r = torchrun(args + _flags(**TRAIN, **DCP_FLAGS, max_steps=10))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return run
+
+
+def _stopped_at_5(run: Path, to: Path) -> Path:
+    """A copy of ``run`` as a run stopped after its step-5 checkpoint would have left it."""
+    import shutil
+
+    shutil.copytree(run, to)
+    shutil.rmtree(to / "checkpoints" / "step_000010")
+    (to / "checkpoints" / "latest.json").write_text('{"step": 5, "path": "step_000005"}')
+    return to
+
+
+def test_dcp_resume_on_the_same_ranks_is_exact(data_dir, dcp_run, tmp_path):
+    """Resumed from step 5 on 2 FSDP2 ranks, the run gives the uninterrupted one's losses bit
+    for bit. Each checkpoint is every rank's shards and DCP's index, nothing gathered."""
+    run = _stopped_at_5(dcp_run, tmp_path / "run")
+    args = ["train", "--data", str(data_dir), "--out", str(run), "--resume"]
+    r = torchrun(args + _flags(**TRAIN, **DCP_FLAGS, max_steps=10))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert losses(run) == losses(dcp_run) and len(losses(run)) == 10
+    assert val_losses(run) == val_losses(dcp_run)
+    for ckpt in ("step_000005", "step_000010"):
+        files = sorted(p.name for p in (dcp_run / "checkpoints" / ckpt).iterdir())
+        assert files == ["config.json", "dcp", "state.json", "tokenizer.json"]
+        shards = sorted(p.name for p in (dcp_run / "checkpoints" / ckpt / "dcp").iterdir())
+        assert shards == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert not list((dcp_run / "checkpoints").glob(".tmp-*"))
+    latest = json.loads((dcp_run / "checkpoints" / "latest.json").read_text())
+    assert latest == {"step": 10, "path": "step_000010"}
+
+
+def test_dcp_reshards_from_2_ranks_to_a_2d_mesh_of_4_then_one_process(data_dir, dcp_run,
+                                                                        tmp_path):  # fmt: skip
+    """Saved by 2 FSDP2 ranks (step 5), resumed on 4 as a 2 x 2 FSDP x TP mesh (to step 10,
+    saved there as dcp), then by one process (to 15, saved as full): one process's losses all
+    the way (the data position is global, the same for any world size). The 2-D mesh's
+    checkpoint converts to safetensors and back to the same tensors."""
+    from llm_foundry.checkpoint import DCP_DIR, load_checkpoint, read_dcp_tensors
+    from llm_foundry.cli import main
+
+    ref = tmp_path / "ref"
+    one_process(data_dir, ref, max_steps=15)
+    run = _stopped_at_5(dcp_run, tmp_path / "run")
+    args = ["train", "--data", str(data_dir), "--out", str(run), "--resume"]
+    flags = {**DCP_FLAGS, "parallel": "fsdp+tp", "checkpoint_format": "dcp"}
+    r = torchrun(args + _flags(**TRAIN, **flags, max_steps=10), nproc=4, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    ckpt = run / "checkpoints" / "step_000010"
+    assert len(list((ckpt / DCP_DIR).glob("*.distcp"))) == 4
+    one_process(data_dir, run, resume=True, max_steps=15)
+    assert_close(losses(run), losses(ref))
+    assert_close(val_losses(run), val_losses(ref))
+    full, back = tmp_path / "full", tmp_path / "back"
+    assert main(["convert", "--from-dcp", str(ckpt), "--out", str(full)]) == 0
+    assert main(["convert", "--to-dcp", str(full), "--out", str(back)]) == 0
+    a, b = read_dcp_tensors(ckpt / DCP_DIR), read_dcp_tensors(back / DCP_DIR)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    sharded, whole = load_checkpoint(ckpt).state_dict(), load_checkpoint(full).state_dict()
+    assert all(torch.equal(sharded[k], whole[k]) for k in whole)

@@ -6,6 +6,8 @@
       checkpoints/      step_N/ directories and latest.json (train/state.py writes them)
         latest.json     {"step": N, "path": "step_00000N"}: the newest complete checkpoint
         step_00000N/    config.json + model.safetensors, optimizer.safetensors, state.json, ...
+                        (train.checkpoint_format dcp: dcp/, every rank's shards, in place of the
+                        two safetensors files; train/dcp.py)
 
 The training side writes this layout with the names defined here; everything that reads a run
 (resume, generate, inspect, ablations) reads it through this module.

@@ -1,5 +1,6 @@
-"""``llm-foundry convert``: HF transformers checkpoint directories to and from ours, and any
-checkpoint to one GGUF file that llama.cpp runs."""
+"""``llm-foundry convert``: HF transformers checkpoint directories to and from ours, any
+checkpoint to one GGUF file that llama.cpp runs, and sharded (DCP) training checkpoints to and
+from our safetensors ones."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ def main(argv: list[str]) -> int:
         description="Convert between HF transformers checkpoint directories (Llama, Mistral, "
         "Qwen3, GPT-2, Mixtral, Qwen3-MoE families) and llm-foundry checkpoints, or write a "
         "checkpoint of those families as one GGUF file for llama.cpp (--to-gguf). A LoRA run "
-        "is written with its adapters merged into the base; --to-peft writes its adapters alone.",
+        "is written with its adapters merged into the base; --to-peft writes its adapters alone. "
+        "--from-dcp / --to-dcp turn a sharded checkpoint (train.checkpoint_format dcp) into "
+        "safetensors files and back, optimizer and training state included.",
     )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--from-hf", metavar="DIR", help="HF directory (config.json + safetensors)")
@@ -32,6 +35,18 @@ def main(argv: list[str]) -> int:
         "--to-peft",
         metavar="RUN",
         help="LoRA run or checkpoint whose adapters to write alone, in PEFT's format",
+    )
+    src.add_argument(
+        "--from-dcp",
+        metavar="SRC",
+        help="sharded (DCP) checkpoint, or a run whose latest checkpoint is one, to write as "
+        "safetensors (a training checkpoint: optimizer and state too, resumable by any run)",
+    )
+    src.add_argument(
+        "--to-dcp",
+        metavar="SRC",
+        help="llm-foundry checkpoint or run directory (its latest) to write as a sharded (DCP) "
+        "checkpoint",
     )
     p.add_argument(
         "--out",
@@ -59,6 +74,21 @@ def main(argv: list[str]) -> int:
     from llm_foundry.loading import checkpoint_kind
     from llm_foundry.rundir import checkpoint_dir
 
+    if ns.from_dcp or ns.to_dcp:
+        from llm_foundry.outputs import new_directory
+        from llm_foundry.train.dcp import convertible, dcp_to_full, full_to_dcp
+
+        given, to_dcp = ns.to_dcp or ns.from_dcp, bool(ns.to_dcp)
+        ckpt = checkpoint_dir(given, "--to-dcp" if to_dcp else "--from-dcp")
+        convertible(ckpt, to_dcp)
+        with new_directory(ns.out) as tmp:
+            (full_to_dcp if to_dcp else dcp_to_full)(ckpt, tmp)
+        kind = "dcp" if to_dcp else "llm-foundry"
+        what = {"from": given, "to": ns.out, "format": kind, "merged": None}
+        what["files"] = sorted(f.name for f in Path(ns.out).iterdir())
+        _say(what, f"wrote {'sharded (dcp)' if to_dcp else 'llm-foundry'} checkpoint to {ns.out}",
+             ns.json)  # fmt: skip
+        return 0
     if ns.to_gguf:
         try:
             import gguf  # noqa: F401

@@ -22,6 +22,7 @@ DTYPES = ("fp32", "bf16", "fp16", "auto")
 DEVICES = ("auto", "cpu", "cuda", "mps")
 ON_NONFINITE = ("stop", "skip")
 PARALLEL = ("none", "ddp", "fsdp", "tp", "fsdp+tp")
+CHECKPOINT_FORMATS = ("full", "dcp", "dcp-async")
 
 
 # seeds torch and numpy accept, with room for the offsets added to them (an ablation's seed
@@ -54,6 +55,10 @@ class TrainConfig:
     eval_batches: int = 20  # batches per validation pass
     checkpoint_interval: int = 500  # steps between checkpoints (and one at the end)
     keep_last: int = 2  # checkpoints kept besides the best-by-validation one
+    # full: whole tensors in safetensors (sharded runs gather them to rank 0) | dcp: each rank
+    # writes its own shards (torch.distributed.checkpoint, train/dcp.py) | dcp-async: dcp
+    # written in the background while training goes on. Any layout resumes from either.
+    checkpoint_format: str = "full"
     seed: int = 1337
     dtype: str = "fp32"  # fp32 | bf16 (autocast) | fp16 (autocast + scaler) | auto: bf16 if fast
     compile: bool = False  # torch.compile the model
@@ -120,6 +125,7 @@ class TrainConfig:
         one_of(p, "device", self.device, DEVICES)
         one_of(p, "on_nonfinite", self.on_nonfinite, ON_NONFINITE)
         one_of(p, "parallel", self.parallel, PARALLEL)
+        one_of(p, "checkpoint_format", self.checkpoint_format, CHECKPOINT_FORMATS)
         one_of(p, "optimizer", self.optimizer, OPTIMIZERS)
         one_of(p, "data_sampling", self.data_sampling, SAMPLING)
         if self.data_sampling == "packed" and self.sft_packing is True:

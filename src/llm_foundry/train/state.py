@@ -10,6 +10,9 @@ It is written to a hidden temporary directory, every file fsynced, then renamed 
 ``latest.json`` (written the same way) names the newest complete one. A crash mid-save leaves
 only a temporary directory behind, which the next save removes. The names and their readers
 (``latest_checkpoint``, ``read_state``) are the run directory's: ``llm_foundry.rundir``.
+Sharded checkpoints (``train/dcp.py``) are written and committed by the same steps
+(``begin_checkpoint``, ``write_state``, ``commit_checkpoint``), DCP's files in place of the
+safetensors ones.
 """
 
 from __future__ import annotations
@@ -126,23 +129,52 @@ def save_train_checkpoint(
 ) -> Path:
     """Write ``ckpt_root/step_{step:06d}`` atomically and point ``latest.json`` at it.
     ``optimizer_state`` is an ``optimizer.state_dict()`` (single-process layout)."""
-    ckpt_root.mkdir(parents=True, exist_ok=True)
-    for stale in ckpt_root.glob(".tmp-*"):  # left by a save that crashed
-        shutil.rmtree(stale, ignore_errors=True)
-    final = ckpt_root / step_name(step)
-    tmp = ckpt_root / f".tmp-{final.name}"
-    tmp.mkdir()
+    tmp = begin_checkpoint(ckpt_root, step)
     save_checkpoint(model, tmp)
     tensors, opt_meta = optimizer_to_flat(optimizer_state)
     save_file(tensors, str(tmp / "optimizer.safetensors"))
+    write_state(tmp, step, state, opt_meta, tokenizer_path)
+    return commit_checkpoint(ckpt_root, tmp, step)
+
+
+def begin_checkpoint(ckpt_root: Path, step: int) -> Path:
+    """The hidden directory ``step``'s checkpoint is written into, new and empty; temporary
+    directories a crashed save left behind are removed first."""
+    ckpt_root.mkdir(parents=True, exist_ok=True)
+    for stale in ckpt_root.glob(".tmp-*"):  # left by a save that crashed
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = temporary_dir(ckpt_root, step)
+    tmp.mkdir()
+    return tmp
+
+
+def temporary_dir(ckpt_root: Path, step: int) -> Path:
+    """Where ``step``'s checkpoint is written before it is complete (``begin_checkpoint``)."""
+    return ckpt_root / f".tmp-{step_name(step)}"
+
+
+def write_state(
+    tmp: Path, step: int, state: dict, opt_meta: dict, tokenizer_path: Path | None = None
+) -> None:
+    """``state.json`` (the trainer's ``state``, the step, the optimizer's JSON part and this
+    process's RNG states) and a copy of the tokenizer, in checkpoint directory ``tmp``."""
     with open(tmp / STATE, "w") as f:
         json.dump({**state, "step": step, "optimizer": opt_meta, "rng": rng_state()}, f)
     if tokenizer_path is not None and Path(tokenizer_path).exists():
         shutil.copyfile(tokenizer_path, tmp / "tokenizer.json")
-    for file in tmp.iterdir():
-        with open(file, "rb") as fh:
-            os.fsync(fh.fileno())
+
+
+def commit_checkpoint(ckpt_root: Path, tmp: Path, step: int) -> Path:
+    """Make the checkpoint written in ``tmp`` the step directory of ``step``: every file and
+    directory in it fsynced, renamed into place, then named by ``latest.json``."""
+    for item in sorted(tmp.rglob("*"), reverse=True):  # a directory after what it holds
+        if item.is_dir():
+            _fsync_dir(item)
+        else:
+            with open(item, "rb") as fh:
+                os.fsync(fh.fileno())
     _fsync_dir(tmp)
+    final = ckpt_root / step_name(step)
     if final.exists():  # the same step saved again (e.g. a signal right after a periodic save)
         shutil.rmtree(final)
     os.rename(tmp, final)

@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 import llm_foundry
 from llm_foundry import lock
+from llm_foundry.checkpoint import is_dcp
 from llm_foundry.config import ModelConfig
 from llm_foundry.data import load_split
 from llm_foundry.data.batches import IGNORE
@@ -45,6 +46,7 @@ from llm_foundry.train import distributed as D
 from llm_foundry.train import tensor_parallel as TP
 from llm_foundry.train.build import build_model, build_sampler, is_sft, model_config_for_data
 from llm_foundry.train.config import TrainConfig
+from llm_foundry.train.dcp import ShardedCheckpoints, load_sharded
 from llm_foundry.train.memory import check_training_memory
 from llm_foundry.train.metrics import MetricsLog, tb_write, tensorboard
 from llm_foundry.train.monitor import ExpertLoad, Monitor, layer_grad_norms, rest_grad_norm
@@ -57,6 +59,7 @@ from llm_foundry.train.state import (
     prune_checkpoints,
     read_train_checkpoint,
     save_train_checkpoint,
+    set_rng_state,
     write_json_atomic,
 )
 
@@ -123,6 +126,10 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, tc, self.device, self.sharded,
                                          self.precision.ns_dtype)  # fmt: skip
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.dtype == "fp16")
+        # dcp / dcp-async: every rank writes its own shards (train/dcp.py); full: rank 0 all
+        self.dcp = None if tc.checkpoint_format == "full" else ShardedCheckpoints(
+            self.ckpt_root, self.world, tc.checkpoint_format == "dcp-async", tc.keep_last
+        )  # fmt: skip
         # text: every source's splits mapped once (shards checked); SFT rows: SFTSampler's own
         self.corpora = {} if self.sft else {
             split: [PreparedSplit(s.dir, split) for s in self.sources] for split in ("train", "val")
@@ -189,7 +196,10 @@ class Trainer:
         )
         if changed and self.world.main:
             log.info("resuming with changed training settings: " + ", ".join(changed))
-        if self.sharded:  # every rank reads the full tensors and keeps its shard
+        if is_dcp(path):  # each rank reads what its shards hold, in whatever layout it runs
+            load_sharded(path, self.wrapped, self.optimizer, state["optimizer"])
+            set_rng_state(state["rng"])
+        elif self.sharded:  # every rank reads the full tensors and keeps its shard
             model_sd, optim_sd, state = read_train_checkpoint(path)
             D.load_full_state(
                 self.model, self.optimizer, model_sd, optim_sd, self.tc.parallel, self.world
@@ -292,7 +302,9 @@ class Trainer:
         self.model.train()
         return D.mean(total, w).item() / self.tc.eval_batches
 
-    def save(self) -> Path:
+    def save(self, blocking: bool = True) -> Path:
+        """Checkpoint the run at this step; a dcp-async save returns at once unless
+        ``blocking`` (it is complete and named by latest.json once ``self.dcp`` commits it)."""
         state = dict(
             sampler=self.feed.state_dict(),  # the batches trained on
             scaler=self.scaler.state_dict() if self.scaler.is_enabled() else None,
@@ -305,6 +317,10 @@ class Trainer:
             expert_counts=self.experts.state_dict() if self.experts.layers else None,
         )
         tok = self.data_dir / "tokenizer.json"
+        if self.dcp is not None:
+            keep = {self.best_name or ""}
+            return self.dcp.save(self.step, self.wrapped, self.model, self.optimizer, state, tok,
+                                 keep, blocking)  # fmt: skip
         parallel, w = self.tc.parallel, self.world
         model_sd = D.full_model_state(self.wrapped, parallel, w)  # collective under FSDP
         optim_sd = D.full_optimizer_state(self.wrapped, self.optimizer, parallel, w)
@@ -420,6 +436,8 @@ class Trainer:
                 probe = self.monitor.probe() if watch else None
                 t0 = time.perf_counter()
                 loss, grad_norm, applied, norms = self._train_step(layer_norms=watch)
+                if self.dcp is not None:  # a background save that has completed is put in place
+                    self.dcp.poll()
                 if not applied:
                     if tc.on_nonfinite == "stop":
                         where = last_ckpt or "none saved yet"
@@ -476,7 +494,8 @@ class Trainer:
                         stop["signal"] = stop["signal"] or "SIGTERM"
                 if save_now or stop["signal"]:
                     metrics.sync()  # the records up to a checkpoint survive whatever follows
-                    last_ckpt = self.save()
+                    # the last save and one before stopping are complete when run() returns
+                    last_ckpt = self.save(blocking=final or stop["signal"] is not None)
                 if stop["signal"]:
                     say(
                         f"{stop['signal']}: saved {last_ckpt} at step {self.step}; "
@@ -485,6 +504,8 @@ class Trainer:
                     break
         finally:
             try:
+                if self.dcp is not None:  # after an error: a save in flight completes first
+                    self.dcp.finish(quiet=True)
                 if self.feed is not self.sampler:  # the sampler back at the batches trained
                     self.feed.close()
                     self.feed = self.sampler

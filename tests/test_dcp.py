@@ -1,0 +1,192 @@
+"""Sharded checkpoints (train.checkpoint_format dcp | dcp-async, train/dcp.py) in one process:
+exact resume, the same tensors as a full checkpoint, background saves that are snapshots and
+never look complete before they are, loading for generation, ``convert --from-dcp / --to-dcp``,
+and a metadata pickle that can only build DCP's own classes. More than one process (2 -> 4 -> 1
+ranks): tests/test_distributed.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import cli_status, make_trainer
+from safetensors.torch import load_file
+
+from llm_foundry.checkpoint import DCP_DIR, load_checkpoint, read_dcp_tensors
+from llm_foundry.cli import main
+from llm_foundry.config import ConfigError
+from llm_foundry.loading import load_any
+from llm_foundry.train.config import TrainConfig
+from llm_foundry.train.distributed import World
+
+# a constant schedule, so a run stopped at step 4 is the first 4 steps of one of 6; saves every
+# 2 steps (a dcp-async run's at step 2 written while steps 3 and 4 train), evaluation at the end
+RUN = dict(schedule="constant", max_steps=6, checkpoint_interval=2, eval_interval=0)
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # no_dist notice
+
+
+@pytest.fixture(scope="module")
+def data_dir(char_data) -> Path:
+    return char_data(30_000)
+
+
+def losses(run: Path) -> dict[int, float]:
+    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in recs if "loss" in r}
+
+
+@pytest.fixture(scope="module")
+def full_run(data_dir, tmp_path_factory) -> Path:
+    """6 steps saved the default way (checkpoints at 2, 4, 6; the last 2 kept); TINY has
+    dropout, so the RNG states matter to an exact resume."""
+    out = tmp_path_factory.mktemp("full") / "run"
+    make_trainer(data_dir, out, **RUN).run()
+    return out
+
+
+@pytest.fixture(scope="module")
+def dcp_run(data_dir, tmp_path_factory) -> Path:
+    """The same run saved as dcp-async, stopped at step 4 and resumed to 6."""
+    out = tmp_path_factory.mktemp("dcp") / "run"
+    make_trainer(data_dir, out, **{**RUN, "max_steps": 4}, checkpoint_format="dcp-async").run()
+    make_trainer(data_dir, out, resume=True, **RUN, checkpoint_format="dcp-async").run()
+    return out
+
+
+def test_dcp_checkpoints_hold_a_full_checkpoints_tensors_and_resume_exactly(full_run, dcp_run):
+    assert losses(dcp_run) == losses(full_run) and len(losses(dcp_run)) == 6
+    for step in ("step_000004", "step_000006"):
+        ckpt, ref = dcp_run / "checkpoints" / step, full_run / "checkpoints" / step
+        assert sorted(p.name for p in ckpt.iterdir()) == [
+            "config.json", "dcp", "state.json", "tokenizer.json"
+        ]  # fmt: skip
+        tensors = read_dcp_tensors(ckpt / DCP_DIR)
+        expected = {f"model.{k}": v for k, v in load_file(str(ref / "model.safetensors")).items()}
+        expected |= {f"optim.{k}": v for k, v in load_file(str(ref / "optimizer.safetensors")).items()}  # fmt: skip
+        expected["model.lm_head.weight"] = tensors["model.lm_head.weight"]  # tied: stored once
+        assert tensors.keys() == expected.keys()
+        assert all(torch.equal(tensors[k], expected[k]) for k in expected)
+        state, ref_state = (json.loads((d / "state.json").read_text()) for d in (ckpt, ref))
+        for st, fmt in ((ref_state, "full"), (state, "dcp-async")):
+            assert st["train_config"].pop("checkpoint_format") == fmt
+            st["train_config"].pop("max_steps")  # 4 where the dcp run was stopped, and
+            st.pop("best_val"), st.pop("best_name")  # evaluated: its last step
+        assert state == ref_state  # optimizer hyper-parameters, RNG, sampler: the same JSON
+
+
+def test_generate_and_load_any_read_a_run_whose_latest_checkpoint_is_dcp(
+    dcp_run, full_run, monkeypatch, capsys
+):
+    real_load = torch.load
+
+    def weights_only(*args, **kwargs):  # DCP reads each tensor with torch.load: never pickle
+        assert kwargs.get("weights_only") is True, kwargs
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", weights_only)
+    model = load_any(dcp_run).model
+    ref = load_checkpoint(full_run / "checkpoints" / "step_000006")
+    assert all(torch.equal(v, ref.state_dict()[k]) for k, v in model.state_dict().items())
+    args = ["generate", "--checkpoint", str(dcp_run), "--prompt-ids", "1,2", "--temperature", "0"]
+    assert main([*args, "--max-new-tokens", "3"]) == 0
+
+
+def test_convert_round_trips_both_ways(full_run, dcp_run, tmp_path):
+    """full -> dcp -> full gives the same files' tensors and state; dcp -> full -> dcp the same
+    sharded tensors. The full copy of a dcp checkpoint is a full checkpoint of that step."""
+    src = full_run / "checkpoints" / "step_000006"
+    assert main(["convert", "--to-dcp", str(src), "--out", str(tmp_path / "d")]) == 0
+    assert main(["convert", "--from-dcp", str(tmp_path / "d"), "--out", str(tmp_path / "f")]) == 0
+    for name in ("model.safetensors", "optimizer.safetensors"):
+        a, b = load_file(str(src / name)), load_file(str(tmp_path / "f" / name))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    for name in ("state.json", "config.json", "tokenizer.json"):
+        assert (src / name).read_bytes() == (tmp_path / "f" / name).read_bytes()
+    assert main(["convert", "--from-dcp", str(dcp_run), "--out", str(tmp_path / "f2")]) == 0
+    assert main(["convert", "--to-dcp", str(tmp_path / "f2"), "--out", str(tmp_path / "d2")]) == 0
+    a = read_dcp_tensors(dcp_run / "checkpoints" / "step_000006" / DCP_DIR)
+    b = read_dcp_tensors(tmp_path / "d2" / DCP_DIR)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    for name in ("model.safetensors", "optimizer.safetensors"):
+        a, b = load_file(str(src / name)), load_file(str(tmp_path / "f2" / name))
+        assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_convert_refuses_the_wrong_direction_in_one_line(full_run, dcp_run, tmp_path, capsys):
+    cases = [
+        (["--from-dcp", str(full_run)], "is a full checkpoint already; --to-dcp shards one"),
+        (["--to-dcp", str(dcp_run)], "is a sharded (DCP) checkpoint already; --from-dcp"),
+    ]
+    for args, says in cases:
+        status, err = cli_status(["convert", *args, "--out", str(tmp_path / "x")], capsys)
+        assert status == 2 and says in err and len(err.strip().splitlines()) == 1, err
+        assert not (tmp_path / "x").exists()
+
+
+def test_metadata_naming_anything_but_dcp_classes_is_refused(dcp_run, tmp_path):
+    """DCP's index is a pickle: one that would call os.system is refused, and nothing runs."""
+    import shutil
+
+    ckpt = shutil.copytree(dcp_run / "checkpoints" / "step_000006", tmp_path / "ckpt")
+    marker = tmp_path / "ran"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    (ckpt / DCP_DIR / ".metadata").write_bytes(pickle.dumps(Evil()))
+    with pytest.raises(ValueError, match=r"refers to posix\.system|refers to os\.system") as e:
+        load_checkpoint(ckpt)
+    assert "\n" not in str(e.value) and not marker.exists()
+    (ckpt / DCP_DIR / ".metadata").unlink()  # a writer that stopped before the end
+    with pytest.raises(FileNotFoundError, match="not a complete sharded"):
+        load_checkpoint(ckpt)
+
+
+def test_a_background_save_is_a_snapshot_and_complete_only_once_committed(data_dir, tmp_path):
+    from llm_foundry.train.dcp import ShardedCheckpoints
+
+    t = make_trainer(data_dir, tmp_path / "run", **{**RUN, "max_steps": 1})
+    t.run()
+    before = {k: v.clone() for k, v in t.model.state_dict().items()}
+    saver = ShardedCheckpoints(t.ckpt_root, World(), background=True, keep_last=2)
+    path = saver.save(2, t.model, t.model, t.optimizer, {}, None, set(), blocking=False)
+    with torch.no_grad():  # training goes on and changes the weights while it is written
+        for p in t.model.parameters():
+            p.add_(1.0)
+    assert not path.exists()  # not in place, nor named by latest.json, before it is committed
+    assert json.loads((t.ckpt_root / "latest.json").read_text())["step"] == 1
+    assert saver.finish() == path and path.exists()
+    assert json.loads((t.ckpt_root / "latest.json").read_text())["step"] == 2
+    saved = read_dcp_tensors(path / DCP_DIR)
+    assert all(torch.equal(saved[f"model.{k}"], v) for k, v in before.items())
+
+
+@pytest.mark.parametrize("fmt", ["dcp", "dcp-async"])
+def test_a_failed_write_stops_the_run_in_one_line_and_never_becomes_latest(
+    fmt, data_dir, tmp_path, monkeypatch
+):
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    def full_disk(self, plan, planner):
+        raise OSError("disk full (simulated)")
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", full_disk)
+    run = tmp_path / "run"
+    with pytest.raises(OSError, match="disk full") as e:  # dcp-async: at step 3, the first look
+        make_trainer(data_dir, run, **RUN, checkpoint_format=fmt).run()
+    assert str(e.value).startswith("the checkpoint of step 2 was not written")
+    assert "rank 0: OSError: disk full (simulated)" in str(e.value) and "\n" not in str(e.value)
+    root = run / "checkpoints"
+    assert not (root / "latest.json").exists() and not list(root.glob("step_*"))
+    assert [p.name for p in root.glob(".tmp-*")] == [".tmp-step_000002"]  # hidden, cleaned later
+
+
+def test_checkpoint_format_is_checked_in_one_line():
+    with pytest.raises(ConfigError) as e:
+        TrainConfig(checkpoint_format="sharded")
+    assert "checkpoint_format='sharded' is not one of full, dcp, dcp-async" in str(e.value)
