@@ -562,3 +562,130 @@ def test_ablate_stopped_by_a_signal_exits_with_its_status_on_one_line(
         "llm-foundry ablate: stopped by SIGINT: mlp=gelu seed 0 interrupted; rerun to resume"
     ]
     assert (tmp_path / "runs" / "mlp=gelu" / "seed0" / "checkpoints" / "latest.json").exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# seeds-full-size: the design documents' GPT-2-vs-LLaMA experiment as it was measured on a GPU
+
+# the command line that produced docs/results/seeds-full-size (one NVIDIA H200, 2026-11-26; its
+# README in ../shared/data/gpu-2026-11-26/), given once per arm
+MEASURED_FLAGS = (
+    "--model.dropout 0.2 --train.batch_size 64 --train.block_size 256 --train.lr 1e-3 "
+    "--train.min_lr 1e-4 --train.warmup_steps 100 --train.max_steps 5000 --train.beta2 0.99 "
+    "--train.eval_interval 250 --train.eval_batches 200 --train.device cuda --train.dtype auto "
+    "--train.compile true"
+)
+MEASURED_ARMS = {
+    "gpt2-style (pre-LN)": "--preset gpt2-shakespeare",
+    "llama-style": "--preset llama-shakespeare",
+    "gpt2-style (post-LN)": "--preset gpt2-shakespeare --model.norm_position post",
+}
+
+
+def _train_settings(flags: str):
+    """The settings `llm-foundry train FLAGS` resolves."""
+    from llm_foundry.cli.options import settings_from
+    from llm_foundry.cli.train import SECTIONS, parser
+
+    return settings_from(parser().parse_args(flags.split()), SECTIONS)
+
+
+def test_seeds_full_size_recipe_is_the_measured_gpu_run():
+    study = load_study("seeds-full-size")
+    variants = expand(study)
+    assert [v.name for v in variants] == list(MEASURED_ARMS)
+    assert study.seeds == 2 and study.speed_rounds == 0  # a CPU timing says nothing of a GPU
+    for v in variants:
+        measured = _train_settings(f"{MEASURED_ARMS[v.name]} {MEASURED_FLAGS}")
+        for i in range(study.seeds):
+            mc, tc = ablation.configs(study, v, i)
+            assert mc == measured.model, v.name
+            assert tc.to_dict() == {**measured.train.to_dict(), "seed": 1337 + i}, v.name
+        # the numbers themselves: nanoGPT's shakespeare_char recipe
+        assert (mc.n_layers, mc.n_heads, mc.dim, mc.max_seq_len) == (6, 6, 384, 256)
+        assert mc.dropout == 0.2
+        assert (tc.batch_size, tc.block_size, tc.lr, tc.min_lr, tc.schedule) == (
+            64, 256, 1e-3, 1e-4, "cosine")  # fmt: skip
+        assert (tc.warmup_steps, tc.beta2, tc.max_steps) == (100, 0.99, 5000)
+        assert (tc.eval_interval, tc.eval_batches) == (250, 200)
+        assert (tc.device, tc.dtype, tc.compile) == ("cuda", "auto", True)
+    models = {v.name: ablation.configs(study, v, 0)[0] for v in variants}
+    assert models["gpt2-style (pre-LN)"].norm_position == "pre"
+    assert models["gpt2-style (post-LN)"].norm_position == "post"
+    llama = models["llama-style"]
+    assert (llama.pos_encoding, llama.norm, llama.mlp, llama.kv_heads) == (
+        "rope", "rmsnorm", "swiglu", 2)  # fmt: skip
+
+
+def test_seeds_full_size_without_cuda_is_one_line_naming_the_cpu_override(
+    data_dir, tmp_path, capsys, monkeypatch
+):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    monkeypatch.setattr(Trainer, "run", lambda *a, **k: pytest.fail("trained without a GPU"))
+    out = tmp_path / "out"
+    argv = ["ablate", "--recipe", "seeds-full-size", "--data", str(data_dir), "--out", str(out)]
+    assert cli(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert "variant 'gpt2-style (pre-LN)': train.device=cuda: not available" in err
+    assert "--set train.device=cpu runs it here anyway: 6 run(s) of 5,000 steps x 16,384" in err
+    assert not (out / "runs").exists()
+
+
+@pytest.mark.heavy
+def test_seeds_full_size_shrunk_by_set_flags_trains_on_cpu(data_dir, tmp_path):
+    shrink = dict(device="cpu", compile="false", dtype="fp32", max_steps=6, warmup_steps=1,
+                  batch_size=2, block_size=16, eval_interval=2, eval_batches=1,
+                  checkpoint_interval=6, sample_tokens=0, progress="false")  # fmt: skip
+    model = dict(dim=24, n_layers=1, n_heads=2, hidden_dim=32, max_seq_len=16)
+    sets = [f"--set=train.{k}={v}" for k, v in shrink.items()]
+    sets += [f"--set={k}={v}" for k, v in model.items()]
+    out = tmp_path / "out"
+    argv = ["ablate", "--recipe", "seeds-full-size", "--seeds", "1", "--data", str(data_dir)]
+    assert cli([*argv, "--out", str(out), *sets]) == 0
+    report = json.loads((out / "results.json").read_text())
+    assert [r["variant"] for r in report["rows"]] == list(MEASURED_ARMS)
+    for name, (run,) in report["runs"].items():
+        assert [s for s, _ in run["val_curve"]] == [2, 4, 6]
+        fp = run["fingerprint"]
+        assert fp["model"]["dropout"] == 0.2 and fp["train"]["beta2"] == 0.99  # the recipe's
+        assert fp["model"]["norm_position"] == ("post" if "post" in name else "pre")
+        assert fp["model"]["pos_encoding"] == ("rope" if name == "llama-style" else "learned")
+    for row in report["rows"]:
+        curve = report["runs"][row["variant"]][0]["val_curve"]
+        assert row["best_val_loss"] == min(v for _, v in curve)
+        assert row["best_val_steps"] == [min(curve, key=lambda p: p[1])[0]]
+        assert row["ms_per_iter_source"] == "training"  # speed_rounds 0: no CPU timing
+    assert "(speed_rounds 0: no round-robin timing)" in (out / "results.md").read_text()
+    assert (out / "val_loss.png").exists()
+
+
+def test_the_best_evaluation_is_tabled_when_a_run_overfits():
+    def run(curve):
+        return dict(val_loss=curve[-1][1], train_loss=1.0, params=1, train_ms_per_iter=1.0,
+                    peak_mem_bytes=1, decode_tokens_per_s=1.0, kv_bytes_per_token=1,
+                    val_curve=curve)  # fmt: skip
+
+    vs = [Variant("gpt2"), Variant("llama")]
+    runs = {  # llama learns faster and overfits sooner: worse at the end, level at its best
+        "gpt2": [run([(250, 2.06), (500, 1.47), (750, 1.73)]),
+                 run([(250, 2.07), (500, 1.48), (750, 1.74)])],
+        "llama": [run([(250, 1.66), (500, 1.47), (750, 1.84)]),
+                  run([(250, 1.67), (500, 1.49), (750, 1.83)])],
+    }  # fmt: skip
+    rows = ablation.summarise(vs, runs, {}, 768)
+    g, m = rows
+    assert m["verdict"].startswith("worse")  # the final evaluation
+    assert g["best_val_loss"] == pytest.approx(1.475) and g["best_val_steps"] == [500, 500]
+    assert m["best_val_loss"] == pytest.approx(1.48) and m["delta_best_val"] == pytest.approx(0.005)
+    assert g["best_verdict"] == "reference" and m["best_verdict"].startswith("within seed noise")
+    study = tiny_study(variants=vs).to_dict()
+    machine = dict(cpu="x", threads=1, cuda=None, torch="t", date="d")
+    md = ablation.markdown(dict(study=study, rows=rows, machine=machine))
+    assert "## Best validation loss" in md
+    assert "| llama | 1.4800 ± 0.0141 | 500 / 500 | +0.0050 | within seed noise" in md
+    # no run rose after its best: no such table
+    steady = {k: [run(r["val_curve"][:2]) for r in v] for k, v in runs.items()}
+    md = ablation.markdown(dict(study=study, rows=ablation.summarise(vs, steady, {}, 768),
+                                machine=machine))  # fmt: skip
+    assert "Best validation loss" not in md

@@ -69,12 +69,36 @@ def summarise(
             row["extrapolation"] = _mean_extrapolation(rs)
         if target_loss is not None:
             row["to_target"] = to_target(rs, target_loss, tokens_per_step, ms)
+        row.update(best_val(rs))
         rows.append(row)
     for i, row in enumerate(rows):
         ref = rows[max(i - 1, 0)] if compare == "previous" else rows[0]
         row["delta_val"] = row["val_loss"] - ref["val_loss"]
         row["verdict"] = verdict(row, ref)
+        row["delta_best_val"] = row["best_val_loss"] - ref["best_val_loss"]
+        best = "reference" if row is ref else verdict(_best_view(row), _best_view(ref))
+        row["best_verdict"] = best
     return rows
+
+
+def best_val(rs: list[dict]) -> dict:
+    """Each seed's lowest evaluation and its step, and their mean ± std over seeds: the figure
+    to compare when a model overfits before its last step."""
+    best = []
+    for r in rs:
+        points = [(v, s) for s, v in r.get("val_curve") or () if v is not None]
+        best.append(min(points, default=(None, None)))
+    mean, sd = _mean_std([v for v, _ in best])
+    return dict(best_val_loss=mean, best_val_loss_std=sd, best_val_steps=[s for _, s in best])
+
+
+def _best_view(row: dict) -> dict:
+    """``row`` with its best-evaluation figures where ``verdict`` reads the final ones."""
+    return dict(
+        seeds=row["seeds"],
+        val_loss_std=row["best_val_loss_std"],
+        delta_val=row["delta_best_val"],
+    )
 
 
 def to_target(rs: list[dict], target: float, tokens_per_step: int, ms_per_iter: float) -> dict:
@@ -188,15 +212,23 @@ def markdown(report: dict) -> str:
             "Expert load CV: standard deviation over mean of the tokens each expert received in "
             "the last logged interval, averaged over layers (0 = perfectly balanced).",
         ]
+    timed = (
+        "one training step (forward, backward, clip, the variant's optimizer) of every variant "
+        f"timed round-robin on one batch after training (median of {st['speed_rounds']} rounds)"
+        if any(r.get("ms_per_iter_source") != "training" for r in rows)
+        else "the median step time of each run's own training, its first 10 steps left out "
+        "(speed_rounds 0: no round-robin timing), so what else the machine ran meanwhile counts"
+    )
     lines += [
         "",
         "Train loss: mean of the last 5% of steps; val loss: the final evaluation; ± is the "
-        "standard deviation over seeds. ms/iter and tokens/s: one training step (forward, backward, "
-        "clip, the variant's optimizer) of every variant timed round-robin on one batch after training (median of "
-        f"{st['speed_rounds']} rounds). Peak memory: CUDA allocator peak on a GPU; on CPU the "
+        f"standard deviation over seeds. ms/iter and tokens/s: {timed}. Peak memory: CUDA "
+        "allocator peak on a GPU; on CPU the "
         "counted bytes of weights, gradients, AdamW moments and saved activations of one step. "
         "Decode: batch-1 greedy with the KV cache, eager. KV bytes per token in fp32.",
     ]
+    if any(r.get("best_val_loss", r["val_loss"]) < r["val_loss"] for r in rows):
+        lines += _best_table(rows, ref)
     if "to_target" in rows[0]:
         lines += _target_table(rows, st["seeds"])
     if "extrapolation" in rows[0]:
@@ -241,6 +273,30 @@ def markdown(report: dict) -> str:
                 f"{c['layernorm']:.3f} | {c['rmsnorm']:.3f} | {c['layernorm'] / c['rmsnorm']:.2f} |"
             )
     return "\n".join(lines) + "\n"
+
+
+def _best_table(rows: list[dict], ref: str) -> list[str]:
+    """The lowest evaluation of each run, shown when some run's validation loss rose after it."""
+    lines = [
+        "",
+        "## Best validation loss (the lowest evaluation of each run)",
+        "",
+        f"| variant | best val loss | at step (per seed) | Δ best val vs {ref} | verdict |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        steps = " / ".join("n/a" if s is None else str(s) for s in r["best_val_steps"])
+        lines.append(
+            f"| {r['variant']} | {_pm(r['best_val_loss'], r['best_val_loss_std'])} | {steps} | "
+            f"{r['delta_best_val']:+.4f} | {r['best_verdict']} |"
+        )
+    return lines + [
+        "",
+        "Some run's validation loss rose after its lowest point (overfitting), so the final "
+        "evaluation of the table above and the best one can rank the variants differently. The "
+        "best is picked on the validation split itself, so it is slightly optimistic; the "
+        "resolution is train.eval_interval.",
+    ]
 
 
 def _target_table(rows: list[dict], seeds: int) -> list[str]:
@@ -316,8 +372,9 @@ def plot_val_curves(report: dict, png: Path) -> None:
     target = report["study"].get("target_loss")
     if target is not None:
         ax.axhline(target, color="black", lw=0.8, ls=":", label=f"target {target:g}")
-    lows = [r["val_loss"] for r in report["rows"]]
-    ax.set_ylim(min(lows) - 0.1, max(lows) + 0.6)  # zoom on the part where variants differ
+    finals = [r["val_loss"] for r in report["rows"]]
+    lows = [r.get("best_val_loss", r["val_loss"]) for r in report["rows"]]
+    ax.set_ylim(min(lows) - 0.1, max(finals) + 0.6)  # zoom on the part where variants differ
     ax.grid(alpha=0.3)
     _finish(fig, ax, png)
 

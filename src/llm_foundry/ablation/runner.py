@@ -241,7 +241,15 @@ def preflight(study: Study, variants: list[Variant], data: Path) -> None:
     for v in variants:
         mc, tc = configs(study, v, 0)
         try:
-            check_training_memory(mc, tc, resolve_device(tc.device))
+            device = resolve_device(tc.device)
+        except ValueError as e:  # a GPU recipe on a machine without one
+            runs = len(variants) * study.seeds
+            raise ValueError(
+                f"variant {v.name!r}: {e} (--set train.device=cpu runs it here anyway: "
+                f"{runs} run(s) of {tc.max_steps:,} steps x {tc.tokens_per_step:,} tokens)"
+            ) from None
+        try:
+            check_training_memory(mc, tc, device)
         except ValueError as e:
             raise ValueError(f"variant {v.name!r}: {e}") from None
         for f in study.extrapolation:
