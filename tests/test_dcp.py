@@ -67,7 +67,6 @@ def test_dcp_checkpoints_hold_a_full_checkpoints_tensors_and_resume_exactly(full
         tensors = read_dcp_tensors(ckpt / DCP_DIR)
         expected = {f"model.{k}": v for k, v in load_file(str(ref / "model.safetensors")).items()}
         expected |= {f"optim.{k}": v for k, v in load_file(str(ref / "optimizer.safetensors")).items()}  # fmt: skip
-        expected["model.lm_head.weight"] = tensors["model.lm_head.weight"]  # tied: stored once
         assert tensors.keys() == expected.keys()
         assert all(torch.equal(tensors[k], expected[k]) for k in expected)
         state, ref_state = (json.loads((d / "state.json").read_text()) for d in (ckpt, ref))
@@ -114,6 +113,31 @@ def test_convert_round_trips_both_ways(full_run, dcp_run, tmp_path):
     for name in ("model.safetensors", "optimizer.safetensors"):
         a, b = load_file(str(src / name)), load_file(str(tmp_path / "f2" / name))
         assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_tied_embeddings_are_stored_once_and_come_back_tied(tmp_path):
+    """A model checkpoint (no optimizer, no state) with tied embeddings: --to-dcp stores the
+    shared matrix once, as safetensors does; --from-dcp and loading give it both names again."""
+    from llm_foundry.checkpoint import save_checkpoint
+    from llm_foundry.config import ModelConfig
+    from llm_foundry.models import Transformer
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=65, dim=32, n_layers=2, n_heads=2, tie_embeddings=True)
+    src = save_checkpoint(Transformer(cfg), tmp_path / "src")
+    assert main(["convert", "--to-dcp", str(src), "--out", str(tmp_path / "d")]) == 0
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["config.json", "dcp"]
+    stored = read_dcp_tensors(tmp_path / "d" / DCP_DIR)
+    assert "model.tok_emb.weight" in stored and "model.lm_head.weight" not in stored
+    assert main(["convert", "--from-dcp", str(tmp_path / "d"), "--out", str(tmp_path / "f")]) == 0
+    for model in (load_checkpoint(tmp_path / "d"), load_checkpoint(tmp_path / "f")):
+        assert model.lm_head.weight is model.tok_emb.weight
+        ref = load_checkpoint(src).state_dict()
+        assert all(torch.equal(v, ref[k]) for k, v in model.state_dict().items())
+    assert (
+        load_file(str(src / "model.safetensors")).keys()
+        == load_file(str(tmp_path / "f" / "model.safetensors")).keys()
+    )
 
 
 def test_convert_refuses_the_wrong_direction_in_one_line(full_run, dcp_run, tmp_path, capsys):

@@ -68,9 +68,11 @@ def torchrun(args: list[str], nproc: int = 2, script: str | None = None, timeout
     )
 
 
-def one_process(data_dir: Path, out: Path, resume: bool = False, **train) -> None:
-    """The reference: one process (in this one) at the whole global batch."""
-    cfg = get_preset("llama-shakespeare-char", **MODEL)
+def one_process(data_dir: Path, out: Path, resume: bool = False, model: dict | None = None,
+                **train) -> None:  # fmt: skip
+    """The reference: one process (in this one) at the whole global batch (``model``: fields
+    changed from MODEL's)."""
+    cfg = get_preset("llama-shakespeare-char", **{**MODEL, **(model or {})})
     tc = TrainConfig(**{**TRAIN, "batch_size": GLOBAL_BATCH, **train})
     Trainer(cfg, tc, data_dir, out, resume=resume).run()
 
@@ -419,14 +421,15 @@ def test_tensor_parallelism_refuses_heads_and_sequences_that_do_not_split(data_d
 
 
 DCP_FLAGS = dict(parallel="fsdp", checkpoint_format="dcp-async", batch_size=GLOBAL_BATCH // 2)
+TIED = ["--model.tie_embeddings=true"]  # a tensor under two names: stored once, loaded into both
 
 
 @pytest.fixture(scope="module")
 def dcp_run(data_dir, tmp_path_factory) -> Path:
     """10 steps on 2 FSDP2 ranks saving dcp-async checkpoints: the one of step 5 written in the
-    background while training went on, the last one waited for."""
+    background while training went on, the last one waited for. Tied embeddings."""
     run = tmp_path_factory.mktemp("dcp") / "run"
-    args = ["train", "--data", str(data_dir), "--out", str(run)]
+    args = ["train", "--data", str(data_dir), "--out", str(run), *TIED]
     r = torchrun(args + _flags(**TRAIN, **DCP_FLAGS, max_steps=10))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return run
@@ -446,7 +449,7 @@ def test_dcp_resume_on_the_same_ranks_is_exact(data_dir, dcp_run, tmp_path):
     """Resumed from step 5 on 2 FSDP2 ranks, the run gives the uninterrupted one's losses bit
     for bit. Each checkpoint is every rank's shards and DCP's index, nothing gathered."""
     run = _stopped_at_5(dcp_run, tmp_path / "run")
-    args = ["train", "--data", str(data_dir), "--out", str(run), "--resume"]
+    args = ["train", "--data", str(data_dir), "--out", str(run), "--resume", *TIED]
     r = torchrun(args + _flags(**TRAIN, **DCP_FLAGS, max_steps=10))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert losses(run) == losses(dcp_run) and len(losses(run)) == 10
@@ -471,15 +474,15 @@ def test_dcp_reshards_from_2_ranks_to_a_2d_mesh_of_4_then_one_process(data_dir, 
     from llm_foundry.cli import main
 
     ref = tmp_path / "ref"
-    one_process(data_dir, ref, max_steps=15)
+    one_process(data_dir, ref, max_steps=15, model=dict(tie_embeddings=True))
     run = _stopped_at_5(dcp_run, tmp_path / "run")
-    args = ["train", "--data", str(data_dir), "--out", str(run), "--resume"]
+    args = ["train", "--data", str(data_dir), "--out", str(run), "--resume", *TIED]
     flags = {**DCP_FLAGS, "parallel": "fsdp+tp", "checkpoint_format": "dcp"}
     r = torchrun(args + _flags(**TRAIN, **flags, max_steps=10), nproc=4, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     ckpt = run / "checkpoints" / "step_000010"
     assert len(list((ckpt / DCP_DIR).glob("*.distcp"))) == 4
-    one_process(data_dir, run, resume=True, max_steps=15)
+    one_process(data_dir, run, resume=True, max_steps=15, model=dict(tie_embeddings=True))
     assert_close(losses(run), losses(ref))
     assert_close(val_losses(run), val_losses(ref))
     full, back = tmp_path / "full", tmp_path / "back"

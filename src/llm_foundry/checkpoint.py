@@ -329,7 +329,7 @@ def load_checkpoint(
         check_weights_fit(cfg, shapes, path, lora, quant, path / DCP_DIR)
         model = build(cfg, lora, quant).to(device)
         # the state dict's tensors share the parameters' storage: DCP fills them in place
-        load_dcp(path / DCP_DIR, {DCP_MODEL: model.state_dict()})
+        load_dcp(path / DCP_DIR, {DCP_MODEL: stored_once(model, model.state_dict())})
         check_finite(model.state_dict(), path / DCP_DIR)
     else:
         if not file.exists():
@@ -344,6 +344,17 @@ def load_checkpoint(
 
 # ----------------------------------------------------------------------------------------------
 # Sharded checkpoints (torch.distributed.checkpoint): read with or without a process group
+
+
+def stored_once(model: torch.nn.Module, sd: dict) -> dict:
+    """``sd`` without the second names of tied parameters (``lm_head.weight`` when it is
+    ``tok_emb.weight``): a shared tensor is stored once, in DCP's files as in safetensors."""
+    seen, again = set(), set()
+    for name, p in unwrap(model).named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            again.add(name)
+        seen.add(id(p))
+    return {k: v for k, v in sd.items() if k not in again}
 
 
 def is_dcp(path: str | Path) -> bool:

@@ -58,6 +58,7 @@ from llm_foundry.checkpoint import (
     read_lora,
     read_quantization,
     save_checkpoint,
+    stored_once,
     write_config,
 )
 from llm_foundry.rundir import STATE, step_name
@@ -91,7 +92,7 @@ def sharded_state(model: torch.nn.Module, optimizer) -> tuple[dict, dict]:
         get_optimizer_state_dict,
     )
 
-    content = {DCP_MODEL: get_model_state_dict(model)}
+    content = {DCP_MODEL: stored_once(model, get_model_state_dict(model))}
     sd = get_optimizer_state_dict(model, optimizer)  # keyed by parameter name
     names = [name for g in sd["param_groups"] for name in g["params"]]  # the optimizer's order
     ids = {name: str(i) for i, name in enumerate(names)}
@@ -124,8 +125,8 @@ def load_sharded(path: Path, model: torch.nn.Module, optimizer, opt_meta: dict) 
         set_optimizer_state_dict,
     )
 
-    model_sd = get_model_state_dict(model)
-    content = {DCP_MODEL: model_sd}
+    model_sd = get_model_state_dict(model)  # a tied name shares its tensor: filled with it
+    content = {DCP_MODEL: stored_once(model, model_sd)}
     if optimizer is not None:
         # an optimizer with no state yet gets it here (DCP takes one step with zero gradients
         # and lr 0), so that there are tensors of the right shards to read into
@@ -261,7 +262,7 @@ def dcp_to_full(src: Path, out: Path) -> None:
     weights = {k[len(lead) :]: v for k, v in tensors.items() if k.startswith(lead)}
     with torch.device("meta"):
         model = build(cfg, lora, quant)
-    model = model.to_empty(device="cpu")  # no initial weights drawn: every one is loaded next
+    model = _empty_on_cpu(model)  # no initial weights drawn: every one is loaded next
     model.load_state_dict(with_tied(model, weights))  # strict: the checkpoint holds them all
     save_checkpoint(model, out)
     lead = f"{OPTIM}."
@@ -271,6 +272,20 @@ def dcp_to_full(src: Path, out: Path) -> None:
         save_file(optim, str(out / OPTIMIZER_FILE))
 
 
+def _empty_on_cpu(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` (on the meta device) given CPU storage, uninitialised, its tied parameters
+    tied again (``to_empty`` gives each name a tensor of its own)."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    model = model.to_empty(device="cpu")
+    for first, *others in names.values():
+        for name in others:
+            owner, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(owner), attr, model.get_parameter(first))
+    return model
+
+
 def full_to_dcp(src: Path, out: Path) -> None:
     """Write our checkpoint directory ``src`` (a model checkpoint, or a training one with its
     optimizer and state) into the empty directory ``out`` as a sharded one, ``dcp/`` in place of
@@ -278,7 +293,7 @@ def full_to_dcp(src: Path, out: Path) -> None:
     import torch.distributed.checkpoint as dcp
 
     model = load_checkpoint(src, merge=False)  # LoRA adapters stay adapters, as trained
-    content: dict = {DCP_MODEL: model.state_dict()}
+    content: dict = {DCP_MODEL: stored_once(model, model.state_dict())}
     if (src / OPTIMIZER_FILE).exists():
         optim: dict[str, dict] = {}
         for name, t in load_file(str(src / OPTIMIZER_FILE)).items():
