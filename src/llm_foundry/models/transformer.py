@@ -24,6 +24,7 @@ from llm_foundry.models.attention import attention_mask, document_mask, padding_
 from llm_foundry.models.block import build_block
 from llm_foundry.models.kv_cache import KVCache, bytes_per_position
 from llm_foundry.models.linear import Linear
+from llm_foundry.models.loss import head_loss
 from llm_foundry.models.moe import MoE, load_balancing_loss, router_z_loss
 from llm_foundry.models.norm import build_norm, init_norm
 from llm_foundry.models.position import build_position
@@ -52,6 +53,8 @@ class Transformer(nn.Module):
         self.needs_mask = cfg.sliding_window is not None or self.pos.has_bias
         # trade compute for memory: keep only block inputs, recompute the rest in backward
         self.activation_checkpointing = False
+        # with targets, the head and loss in chunks (models/loss.py): forward returns no logits
+        self.fused_loss = False
         self.init_weights()
 
     # ------------------------------------------------------------------------------------------
@@ -80,9 +83,10 @@ class Transformer(nn.Module):
         cache: KVCache | None = None,
         last_only: bool = False,
         doc: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """idx, targets: (B, T) token ids -> logits (B, T, vocab) and the mean cross-entropy over
-        targets that are not ``ignore_index`` (None without targets).
+        targets that are not ``ignore_index`` (None without targets). With ``fused_loss`` set
+        and targets given: (None, the loss), computed by ``loss.head_loss`` without the logits.
 
         With a ``cache`` the T tokens continue the cached ones (positions cache.length..), and
         their keys/values are added to it. ``last_only`` computes logits of the last position
@@ -93,6 +97,8 @@ class Transformer(nn.Module):
         x, _ = self._trunk(idx, need_weights=False, cache=cache, doc=doc)
         if last_only:
             x = x[:, -1:]
+        if targets is not None and self.fused_loss:  # head and loss by chunks: no logits
+            return None, head_loss(self.lm_head, x, targets, ignore_index)
         logits = self.lm_head(x)  # (B, T, V)
         loss = None
         if targets is not None:

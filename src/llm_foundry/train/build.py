@@ -78,7 +78,7 @@ def build_model(
     """The model a run of ``tc`` trains, on ``device``: initial weights drawn after seeding
     ``tc.seed`` (every rank builds the same), then ``tc.init_from``'s weights unless
     ``init_from`` is false (a resumed run takes its checkpoint's), then LoRA adapters on the
-    frozen base (``tc.lora_r``), and activation checkpointing as ``tc`` asks."""
+    frozen base (``tc.lora_r``), and activation checkpointing and the fused loss as ``tc`` asks."""
     torch.manual_seed(tc.seed)
     model = Transformer(mc).to(device)
     if tc.init_from and init_from:
@@ -88,6 +88,7 @@ def build_model(
                  dropout=tc.lora_dropout, rslora=tc.lora_rslora,
                  base_dtype=tc.lora_base_dtype)  # fmt: skip
     model.activation_checkpointing = tc.activation_checkpointing
+    model.fused_loss = tc.fused_loss
     return model
 
 

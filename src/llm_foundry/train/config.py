@@ -30,6 +30,21 @@ CHECKPOINT_FORMATS = ("full", "dcp", "dcp-async")
 SEED_MAX = 2**62
 
 
+def fused_loss_problems(tc) -> list[str]:
+    """Why ``fused_loss`` cannot run with the rest of ``tc`` (fields of any type), one line each:
+    it needs the head's whole weight (tensor parallelism splits it by vocabulary and computes
+    the loss on its shards) and a plain linear head (not LoRA-adapted)."""
+    p = []
+    if isinstance(tc.parallel, str) and "tp" in tc.parallel:
+        p.append(f"fused_loss=true with parallel={tc.parallel!r}: tensor parallelism computes the "
+                 "loss on vocabulary shards already; use fused_loss=false, or ddp / fsdp")  # fmt: skip
+    targets = tc.lora_targets.split(",") if isinstance(tc.lora_targets, str) else []
+    if is_int(tc.lora_r) and tc.lora_r > 0 and "lm_head" in targets:
+        p.append("fused_loss=true with lm_head in lora_targets: the fused loss needs a plain "
+                 "linear head; leave lm_head out of lora_targets, or fused_loss=false")  # fmt: skip
+    return p
+
+
 @dataclass
 class TrainConfig:
     """Optimisation, evaluation, checkpointing and runtime settings of one training run."""
@@ -68,6 +83,9 @@ class TrainConfig:
     parallel: str = "none"
     tp_size: int = 0  # ranks per tensor-parallel group; 0: every rank (tp), 2 (fsdp+tp)
     activation_checkpointing: bool = False  # recompute each block's activations in backward
+    # the output head and cross-entropy in chunks of rows, gradients taken as it goes
+    # (models/loss.py): the (tokens, vocab) logits are never held; training and validation only
+    fused_loss: bool = False
     device: str = "auto"  # auto | cpu | cuda | mps
     on_nonfinite: str = "stop"  # stop (with a message) | skip the step and count it
     sample_tokens: int = 300  # characters/tokens of sample text printed at the end (0: none)
@@ -179,6 +197,8 @@ class TrainConfig:
                 f"lora_base_dtype={self.lora_base_dtype!r} with parallel='fsdp': FSDP2 shards "
                 "parameters of one dtype only; use parallel=ddp (or lora_base_dtype=fp32)"
             )
+        if self.fused_loss is True:
+            p += fused_loss_problems(self)
         if self.init_from is not None and not (isinstance(self.init_from, str) and self.init_from):
             p.append(f"init_from={shown(self.init_from)} must be a directory path or null")
         if p:
