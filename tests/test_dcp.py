@@ -210,6 +210,33 @@ def test_a_failed_write_stops_the_run_in_one_line_and_never_becomes_latest(
     assert [p.name for p in root.glob(".tmp-*")] == [".tmp-step_000002"]  # hidden, cleaned later
 
 
+def test_a_stop_signal_during_a_background_write_leaves_both_checkpoints_complete(
+    data_dir, full_run, tmp_path
+):
+    """SIGTERM at step 3, while step 2's checkpoint is written in the background: the stop
+    waits for it, saves step 3 and returns with both in place; the resume is exact."""
+    import signal
+
+    run = tmp_path / "run"
+    t = make_trainer(data_dir, run, **RUN, checkpoint_format="dcp-async")
+    step = t._train_step
+
+    def signalled(*args, **kwargs):
+        if t.step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return step(*args, **kwargs)
+
+    t._train_step = signalled
+    result = t.run()
+    assert result.stopped_by == "SIGTERM" and result.step == 3
+    root = run / "checkpoints"
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_000002", "step_000003"]
+    assert json.loads((root / "latest.json").read_text())["step"] == 3
+    assert not list(root.glob(".tmp-*"))
+    make_trainer(data_dir, run, resume=True, **RUN, checkpoint_format="dcp-async").run()
+    assert losses(run) == losses(full_run)
+
+
 def test_checkpoint_format_is_checked_in_one_line():
     with pytest.raises(ConfigError) as e:
         TrainConfig(checkpoint_format="sharded")
