@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 LLAMA_STAMP := $(VENV)/.llama-cpp
 
-.PHONY: setup demo test test-fast test-slow lint format clean
+.PHONY: setup demo test test-fast test-slow test-gpu lint format clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,15 @@ test-fast: $(STAMP) $(LLAMA_STAMP)
 
 test-slow: $(STAMP) $(LLAMA_STAMP)
 	$(BIN)/python -m pytest -q -m slow
+
+# the `cuda` tests (tests/test_cuda.py, a few minutes on one GPU): skipped, with the reason, where
+# torch sees no GPU. DEVICE=cpu runs the same tests on the CPU (their logic), DEVICE=cuda:1 on
+# another GPU (a device named that is missing is an error). PY=python3 runs them with another
+# interpreter that has the project's dependencies, without .venv: src/ goes on PYTHONPATH.
+PY ?= $(BIN)/python
+test-gpu: $(if $(filter $(BIN)/python,$(PY)),$(STAMP))
+	PYTHONPATH=src$${PYTHONPATH:+:$$PYTHONPATH} $(PY) -m pytest -q -m cuda \
+		$(if $(DEVICE),--device $(DEVICE)) tests/test_cuda.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests tutorials benchmarks

@@ -3,10 +3,17 @@ small character-level corpora prepared once per test session; a check that greed
 compared across two float32 code paths cannot hinge on rounding.
 
 Tests marked ``heavy`` (torchrun launches, documented commands run end to end, long training
-runs) are part of ``make test``; ``make test-fast`` leaves them out."""
+runs) are part of ``make test``; ``make test-fast`` leaves them out.
+
+Tests marked ``cuda`` (tests/test_cuda.py, ``make test-gpu``) run on the device the ``device``
+fixture gives: CUDA by default, and where torch sees no GPU they are skipped, with the reason.
+``--device cpu`` (or ``LLM_FOUNDRY_TEST_DEVICE=cpu``) runs the very same tests on the CPU, to
+check their logic without a GPU; ``--device cuda:N`` picks a GPU. A device named explicitly that
+this machine lacks is an error, not a skip."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -21,6 +28,71 @@ SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 SHAKESPEARE = SHARED_DATA / "tinyshakespeare.txt"
 TINY = dict(vocab_size=65, dim=32, n_layers=2, n_heads=2, max_seq_len=32, dropout=0.1)
 TINY_MODEL = dict(vocab_size=37, dim=32, n_layers=2, n_heads=4, max_seq_len=64)
+
+
+DEVICE_ENV = "LLM_FOUNDRY_TEST_DEVICE"
+_DEVICE = pytest.StashKey[tuple]()  # (the `cuda` tests' device, why they are skipped or None)
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--device",
+        default=None,
+        metavar="DEVICE",
+        help="where the `cuda` tests (tests/test_cuda.py) run: cuda (the default: skipped, with "
+        "the reason, without a GPU), cuda:N, or cpu (the same tests on the CPU, to check their "
+        f"logic); also ${DEVICE_ENV}. A device named here that is missing is an error",
+    )
+
+
+def _test_device(config) -> tuple[torch.device, str | None]:
+    """(the device the ``cuda`` tests run on, why they are skipped: None when they run)."""
+    given = config.getoption("--device") or os.environ.get(DEVICE_ENV)
+    where = "--device" if config.getoption("--device") else DEVICE_ENV
+    try:
+        device = torch.device(given or "cuda")
+    except (RuntimeError, TypeError, ValueError):
+        device = None
+    if device is None or device.type not in ("cuda", "cpu"):
+        raise pytest.UsageError(f"{where} {given!r}: the `cuda` tests run on cuda, cuda:N or cpu")
+    why = None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        why = (f"needs a CUDA GPU: torch {torch.__version__} sees none (torch.cuda.is_available() "
+               f"is False); {DEVICE_ENV}=cpu runs these tests on the CPU")  # fmt: skip
+    elif device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        why = f"{device}: this machine has CUDA devices 0..{torch.cuda.device_count() - 1}"
+    if why and given:  # asked for by name: a missing device is a mistake, not a skip
+        raise pytest.UsageError(f"{where} {given}: {why}")
+    return device, why
+
+
+def pytest_configure(config):
+    device, why = _test_device(config)
+    config.stash[_DEVICE] = device, why
+    if device.type == "cuda" and why is None:
+        # cuBLAS is deterministic on one stream only with a fixed workspace (read once, at its
+        # first use): the bit-for-bit resume test runs with deterministic algorithms
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+
+def pytest_collection_modifyitems(config, items):
+    _, why = config.stash[_DEVICE]
+    if why is not None:
+        skip = pytest.mark.skip(reason=why)
+        for item in items:
+            if item.get_closest_marker("cuda"):
+                item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def device(pytestconfig) -> torch.device:
+    """The device the ``cuda`` tests run on (see the module's docstring); CUDA by default."""
+    device, why = pytestconfig.stash[_DEVICE]
+    if why is not None:  # a test that asks for the device without the marker
+        pytest.skip(why)
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
+    return device
 
 
 @pytest.fixture

@@ -17,6 +17,8 @@ Kernels (measured in benchmarks/bench_quant_kernels.py), by how many rows a call
 - ``KERNEL_ROWS`` rows or more (a prompt, an evaluation window): the weight widened to fp32 once
   and one fp32 matrix product, exact and as fast as the kernels when the widening is shared by
   many rows. int4 and eager int8 thus round activations only while decoding.
+- off the CPU (a GPU): always the widened weight (the kernels above are CPU-only): the logits of
+  the dequantized weights, the weights held in a quarter / an eighth of the memory, no faster.
 
 Files hold the portable layout above (safetensors: ``qweight``, ``scales``, ``zeros``); the int4
 kernel's own packed layout is built from it at load. Token embeddings stay fp32 (a lookup reads
@@ -142,7 +144,8 @@ class Int8Linear(QuantLinear):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group: int | None = None) -> Int8Linear:
-        m = cls(linear.in_features, linear.out_features, linear.bias is not None)
+        with torch.device(linear.weight.device):  # the bias too, beside the codes (a GPU's)
+            m = cls(linear.in_features, linear.out_features, linear.bias is not None)
         m.qweight, m.scales = quantize_int8(linear.weight)
         if linear.bias is not None:
             m.bias.data.copy_(linear.bias.detach())
@@ -185,7 +188,8 @@ class Int4Linear(QuantLinear):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group: int | None = 64) -> Int4Linear:
-        m = cls(linear.in_features, linear.out_features, linear.bias is not None, group)
+        with torch.device(linear.weight.device):
+            m = cls(linear.in_features, linear.out_features, linear.bias is not None, group)
         m.qweight, m.scales, m.zeros = quantize_int4(linear.weight, group)
         if linear.bias is not None:
             m.bias.data.copy_(linear.bias.detach())
@@ -318,7 +322,8 @@ def dequantize_model(model: nn.Module) -> nn.Module:
     """Replace quantized layers by fp32 ``Linear`` layers holding the weights they compute with
     (the reference a quantized model is checked against)."""
     for name, q in [(n, m) for n, m in model.named_modules() if isinstance(m, QuantLinear)]:
-        lin = Linear(q.in_features, q.out_features, bias=q.bias is not None)
+        with torch.device(q.qweight.device):
+            lin = Linear(q.in_features, q.out_features, bias=q.bias is not None)
         with torch.no_grad():
             lin.weight.copy_(q.dequantized())
             if q.bias is not None:
