@@ -130,25 +130,6 @@ def _train_config(device) -> dict:
                 eval_batches=2, warmup_steps=2)  # fmt: skip
 
 
-def _unreserved_positions(model, block_size: int) -> bool:
-    """Whether ``model``'s RoPE cos/sin tables (built on first use) do not cover a training block
-    yet, so that its first compiled step builds them (see the test below)."""
-    cos = getattr(model.pos, "cos", None)
-    return cos is not None and cos.shape[0] < block_size
-
-
-# Why a resume can differ when the tables are built in the first compiled step (measured on the
-# CPU, torch 2.13): dynamo traces that step with the cos/sin buffers empty, so its graph builds
-# them; the next step fails the guard on their shape and compiles a second graph that reads them.
-# The two graphs round the bf16 step differently (loss 4.186511 vs 4.186520 on the same batch).
-# A resumed run's fresh model takes graph 1 at its first step where the run it continues took
-# graph 2. The fix is the trainer's: reserve the positions before torch.compile, as generate does.
-ROPE_FIRST_STEP = ("the trainer compiles a model whose RoPE cos/sin tables are still empty: "
-                   "the first compiled step of the resumed run takes another graph than the "
-                   "straight run's step there; reserve model.pos for block_size before "
-                   "torch.compile (Trainer.__init__)")  # fmt: skip
-
-
 @cuda
 def test_bf16_compiled_training_resumes_bit_for_bit(device, char_data, tmp_path, fresh_dynamo):
     """6 steps straight vs 3 steps stopped by SIGTERM (the checkpoint at step 3), resumed for 3
@@ -161,8 +142,10 @@ def test_bf16_compiled_training_resumes_bit_for_bit(device, char_data, tmp_path,
     (measured on the CPU: two uninterrupted compiled runs end with other weights); so do the
     atomics of attention's backward kernels on a GPU. A resumed run can only be compared bit for
     bit in deterministic mode. Any op that still warns of a nondeterministic kernel is named in
-    the failure. Where the trainer leaves the RoPE tables to the first compiled step
-    (``ROPE_FIRST_STEP``), a difference is an expected failure with that reason."""
+    the failure. The trainer builds the RoPE tables before compiling: left to the first compiled
+    step, dynamo traces a graph that builds them and a second that reads them, which round the
+    bf16 step differently (measured on the CPU: 4.186511 vs 4.186520), and a resumed run would
+    start on the first where the straight run is on the second."""
     from torch._dynamo.utils import counters
 
     data = char_data(60_000)
@@ -171,7 +154,8 @@ def test_bf16_compiled_training_resumes_bit_for_bit(device, char_data, tmp_path,
     with deterministic_algorithms() as caught:
         straight = make_trainer(data, tmp_path / "straight", **cfg)
         assert straight.dtype == "bf16", straight.dtype_reason
-        unreserved = _unreserved_positions(straight.model, straight.tc.block_size)
+        cos = getattr(straight.model.pos, "cos", None)  # RoPE: built for the block, not lazily
+        assert cos is None or cos.shape[0] >= straight.tc.block_size
         assert straight.run().step == 6
 
         cut = make_trainer(data, tmp_path / "cut", **cfg)
@@ -208,8 +192,6 @@ def test_bf16_compiled_training_resumes_bit_for_bit(device, char_data, tmp_path,
                if not torch.equal(opt_a[i][k], opt_b[i][k])]  # fmt: skip
     if moments:
         differ.append(f"{len(moments)} of {2 * len(opt_a)} optimizer moments")
-    if differ and unreserved:
-        pytest.xfail(f"{ROPE_FIRST_STEP}. Differences: {'; '.join(differ)}")
     ops = _nondeterministic(caught)
     assert not differ, "; ".join(differ) + f"; ops without a deterministic kernel: {ops}"
 

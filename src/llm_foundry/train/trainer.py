@@ -117,6 +117,9 @@ class Trainer:
         self.amp_dtype = self.precision.autocast_dtype
         if tc.dtype == "auto" and self.world.main:
             log.info(self.dtype_reason)
+        # RoPE tables built now, not on the first compiled step: that would trace a graph which
+        # builds them and then a second that reads them, and a resumed run starts on the first
+        self.model.pos.reserve(tc.block_size)
         self.wrapped = D.wrap(self.model, tc.parallel, self.world, self.device, self.dtype,
                               tc.block_size)  # fmt: skip
         self.sharded = D.is_sharded(tc.parallel, self.world)
