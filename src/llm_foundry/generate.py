@@ -31,12 +31,19 @@ def stream(
     context: int | None = None,
     pad: torch.Tensor | None = None,
     compile: bool = False,
+    cuda_graph: bool = False,
 ) -> Iterator[torch.Tensor]:
     """Yield the next tokens (B,) one step at a time for prompts ``idx`` (B, T).
 
     ``compile=True`` runs the one-token decode step through ``torch.compile`` (compiled once per
     model, with a dynamic cache length): it fuses the many small kernels between the matrix
     multiplies. The first call pays the compilation.
+
+    ``cuda_graph=True`` decodes with a static step (``llm_foundry.decode_graph``): a preallocated
+    cache read whole under a mask, the position in a device tensor, the same shapes every step,
+    captured once as a CUDA graph and replayed each token (one launch instead of hundreds: small
+    batches on a GPU are bound by launches); with ``compile=True`` the compiled step is
+    captured. Off CUDA the static step runs eagerly, with a warning. Not with ``context``.
 
     ``pad`` (B,): row b of ``idx`` starts with pad[b] left-padding tokens, which are masked out
     and do not count as positions (see ``generate_batch``).
@@ -48,8 +55,13 @@ def stream(
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
     check_sampling(temperature, top_k, top_p, min_p, repetition_penalty)
     check_seed(seed)
+    if cuda_graph and context is not None:
+        raise ValueError(
+            "cuda_graph=True decodes over a KV cache; context=N (cropped, uncached decoding) "
+            "has none: give one or the other"
+        )
     if context is None:
-        next_logits = _cached_step(model, idx, max_new_tokens, pad, compile)
+        next_logits = _cached_step(model, idx, max_new_tokens, pad, compile, cuda_graph)
     else:
         next_logits = _cropped_step(model, context, pad)
     was_training = model.training
@@ -101,8 +113,9 @@ def check_seed(seed: int | None) -> None:
         raise ValueError(f"seed={shown(seed)} must be an integer in [-2**63, 2**64 - 1]")
 
 
-def _cached_step(model, idx, max_new_tokens, pad, compile):
-    """next_logits(seen, new) over a KV cache: prefill the prompt once, then one token a step."""
+def _cached_step(model, idx, max_new_tokens, pad, compile, cuda_graph=False):
+    """next_logits(seen, new) over a KV cache: prefill the prompt once, then one token a step
+    (``cuda_graph``: the static step of ``llm_foundry.decode_graph``)."""
     total = idx.shape[1] + max_new_tokens
     longest = total - (int(pad.min()) if pad is not None else 0)  # positions the longest row uses
     past = longest > model.cfg.max_seq_len
@@ -112,13 +125,28 @@ def _cached_step(model, idx, max_new_tokens, pad, compile):
             f"= {longest} is past max_seq_len={model.cfg.max_seq_len}, and learned positions "
             "have no row beyond it: shorten the prompt or max_new_tokens"
         )
-    _check_cache_fits(model, idx.shape[0], total, max_new_tokens)  # before the note below
+    size = total
+    if cuda_graph:
+        from llm_foundry import decode_graph
+
+        size = decode_graph.buffer_length(total, idx.device)
+    _check_cache_fits(model, idx.shape[0], size, max_new_tokens)  # before the notes below
     if past:
         warnings.warn(
             f"generating {longest} tokens past the trained context {model.cfg.max_seq_len} "
             f"({model.cfg.pos_encoding} positions run on, but quality may drop)",
             stacklevel=3,
         )
+    if cuda_graph:
+        decode_graph.check_static(model, capture=decode_graph.captures(idx.device))
+        if not decode_graph.captures(idx.device):
+            warnings.warn(
+                f"cuda_graph=True: no CUDA graphs on {idx.device.type}; the static decode step "
+                "runs eagerly (the same tokens, no faster)",
+                stacklevel=3,
+            )
+        model.pos.reserve(longest)
+        return decode_graph.static_next_logits(model, idx, pad, size, compile)
     cache = model.new_cache(idx.shape[0], total)
     cache.pad = pad
     model.pos.reserve(longest)  # position tables built now, not inside a compiled decode step

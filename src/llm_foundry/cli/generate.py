@@ -47,6 +47,12 @@ def _context(model, n_prompt: int, ns) -> int | None:
     longest, limit = n_prompt + ns.max_new_tokens, model.cfg.max_seq_len
     if ns.context == 0 or (ns.context is None and longest <= limit):
         return None
+    if ns.cuda_graph:
+        what = f"--context {ns.context}"
+        if not ns.context:
+            what = (f"prompt + new tokens ({longest}) past max_seq_len ({limit}), which feed each "
+                    f"step the last {limit} tokens without a cache")  # fmt: skip
+        raise ValueError(f"--cuda-graph decodes over a KV cache: it does not take {what}")
     if ns.context is None:
         print(
             f"note: prompt + new tokens ({longest}) exceed the model's max_seq_len ({limit}): "
@@ -133,6 +139,7 @@ def _complete(model, tok, ids: list[int], ns, eos_ids: set[int], emit=None) -> d
         seed=ns.seed,
         context=_context(model, len(ids), ns),
         compile=ns.compile,
+        cuda_graph=ns.cuda_graph,
     )
     # the continuation is the decoded whole sequence past the decoded prompt: decoding the new
     # ids alone could drop a leading space (SentencePiece-style decoders) or split a character
@@ -242,6 +249,10 @@ def _main(argv: list[str]) -> int:
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--compile", action="store_true", help="compile the one-token decode step "
                    "(faster decoding on CPU after ~20 s of compilation)")  # fmt: skip
+    p.add_argument("--cuda-graph", action="store_true", help="decode with a static KV cache, "
+                   "one step captured as a CUDA graph and replayed each token (small batches on "
+                   "a GPU are bound by kernel launches); with --compile the compiled step; on "
+                   "CPU the static step runs eagerly, with a note")  # fmt: skip
     add_quantize_flags(p)
     ns = p.parse_args(argv)
 

@@ -83,6 +83,15 @@ class KVCache:
         self.v[layer][:, :, slots] = v[:, :, T - keep :]
         return k_all, v_all
 
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor):
+        """Store k, v (B, K, T, hd) at buffer slots ``index`` (T,), a device tensor, and return
+        the whole buffers (B, K, size, hd): fixed shapes and nothing read back to the host, so a
+        decode step built on it can be captured in a CUDA graph (``llm_foundry.decode_graph``).
+        The caller masks the slots that hold no position yet and keeps ``length``."""
+        self.k[layer].index_copy_(2, index, k.to(self.k[layer].dtype))
+        self.v[layer].index_copy_(2, index, v.to(self.v[layer].dtype))
+        return self.k[layer], self.v[layer]
+
     def advance(self, start: int, T: int) -> None:
         """Record that positions start..start+T-1 are now cached (after all layers ran)."""
         self.length = start + T
