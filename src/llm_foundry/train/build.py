@@ -20,6 +20,7 @@ from llm_foundry.data.loader import Loader, PreparedSplit, Source
 from llm_foundry.data.sft import SFTSampler
 from llm_foundry.loading import load_any
 from llm_foundry.models import Transformer
+from llm_foundry.models.fp8 import convert_to_fp8
 from llm_foundry.models.lora import add_lora
 from llm_foundry.models.position import position_traits
 from llm_foundry.rundir import checkpoint_dir
@@ -78,7 +79,8 @@ def build_model(
     """The model a run of ``tc`` trains, on ``device``: initial weights drawn after seeding
     ``tc.seed`` (every rank builds the same), then ``tc.init_from``'s weights unless
     ``init_from`` is false (a resumed run takes its checkpoint's), then LoRA adapters on the
-    frozen base (``tc.lora_r``), and activation checkpointing and the fused loss as ``tc`` asks."""
+    frozen base (``tc.lora_r``), activation checkpointing, the fused loss and fp8 products as
+    ``tc`` asks."""
     torch.manual_seed(tc.seed)
     model = Transformer(mc).to(device)
     if tc.init_from and init_from:
@@ -89,6 +91,8 @@ def build_model(
                  base_dtype=tc.lora_base_dtype)  # fmt: skip
     model.activation_checkpointing = tc.activation_checkpointing
     model.fused_loss = tc.fused_loss
+    if tc.dtype == "fp8":  # the blocks' linear layers multiply in float8 (models/fp8.py)
+        convert_to_fp8(model)
     return model
 
 

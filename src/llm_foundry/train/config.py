@@ -18,7 +18,7 @@ from llm_foundry.train.optim import OPTIMIZERS
 from llm_foundry.train.schedule import SCHEDULES
 from llm_foundry.train.tensor_parallel import settings_problems
 
-DTYPES = ("fp32", "bf16", "fp16", "auto")
+DTYPES = ("fp32", "bf16", "fp16", "fp8", "auto")
 DEVICES = ("auto", "cpu", "cuda", "mps")
 ON_NONFINITE = ("stop", "skip")
 PARALLEL = ("none", "ddp", "fsdp", "tp", "fsdp+tp")
@@ -75,7 +75,10 @@ class TrainConfig:
     # written in the background while training goes on. Any layout resumes from either.
     checkpoint_format: str = "full"
     seed: int = 1337
-    dtype: str = "fp32"  # fp32 | bf16 (autocast) | fp16 (autocast + scaler) | auto: bf16 if fast
+    # fp32 | bf16 (autocast) | fp16 (autocast + scaler) | fp8 (bf16 autocast, the blocks' linear
+    # layers multiplying in float8: GPUs of compute capability 8.9+, models/fp8.py) | auto: bf16
+    # if fast
+    dtype: str = "fp32"
     compile: bool = False  # torch.compile the model
     # with torchrun: ddp (replicas) | fsdp (FSDP2 shards) | tp (each matrix split over all
     # ranks) | fsdp+tp (FSDP2 across groups of tp_size tensor-parallel ranks); batch_size is per
@@ -199,6 +202,9 @@ class TrainConfig:
             )
         if self.fused_loss is True:
             p += fused_loss_problems(self)
+        if self.dtype == "fp8" and isinstance(self.parallel, str) and "tp" in self.parallel:
+            p.append(f"dtype='fp8' with parallel={self.parallel!r}: the fp8 products take whole "
+                     "weights, not tensor-parallel shards; use bf16, or ddp / fsdp")  # fmt: skip
         if self.init_from is not None and not (isinstance(self.init_from, str) and self.init_from):
             p.append(f"init_from={shown(self.init_from)} must be a directory path or null")
         if p:

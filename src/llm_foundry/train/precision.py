@@ -160,14 +160,47 @@ def resolve_dtype(
     return here, f"dtype auto -> {here}: {support.reason}"
 
 
-AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+# fp8: bf16 autocast around the blocks' float8 linear layers (models/fp8.py)
+AUTOCAST_DTYPES = {
+    "fp32": None,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp8": torch.bfloat16,
+}
+# FP8 tensor cores (torch._scaled_mm through cuBLAS): Ada (8.9), Hopper (9.0) and later
+FP8_CAPABILITY = (8, 9)
+
+
+def fp8_support(device: torch.device | str) -> tuple[bool, str]:
+    """(whether ``device`` multiplies float8 in hardware, what it is in words)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        cap = torch.cuda.get_device_capability(device)
+        return cap >= FP8_CAPABILITY, f"{name} (compute capability {cap[0]}.{cap[1]})"
+    if device.type == "cpu":
+        from llm_foundry.bench import cpu_model
+
+        return False, f"the CPU ({cpu_model()})"
+    return False, device.type
+
+
+def check_fp8(device: torch.device | str) -> None:
+    """Refuse ``train.dtype fp8`` in one line where ``device`` has no FP8 tensor cores."""
+    ok, what = fp8_support(device)
+    if not ok:
+        raise ValueError(
+            f"train.dtype=fp8 needs FP8 tensor cores, an NVIDIA GPU of compute capability "
+            f"{FP8_CAPABILITY[0]}.{FP8_CAPABILITY[1]}+ (Ada; Hopper: H100, H200; Blackwell); this "
+            f"run is on {what}: use train.dtype bf16 (or auto)"
+        )
 
 
 @dataclass(frozen=True)
 class Precision:
     """The arithmetic of one run, decided before its model is wrapped."""
 
-    dtype: str  # fp32 | bf16 | fp16: train.dtype resolved (auto -> bf16 | fp32)
+    dtype: str  # fp32 | bf16 | fp16 | fp8: train.dtype resolved (auto -> bf16 | fp32)
     reason: str  # why, in one line
     support: Bf16Support | None = None  # bf16's speed on this machine, where it was asked
     ns_dtype: str | None = None  # Muon's Newton-Schulz precision here (None: not asked)
@@ -177,7 +210,7 @@ class Precision:
         return AUTOCAST_DTYPES[self.dtype]
 
     def autocast(self, device_type: str):
-        """The context a forward runs in: autocast to bf16 or fp16, nothing for fp32."""
+        """The context a forward runs in: autocast to bf16 (fp8 too) or fp16, nothing for fp32."""
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(device_type, dtype=self.autocast_dtype)
@@ -189,7 +222,10 @@ def choose_precision(
     """``tc.dtype`` resolved on ``device`` (``resolve_dtype``; ``recorded``: the dtype a resumed
     run started with), and where ``auto`` or Muon ask whether bf16 is fast here, the answer:
     measured on rank 0 and broadcast, so every rank takes the same path. Muon's Newton-Schulz
-    iteration runs in bf16 where that is fast, in fp32 elsewhere (AVX2 CPUs)."""
+    iteration runs in bf16 where that is fast, in fp32 elsewhere (AVX2 CPUs). ``fp8`` is refused
+    (``check_fp8``) on a device without FP8 tensor cores."""
+    if tc.dtype == "fp8":
+        check_fp8(device)
     needs = tc.dtype == "auto" or tc.optimizer == "muon"
     support = None
     if needs:
