@@ -78,3 +78,17 @@ def _cgroup() -> tuple[int, int] | None:
             cache = 0
         return int(limit), max(0, used - cache)
     return None
+
+
+def cpu_model() -> str:
+    """The CPU's model name (Linux: /proc/cpuinfo), which benchmark reports must state."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

@@ -179,7 +179,7 @@ def fp8_support(device: torch.device | str) -> tuple[bool, str]:
         cap = torch.cuda.get_device_capability(device)
         return cap >= FP8_CAPABILITY, f"{name} (compute capability {cap[0]}.{cap[1]})"
     if device.type == "cpu":
-        from llm_foundry.bench import cpu_model
+        from llm_foundry.machine import cpu_model
 
         return False, f"the CPU ({cpu_model()})"
     return False, device.type
