@@ -441,6 +441,19 @@ def test_val_fraction_takes_documents_spread_evenly_and_refuses_too_few(tmp_path
     assert not (tmp_path / "e").exists()  # refused before anything was written
 
 
+def test_too_few_val_documents_found_only_after_tokenizing_leave_nothing_behind(tmp_path):
+    """With --tokenizer-from no pass counts the documents before they are tokenized: the refusal
+    comes at the end, and it leaves no shard or progress record to resume into a run that can
+    never complete."""
+    model = gpt2_like(tmp_path / "gpt2")
+    write(tmp_path / "a.jsonl", make_docs(30, seed=10), "jsonl")
+    out = tmp_path / "e"
+    with pytest.raises(DataError, match=r"--val-fraction 0.01 picks none of 30 documents"):
+        prepare_documents(out, [tmp_path / "a.jsonl"], tokenizer_from=model, val_fraction=0.01,
+                          progress=False)  # fmt: skip
+    assert not out.exists()
+
+
 # ----------------------------------------------------------------------------------------------
 # Tokenizers
 
@@ -630,6 +643,31 @@ def test_empty_documents_are_left_out_and_counted(tmp_path):
                              progress=False)  # fmt: skip
     assert (meta["sources"][0]["documents"], meta["sources"][0]["empty"]) == (28, 2)
     assert meta["train_documents"] + meta["val_documents"] == 28
+
+
+def test_a_long_run_of_empty_records_is_sent_in_bounded_batches(monkeypatch, tmp_path):
+    """Records that give no text (empty, or skipped for bad bytes) still pass through the
+    batches that carry their positions: a corpus of mostly empty rows must not pile them up."""
+    monkeypatch.setattr(documents_mod, "BATCH_OPS", 16)
+    docs = make_docs(20, seed=15)
+    rows = [""] * 100 + docs[:10] + [""] * 50 + docs[10:]
+    write(tmp_path / "a.jsonl", rows, "jsonl")
+    sizes = []
+    batches = documents_mod._batches
+
+    def recorded(*args, **kwargs):
+        for pieces, ops in batches(*args, **kwargs):
+            sizes.append(len(ops))
+            yield pieces, ops
+
+    monkeypatch.setattr(documents_mod, "_batches", recorded)
+    meta = prepare_documents(tmp_path / "d", [tmp_path / "a.jsonl"], vocab_size=300,
+                             progress=False)  # fmt: skip
+    assert max(sizes) <= 16 + 2 and len(sizes) >= 150 // 16  # the bound, then one record's ops
+    assert (meta["sources"][0]["documents"], meta["sources"][0]["empty"]) == (20, 150)
+    tok = load_tokenizer(tmp_path / "d" / "tokenizer.json")
+    got = read_back(tmp_path / "d")
+    assert sorted(tok.decode(ids[:-1]) for ids in got["train"] + got["val"]) == sorted(docs)
 
 
 def test_a_shard_truncated_on_disk_is_refused_by_the_reader(tmp_path):

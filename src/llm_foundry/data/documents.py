@@ -59,6 +59,7 @@ from llm_foundry.data.corpus import (
 from llm_foundry.data.encode import PROGRESS_MIN_CHARS, split_pieces, split_text, token_dtype
 from llm_foundry.data.shard_writer import (
     PROGRESS_FILE,
+    PROGRESS_VERSION,
     SplitWriter,
     check_resumable,
     clear_outputs,
@@ -90,6 +91,7 @@ PIECE_CHARS = 1 << 16  # a document past this is tokenized in pieces (where that
 SAMPLE_PIECE_CHARS = 1 << 14  # the tokenizer's sample is drawn in pieces of about this size
 BATCH_CHARS = 1 << 20  # characters sent to a worker at a time
 BATCH_PIECES = 2048
+BATCH_OPS = 4 * BATCH_PIECES  # what a batch records (pieces, document ends, skips), at most
 DTYPES = ("auto", "uint16", "uint32")
 TOKENIZER_TMP = ".tokenizer.json.partial"
 HF_EOT_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>")
@@ -110,10 +112,10 @@ def cut_safe(encoder: BatchEncoder) -> bool:
 
 
 def _pool(workers: int, tokenizer_json: str, dtype: str) -> ProcessPoolExecutor:
-    # forkserver: workers forked from a clean process that imported the tokenizer module once
-    # (no fork of this process's threads, no torch in the workers)
+    # forkserver: workers are forked from a server process started clean (no copy of this
+    # process's threads, its torch or its memory), which imports the tokenizer module once
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["llm_foundry.tokenizer"])  # numpy and tokenizers, not torch
+    ctx.set_forkserver_preload(["llm_foundry.tokenizer"])
     return ProcessPoolExecutor(
         workers,
         mp_context=ctx,
@@ -227,6 +229,9 @@ def _batches(records, file_group: list[int], val_groups: set[int], next_doc: int
     ops: list[tuple] = []
     chars = 0
     for r in records:
+        if len(ops) >= BATCH_OPS:  # many short, empty or skipped records: bounded all the same
+            yield pieces, ops
+            pieces, ops, chars = [], [], 0
         group = file_group[r.file]
         if r.kind != "doc":
             ops.append(("skip", group, r.kind, r.file, r.next, r.where))
@@ -393,7 +398,7 @@ class _Job:
             clear_outputs(out)
             (out / TOKENIZER_TMP).write_text(tok_json, encoding="utf-8")
             record = {
-                "version": 1,
+                "version": PROGRESS_VERSION,
                 "identity": self.identity,
                 "tokenizer": info,
                 "tokenizer_sha256": hashlib.sha256(tok_json.encode("utf-8")).hexdigest(),
@@ -548,8 +553,11 @@ class _Job:
             batches = _batches(records, self.file_group, self.val_groups, record["next_doc"],
                                self.is_val, cut)  # fmt: skip
             _run(batches, consume, encoder, self.workers, tok_json, dtype)
-        train = writers["train"].total_documents
-        self._check_counts(train, writers["val"].total_documents)
+        try:
+            self._check_counts(writers["train"].total_documents, writers["val"].total_documents)
+        except DataError:
+            clear_outputs(self.out)  # these settings can never complete: nothing left to resume
+            raise
 
     # -- meta.json
     def _meta(self, record: dict, writers: dict, dtype: np.dtype, resumed: bool) -> dict:
