@@ -391,8 +391,13 @@ def test_a_killed_prepare_resumes_to_the_same_bytes(tmp_path):
             break
         time.sleep(0.005)
     assert proc.poll() is None, "the prepare finished before it could be killed"
+    psutil = pytest.importorskip("psutil")  # accelerate's and peft's dependency
+    tree = psutil.Process(proc.pid).children(recursive=True)  # the forkserver and its workers
+    assert len(tree) >= 3, [p.cmdline() for p in tree]
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
+    _, alive = psutil.wait_procs(tree, timeout=30)  # workers notice their parent is gone
+    assert not alive, f"left running after the prepare was killed: {[p.cmdline() for p in alive]}"
     assert not (out / "meta.json").exists()
     subprocess.run([*argv, "--out", str(out)], check=True, capture_output=True)
     subprocess.run([*argv, "--out", str(tmp_path / "whole"), "--workers", "1"], check=True,
