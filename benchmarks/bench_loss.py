@@ -12,7 +12,7 @@ gradients) -- CUDA: the allocator's peak (``max_memory_allocated``) over ``memor
 CPU: each contender in its own process, the peak resident size (VmHWM, reset through
 /proc/self/clear_refs after the warm-up) over the resident size before the timed steps. Each
 contender's loss and gradients are checked against the plain eager head's (max relative
-difference, in the JSON).
+difference, in the JSON). ``--json FILE`` appends the run to FILE's list of runs.
 
     python benchmarks/bench_loss.py [--device cpu|cuda] [--n 4096] [--dim 768] [--vocab 50304]
         [--dtype bf16|fp32 ...] [--chunk-rows 0,1024 ...] [--compile] [--json FILE]
@@ -322,9 +322,11 @@ def main() -> None:
         results=results,
         model_steps=steps,
     )
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
-        print(f"wrote {args.json}")
+    if args.json:  # each run appended to the file's "runs"
+        path = Path(args.json)
+        runs = json.loads(path.read_text()).get("runs", []) if path.exists() else []
+        path.write_text(json.dumps({"runs": [*runs, report]}, indent=1) + "\n")
+        print(f"wrote {args.json} (run {len(runs) + 1})")
 
 
 if __name__ == "__main__":

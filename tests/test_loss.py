@@ -208,6 +208,25 @@ def test_model_with_the_fused_loss_gives_the_loss_and_gradients_of_the_plain_hea
     torch.testing.assert_close(model(idx)[0], logits)
 
 
+def test_experts_routing_losses_are_unchanged_by_the_fused_loss(tiny_config):
+    """The balancing and router z-losses come from the blocks, beside the head: the same."""
+    model = _model(tiny_config, n_experts=4, moe_aux_loss_coef=0.01, router_z_loss_coef=0.001)
+    idx = torch.randint(0, 37, (2, 12))
+    out = {}
+    for fused in (False, True):
+        model.fused_loss = fused
+        model.zero_grad(set_to_none=True)
+        loss = model(idx, idx)[1]
+        aux = model.aux_loss()
+        (loss + aux).backward()
+        grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        out[fused] = (loss.item(), aux.item(), grads)
+    assert out[True][1] == out[False][1]
+    assert abs(out[True][0] - out[False][0]) <= 1e-6 * out[False][0]
+    for g, r in zip(out[True][2], out[False][2], strict=True):
+        assert (g - r).abs().max() <= 1e-5 * r.abs().max() + 1e-9
+
+
 def test_an_adapted_head_is_refused_in_the_model_and_in_the_config(tiny_config):
     model = _model(tiny_config)
     add_lora(model, ["lm_head"], r=2, alpha=4, dropout=0.0, rslora=False)
@@ -310,7 +329,17 @@ MEASURE = textwrap.dedent(
     import torch, torch.nn.functional as F
     from llm_foundry.models.loss import linear_cross_entropy
     torch.set_num_threads(1)
-    fused = sys.argv[1] == "fused"
+    kind = sys.argv[1]
+    fused = kind != "plain"
+    # compiled: 32 chunks of 64 rows under bf16 autocast, unrolled in one graph (Inductor once
+    # fused the fp32 additions of their bf16 grad W products into one kernel that held all 32
+    # products at once)
+    step = linear_cross_entropy
+    if kind == "compiled":
+        step = torch.compile(linear_cross_entropy, fullgraph=True)
+    rows = 64 if kind == "compiled" else 128
+    size = (2048, 64, 16384) if kind == "compiled" else (2048, 64, 8192)
+    amp = torch.autocast("cpu", dtype=torch.bfloat16, enabled=kind == "compiled")
     def status(key):
         for line in open("/proc/self/status"):
             if line.startswith(key + ":"):
@@ -320,16 +349,18 @@ MEASURE = textwrap.dedent(
         x = torch.randn(n, d, generator=g).requires_grad_()
         w = (torch.randn(v, d, generator=g) * 0.02).requires_grad_()
         t = torch.randint(0, v, (n,), generator=g)
-        if fused:
-            loss = linear_cross_entropy(x, w, t, chunk_rows=128)
-        else:
-            loss = F.cross_entropy(F.linear(x, w).float(), t)
+        with amp:
+            if fused:
+                loss = step(x, w, t, chunk_rows=rows)
+            else:
+                loss = F.cross_entropy(F.linear(x, w).float(), t)
         loss.backward()
-    run(256, 64, 256)  # kernels and thread pools set up: their memory is not the head's
+    # kernels, thread pools (and the compiled code, for the same shapes) set up
+    run(*(size if kind == "compiled" else (256, 64, 256)))
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # the peak (VmHWM) starts again from what is resident now
     before = status("VmRSS")
-    run(2048, 64, 8192)
+    run(*size)
     print(json.dumps(status("VmHWM") - before))
     """
 )
@@ -360,6 +391,16 @@ def test_the_fused_loss_peaks_far_below_the_logits(tmp_path):
     print(f"peak growth: plain {plain / 2**20:.1f} MiB, fused {fused / 2**20:.1f} MiB")
     assert plain >= 2 * logits  # the measurement sees the logits and their softmax
     assert 0 < fused <= logits / 2
+
+
+@pytest.mark.heavy  # a torch.compile build of 32 unrolled chunks
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's /proc")
+def test_the_compiled_fused_loss_holds_one_chunk_at_a_time(tmp_path):
+    """2048 rows, vocabulary 16384, bf16: 32 chunks' (16384, 64) bf16 products of grad W would
+    be 64 MiB alive at once; one chunk's logits, fp32 copy and gradient are 8 MiB."""
+    compiled = _peak_bytes("compiled", tmp_path)
+    print(f"peak growth: compiled fused {compiled / 2**20:.1f} MiB")
+    assert 0 < compiled <= 2048 * 16384 * 4 / 4  # a quarter of the fp32 logits: 32 MiB
 
 
 # ----------------------------------------------------------------------------------------------

@@ -11,7 +11,8 @@ chunk's rows of grad x and added into grad W (fp32) at once (Liger-Kernel's
 FusedLinearCrossEntropy computes gradients in the forward pass the same way; recomputing the
 logits in backward instead would cost a third more of the head's FLOPs). What stays alive from
 forward to backward is grad x (N, D) and grad W (V, D), not the logits; backward only scales
-them by the incoming gradient. Peak extra memory: one chunk's logits and their fp32 softmax.
+them by the incoming gradient. Peak extra memory: one chunk's logits (in the matmul dtype),
+their fp32 copy (made into the gradient in place) and its copy in the matmul dtype.
 
 The gradient is kept unnormalised (softmax - onehot, entries in [-1, 1]) through the low-precision
 matmuls and divided by the number of targets in fp32 afterwards, so fp16's small values do not
@@ -34,6 +35,20 @@ IGNORE_INDEX = -100
 # two rows (2048 for a 50,304-token vocabulary: 16 chunks at 32 x 1024 tokens). Larger chunks
 # mean fewer passes of the grad W accumulation over (V, D); smaller, less memory.
 CHUNK_ELEMENTS = 2**27
+
+
+@torch.library.custom_op("llm_foundry::accumulate_mm_", mutates_args=("acc",))
+def accumulate_mm_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc += a @ b (acc fp32, a and b in the matmul dtype), one op: under torch.compile the
+    chunks' (V, D) products are made and added one at a time. Written as plain ``add_``, Inductor
+    fuses the chain of additions into one kernel reading every chunk's product, all alive at
+    once (measured: 32 chunks of a 50k x 768 head held 2.4 GB)."""
+    acc.add_(a @ b)
+
+
+@accumulate_mm_.register_fake
+def _(acc, a, b) -> None:
+    return None
 
 
 def default_chunk_rows(n: int, vocab: int) -> int:
@@ -69,7 +84,7 @@ def _chunks(
     b = bias.to(dtype) if bias is not None else None
     want_x, want_w, want_b = grads
     acc = torch.promote_types(dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
-    gx = torch.empty(n, x.shape[1], dtype=acc, device=x.device) if want_x else None
+    gx = [] if want_x else None  # each chunk's rows, concatenated at the end
     gw = torch.zeros(weight.shape, dtype=acc, device=x.device) if want_w else None
     gb = torch.zeros(weight.shape[0], dtype=acc, device=x.device) if want_b else None
     valid_all = targets != ignore_index
@@ -101,13 +116,13 @@ def _chunks(
             gb.add_(g.sum(0))
         g = g.to(dtype)
         if want_x:
-            gx[s:e] = (g @ w).to(acc) * inv
+            gx.append((g @ w).to(acc) * inv)
         if want_w:
-            gw.add_(g.t() @ xc)  # fp32 += dtype: added in fp32
+            accumulate_mm_(gw, g.t(), xc)  # fp32 += dtype: added in fp32
     loss = total / count.to(acc)
     return (
         loss,
-        gx,
+        torch.cat(gx) if want_x else None,
         gw * inv if want_w else None,
         gb * inv if want_b else None,
     )
