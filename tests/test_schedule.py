@@ -50,10 +50,10 @@ def test_no_warmup():
 
 def test_invalid_train_config_messages():
     with pytest.raises(ConfigError) as e:
-        TrainConfig(schedule="step", dtype="fp8", batch_size=0, min_lr=1.0)
+        TrainConfig(schedule="step", dtype="fp4", batch_size=0, min_lr=1.0)
     msg = str(e.value)
     assert "schedule='step' is not one of cosine, linear, constant, wsd" in msg
-    assert "dtype='fp8' is not one of fp32, bf16, fp16" in msg
+    assert "dtype='fp4' is not one of fp32, bf16, fp16, fp8, auto" in msg
     assert "batch_size=0 must be a positive integer" in msg
     assert "min_lr=1.0 must be a number in [0, lr=0.001]" in msg
     with pytest.raises(ConfigError, match="did you mean 'max_steps'"):
