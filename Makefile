@@ -43,7 +43,7 @@ test-slow: $(STAMP) $(LLAMA_STAMP)
 PY ?= $(BIN)/python
 test-gpu: $(if $(filter $(BIN)/python,$(PY)),$(STAMP))
 	PYTHONPATH=src$${PYTHONPATH:+:$$PYTHONPATH} $(PY) -m pytest -q -m cuda \
-		$(if $(DEVICE),--device $(DEVICE)) tests/test_cuda.py
+		$(if $(DEVICE),--device $(DEVICE)) tests/test_cuda.py tests/test_decode_graph.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests tutorials benchmarks
