@@ -100,7 +100,9 @@ def parse_sources(spec: str | Path | list) -> list[Source]:
                 f"--data entry {shown(entry, 200)}: the weight {shown(w)} must be a number > 0"
             )
         if where.resolve() in seen:
-            raise DataError(f"--data entry {shown(entry, 200)}: {where} is named twice; give it once")
+            raise DataError(
+                f"--data entry {shown(entry, 200)}: {where} is named twice; give it once"
+            )
         seen.add(where.resolve())
     names = [where.name or str(where) for _, where, _ in entries]
     if len(set(names)) < len(names):  # two directories of one name: their paths tell them apart
