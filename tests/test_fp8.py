@@ -17,6 +17,20 @@ from llm_foundry.train.config import TrainConfig
 from llm_foundry.train.distributed import World
 from llm_foundry.train.precision import AUTOCAST_DTYPES, check_fp8, choose_precision
 
+
+def _cpu_fp8_matmul() -> str | None:
+    """Why this CPU cannot run float8 torch._scaled_mm (oneDNN), or None when it can."""
+    a = torch.ones(16, 16).to(torch.float8_e4m3fn)
+    one = torch.ones((), dtype=torch.float32)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+    except (RuntimeError, NotImplementedError) as e:
+        return f"torch._scaled_mm has no float8 kernel on this CPU: {str(e).splitlines()[0]}"
+    return None
+
+
+pytestmark = pytest.mark.skipif(_cpu_fp8_matmul() is not None, reason=str(_cpu_fp8_matmul()))
+
 M, K, N = 48, 64, 32
 
 
