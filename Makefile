@@ -39,10 +39,11 @@ test-slow: $(STAMP) $(LLAMA_STAMP)
 # the `cuda` tests (tests/test_cuda.py, a few minutes on one GPU): skipped, with the reason, where
 # torch sees no GPU. DEVICE=cpu runs the same tests on the CPU (their logic), DEVICE=cuda:1 on
 # another GPU (a device named that is missing is an error). PY=python3 runs them with another
-# interpreter that has the project's dependencies, without .venv: src/ goes on PYTHONPATH.
+# interpreter that has the project's dependencies, without .venv: src/ goes on PYTHONPATH. ARGS go
+# to pytest (ARGS="--durations=10", say).
 PY ?= $(BIN)/python
 test-gpu: $(if $(filter $(BIN)/python,$(PY)),$(STAMP))
-	PYTHONPATH=src$${PYTHONPATH:+:$$PYTHONPATH} $(PY) -m pytest -q -m cuda \
+	PYTHONPATH=src$${PYTHONPATH:+:$$PYTHONPATH} $(PY) -m pytest -q -rs -m cuda $(ARGS) \
 		$(if $(DEVICE),--device $(DEVICE)) tests/test_cuda.py tests/test_decode_graph.py
 
 lint: $(STAMP)

@@ -1,7 +1,7 @@
 """The five-minute GPU check (issue 30): llm-foundry against nanoGPT and HF transformers on one
 card, side by side in one process, written to JSON with the card, the software and the commit.
 
-Sections (``--sections``, run in this order; each is timed, budgeted and fenced: an error or a
+Sections (``--sections``, run in the order given, by default this one; each is timed, budgeted and fenced: an error or a
 timeout is recorded and the next section goes on; what a budget leaves out is named under
 ``skipped``; the JSON is rewritten after every section):
 
@@ -570,10 +570,92 @@ def train(ctx: Ctx, res: dict, deadline: float, batch: int) -> None:
         log(f"train {B}x{T}: round {r + 1}: " + ", ".join(
             f"{c.name} {c.times[-1] * 1e3:.2f} ms" for c in contenders))  # fmt: skip
     res["matmul_tflops"] = measured
+    if ctx.args.profile and contenders and ctx.left(deadline) > 10:
+        res["profile"] = {}
+        for c in contenders:  # the fastest two: where their step's time goes
+            if c.name in ("nanoGPT", "llm-foundry") or c is min(contenders, key=step_time):
+                if ctx.left(deadline) < 5:
+                    break
+                try:
+                    res["profile"][c.name] = profile_kernels(ctx, c, batches[:3])
+                    log(f"train {B}x{T}: {c.name} profile: " + ", ".join(
+                        f"{k} {v['ms_per_step']} ms" for k, v in
+                        res["profile"][c.name]["buckets"].items()))  # fmt: skip
+                except Exception as e:  # noqa: BLE001 - a profile is a courtesy
+                    res["profile"][c.name] = dict(error=short(e))
     if batch == 16 and "loader" in ctx.args.sections:
         ours = [c for c in contenders if c.name == "llm-foundry"]
         if ours:  # the loader section times this same compiled step
             ctx.shared["train_ours"] = (ours[0], s)
+
+
+def step_time(c: Contender) -> float:
+    return statistics.median(c.times) if c.times else float("inf")
+
+
+# what each device kernel (or, on a CPU, each ATen op) of a step is, by its name
+KERNEL_BUCKETS = (
+    ("attention", ("flash", "fmha", "attention", "scaled_dot_product", "sdpa", "efficient")),
+    ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "aten::mm", "aten::addmm",
+                "aten::bmm", "_scaled_mm")),
+    ("optimizer", ("adam", "multi_tensor", "foreach", "vector_norm", "clip")),
+    ("loss", ("cross_entropy", "nll_loss", "log_softmax")),
+    ("fused (compiled)", ("triton", "graph_", "cpp_fused")),
+    ("copies and fills", ("memcpy", "memset", "copy_", "fill_", "elementwise_kernel")),
+)  # fmt: skip
+
+
+def kernel_bucket(name: str) -> str:
+    low = name.lower()
+    for bucket, keys in KERNEL_BUCKETS:
+        if any(k in low for k in keys):
+            return bucket
+    return "other"
+
+
+def profile_kernels(ctx: Ctx, c: Contender, batches, top: int = 12) -> dict:
+    """torch.profiler over ``len(batches)`` steps of ``c``: device time per step by kernel
+    bucket, the top kernels, and how much of the wall time the device was busy (on a CPU, the
+    ATen ops' own CPU time stands in for the kernels)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.cuda else [])
+    n = len(batches)
+    ctx.sync()
+    with profile(activities=acts) as prof:
+        t = time.perf_counter()
+        for x, y in batches:
+            c.step(x, y)
+        ctx.sync()
+        wall = (time.perf_counter() - t) / n
+    events = []
+    for e in prof.key_averages():
+        if ctx.cuda:
+            us = getattr(e, "self_device_time_total", None)
+            us = getattr(e, "self_cuda_time_total", 0) if us is None else us
+            is_kernel = us > 0 and getattr(e, "device_type", None) != torch.autograd.DeviceType.CPU
+        else:
+            us, is_kernel = e.self_cpu_time_total, e.key.startswith("aten::")
+        if is_kernel:
+            events.append((e.key, us / 1e3 / n, e.count / n))
+    events.sort(key=lambda r: -r[1])
+    buckets: dict = {}
+    for name, ms, calls in events:
+        b = buckets.setdefault(kernel_bucket(name), dict(ms_per_step=0.0, kernels_per_step=0.0))
+        b["ms_per_step"] += ms
+        b["kernels_per_step"] += calls
+    busy = sum(ms for _, ms, _ in events)
+    return dict(
+        steps=n, wall_ms_per_step=round(wall * 1e3, 2), device_busy_ms_per_step=round(busy, 2),
+        device_busy_fraction=round(busy / (wall * 1e3), 3) if wall else None,
+        kernels_per_step=round(sum(c for *_, c in events)),
+        buckets={k: dict(ms_per_step=round(v["ms_per_step"], 2),
+                         share=round(v["ms_per_step"] / busy, 3) if busy else None,
+                         kernels_per_step=round(v["kernels_per_step"]))
+                 for k, v in sorted(buckets.items(), key=lambda kv: -kv[1]["ms_per_step"])},
+        top=[dict(name=name[:120], ms_per_step=round(ms, 3), calls_per_step=round(calls, 1),
+                  bucket=kernel_bucket(name)) for name, ms, calls in events[:top]],
+    )  # fmt: skip
 
 
 def section_train(ctx, res, deadline):
@@ -1173,7 +1255,11 @@ def table(report: dict) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--sections", default=",".join(SECTIONS), help=f"of {', '.join(SECTIONS)}")
+    ap.add_argument(
+        "--sections",
+        default=",".join(SECTIONS),
+        help=f"run in the order given, of {', '.join(SECTIONS)}",
+    )
     ap.add_argument(
         "--out", default="gpu_check.json", help="the JSON report (rewritten per section)"
     )
@@ -1209,6 +1295,12 @@ def main() -> int:
         default=0,
         help="torch CPU threads (default: as torch sets them; 1 for a tiny CPU run)",
     )
+    ap.add_argument(
+        "--profile",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="train: profile the kernels of nanoGPT's, ours and the fastest step",
+    )
     ap.add_argument("--commit", default=None, help="the commit, where the tree has no .git")
     args = ap.parse_args()
     args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
@@ -1237,9 +1329,7 @@ def main() -> int:
     log(f"{report['env'].get('card')}, torch {torch.__version__}, CUDA {torch.version.cuda}; "
         f"sections {', '.join(args.sections)}")  # fmt: skip
     write(report, out)
-    for name in SECTIONS:
-        if name not in args.sections:
-            continue
+    for name in args.sections:  # in the order given
         sec = report["sections"][name] = dict(status="running")
         budget = BUDGETS[name] if ctx.cuda else 120
         left = ctx.end - time.monotonic()
@@ -1266,7 +1356,8 @@ def main() -> int:
         if sec.get("traceback"):
             print(sec["traceback"], file=sys.stderr, flush=True)
         try:  # the models of a finished stage go, with their compiled code
-            if name in ("loader", "serve") or (name == "train" and "loader" not in args.sections):
+            later = args.sections[args.sections.index(name) + 1 :]
+            if name != "train" or "loader" not in later:  # loader reuses train's model
                 free(ctx)
                 torch._dynamo.reset()
             if ctx.cuda:  # what the caching allocator still holds (a leak shows here)
