@@ -30,6 +30,7 @@ from llm_foundry.models.quant import (
     dequantize_int4,
     dequantize_model,
     quantize_int4,
+    quantize_int8,
     quantize_model,
     unpack_int4,
     weight_bytes,
@@ -65,6 +66,21 @@ def test_int4_stays_within_half_a_step_of_each_weight():
         assert (err <= bound).all(), f"group {group}: {(err - bound).max():.2e} over"
         # a 4-bit grid over each group's range: the error is ~1/30 of the range, not less
         assert err.max() > scale.float().max() / 4
+
+
+def test_scales_are_true_quotients_so_every_device_gets_the_same_codes():
+    """absmax / 127 and (max - min) / 15 rounded once, as float64 division rounded to fp32 gives:
+    a product with the reciprocal (what CUDA computes for a Python divisor) is an ulp off for a
+    few percent of rows, and the device's codes then differ from the CPU's."""
+    torch.manual_seed(0)
+    w = torch.randn(4096, 64) * torch.rand(4096, 1) * 3
+    _, scale = quantize_int8(w)
+    absmax = w.abs().amax(1).double()
+    assert torch.equal(scale, (absmax / 127).float())
+    assert not torch.equal(scale, absmax.float() * (1 / 127))  # the rows it decides exist here
+    _, scale4, _ = quantize_int4(w, 32)
+    g = w.double().reshape(4096, 2, 32)
+    assert torch.equal(scale4, ((g.amax(-1) - g.amin(-1)).float() / 15).to(torch.bfloat16))
 
 
 def test_int4_codes_are_two_per_byte_in_input_order():

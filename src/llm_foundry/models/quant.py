@@ -41,13 +41,19 @@ INT8_COLS = 16  # _weight_int8pack_mm misreads inputs beyond the last multiple o
 KERNEL_ROWS = 64  # from this many rows on, widening the weight once is as fast as the kernels
 
 
+def by(t: torch.Tensor, n: float) -> torch.Tensor:
+    """``n`` as a tensor like ``t``, to divide by: CUDA divides by a Python number as a product with
+    its reciprocal, one ulp off the CPU's quotient at times; by a tensor, exactly, as the CPU."""
+    return torch.full_like(t, n)
+
+
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric absmax int8, one scale per output channel: w (out, in) -> q int8 (out, in),
     scale fp32 (out,), with w ≈ q · scale[:, None] and |w - q · scale| <= scale / 2 in each row
     (an all-zero row gets scale 1 and q = 0)."""
     w = w.detach().float()
     absmax = w.abs().amax(dim=1)  # (out,)
-    scale = torch.where(absmax > 0, absmax / 127, torch.ones_like(absmax))
+    scale = torch.where(absmax > 0, absmax / by(absmax, 127), torch.ones_like(absmax))
     q = torch.round(w / scale[:, None]).clamp_(-127, 127)  # -128 unused: symmetric
     return q.to(torch.int8), scale
 
@@ -65,7 +71,7 @@ def quantize_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tens
     out, n_in = w.shape
     g = w.detach().float().reshape(out, n_in // group, group)
     lo, hi = g.amin(-1), g.amax(-1)  # (out, groups)
-    scale = ((hi - lo) / 15).clamp(min=1e-8).to(torch.bfloat16)
+    scale = ((hi - lo) / by(lo, 15)).clamp(min=1e-8).to(torch.bfloat16)
     zero = (lo + 8 * scale.float()).to(torch.bfloat16)
     q = torch.round((g - zero.float()[..., None]) / scale.float()[..., None] + 8).clamp_(0, 15)
     q = q.to(torch.uint8).reshape(out, n_in)
