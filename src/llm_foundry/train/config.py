@@ -111,7 +111,7 @@ class TrainConfig:
     lora_dropout: float = 0.0  # dropout on the adapters' input
     lora_targets: str = "wq,wv"  # comma list of projections: wq, wk, wv, wo, w1, w2, w3, lm_head
     lora_rslora: bool = False  # rank-stabilised scale (Kalajdzievski 2023)
-    lora_base_dtype: str = "fp32"  # adapted projections' frozen weights: fp32 | bf16 | int8
+    lora_base_dtype: str = "fp32"  # adapted projections' frozen weights (models/lora.py BASE_DTYPES)
     sft_packing: bool = False  # SFT data: fill rows with whole examples, attention kept in each
     # text data (llm_foundry.data.loader): random windows of the shards, or rows packed with
     # whole documents in a seeded order (the row's last one cut; needs the shards' .idx indexes)
@@ -189,7 +189,7 @@ class TrainConfig:
                 f"{', '.join(LORA_TARGETS)}"
             )
         one_of(p, "lora_base_dtype", self.lora_base_dtype, LORA_BASE_DTYPES)
-        low = self.lora_base_dtype in ("bf16", "int8")  # held in less memory than trained
+        low = self.lora_base_dtype != "fp32"  # held in less memory than trained
         if low and self.lora_r == 0:
             p.append(
                 f"lora_base_dtype={self.lora_base_dtype!r} holds the adapted projections' frozen "
