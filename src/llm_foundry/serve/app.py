@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from llm_foundry.messages import one_line, shown
 from llm_foundry.serve.engine import Engine, Params, QueueFull, Sequence
+from llm_foundry.serve.page import add_page
 
 try:
     from fastapi import FastAPI, Request
@@ -242,6 +243,7 @@ def create_app(served: Served, max_request_bytes: int = MAX_REQUEST_BYTES) -> Fa
     if max_request_bytes < 1:
         raise ValueError(f"--max-request-bytes {max_request_bytes} must be >= 1")
     app = FastAPI(title="llm-foundry", docs_url=None, redoc_url=None)
+    add_page(app)  # the chat page at /
     engine = served.engine
     relays: dict = {}
 
