@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 LLAMA_STAMP := $(VENV)/.llama-cpp
 
-.PHONY: setup demo test test-fast test-slow test-gpu lint format clean
+.PHONY: setup demo test test-fast test-slow test-gpu lint format clean browser
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -26,7 +26,11 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/llm-foundry train
 
-test: $(STAMP) $(LLAMA_STAMP)
+# the chat page's test drives a real Chromium (Debian's package; installed once if missing)
+browser:
+	scripts/install_chromium.sh
+
+test: $(STAMP) $(LLAMA_STAMP) browser
 	$(BIN)/python -m pytest -q
 
 # the quick loop while developing (under a minute): everything but the `heavy` tests
