@@ -13,6 +13,26 @@ MAX_SLOTS = 4096  # sequences decoded together: far past what one forward batche
 MAX_QUEUE = 1_000_000  # requests waiting
 
 
+def adapter_spec(spec: str) -> tuple[str, str]:
+    """(name, directory) of one ``--adapter NAME=DIR``; ValueError (one line) when malformed."""
+    name, eq, directory = spec.partition("=")
+    if not eq or not name.strip() or not directory:
+        raise ValueError(f"--adapter {spec!r} must be NAME=DIR (the name clients ask for as "
+                         "'model', then the adapter's directory)")  # fmt: skip
+    return name.strip(), directory
+
+
+def adapter_specs(specs: list[str]) -> dict[str, str]:
+    """name -> directory of every ``--adapter``, each name once."""
+    adapters: dict[str, str] = {}
+    for spec in specs:
+        name, directory = adapter_spec(spec)
+        if name in adapters:
+            raise ValueError(f"--adapter {spec!r}: the name '{name}' is given twice")
+        adapters[name] = directory
+    return adapters
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(
         prog="llm-foundry serve",
@@ -34,6 +54,10 @@ def main(argv: list[str]) -> int:
                    "request body taken (larger ones get 413; default 4 MiB)")  # fmt: skip
     p.add_argument("--model-name", default=None, help="the id clients ask for (default: the "
                    "checkpoint directory's name)")  # fmt: skip
+    p.add_argument("--adapter", action="append", default=[], metavar="NAME=DIR", help="a LoRA "
+                   "adapter served unmerged over the model as 'model': NAME (a PEFT adapter "
+                   "directory or a LoRA run of ours); repeatable: requests for different "
+                   "adapters share a batch, the base's own name picks the bare base")  # fmt: skip
     p.add_argument("--device", default="cpu")
     p.add_argument("--compile", action="store_true", help="compile the one-row decode step (its fused "
                    "matvec streams weights faster; ~20 s at start)")  # fmt: skip
@@ -49,6 +73,7 @@ def main(argv: list[str]) -> int:
         raise ValueError(f"--max-context {ns.max_context} must be >= 2 (a prompt and a reply)")
     if ns.max_request_bytes is not None and ns.max_request_bytes < 1:
         raise ValueError(f"--max-request-bytes {ns.max_request_bytes} must be >= 1")
+    adapters = adapter_specs(ns.adapter)
     try:
         import uvicorn
 
@@ -62,7 +87,7 @@ def main(argv: list[str]) -> int:
         ) from None
     scheme, group = quantize_choice(ns.quantize, ns.group_size)
     served = load_served(ns.checkpoint, ns.slots, ns.max_queue, ns.model_name, ns.device,
-                         ns.compile, scheme, group, ns.max_context)  # fmt: skip
+                         ns.compile, scheme, group, ns.max_context, adapters)  # fmt: skip
     app = create_app(served, ns.max_request_bytes or MAX_REQUEST_BYTES)
     if ns.compile:
         print("compiling the decode step ...", flush=True)
@@ -76,6 +101,7 @@ def main(argv: list[str]) -> int:
     if not thread.is_alive():
         raise OSError(f"could not serve on {ns.host}:{ns.port} (is the port in use?)")
     weights = f", {scheme} weights" if scheme else ""
+    weights += f", adapters {', '.join(served.adapters)}" if served.adapters else ""
     print(f"serving {served.name} on http://{ns.host}:{ns.port}/v1 ({ns.slots} slots, context "
           f"{served.engine.context}{weights})", flush=True)  # fmt: skip
     watcher = threading.Thread(target=lambda: (thread.join(), served.engine.stop()), daemon=True)

@@ -35,18 +35,34 @@ def check_device(device: str) -> None:
 def load_served(checkpoint: str | Path, slots: int = 8, max_queue: int = 64,
                 name: str | None = None, device: str = "cpu", compile: bool = False,
                 quantize: str | None = None, group_size: int = 64,
-                max_context: int | None = None):  # fmt: skip
+                max_context: int | None = None,
+                adapters: dict[str, str | Path] | None = None):  # fmt: skip
     """The model of ``checkpoint`` behind an engine, with its tokenizer and chat template, as
     ``app.Served`` (the engine not yet started). ``max_context`` caps the tokens (prompt and
     reply) a request may use, and with it the KV cache (default: the model's max_seq_len; a
-    cache larger than the memory left is refused before it is allocated)."""
+    cache larger than the memory left is refused before it is allocated). ``adapters`` (name ->
+    directory: a PEFT adapter or a LoRA run of ours) are put over the model unmerged, each
+    served under its name (``serve.adapters``)."""
     check_device(device)
+    name = name or Path(checkpoint).resolve().name
+    adapters = dict(adapters or {})
+    if name in adapters:
+        raise ValueError(f"--adapter {name}=...: '{name}' is the base model's name; give the "
+                         "adapter another (or the base another with --model-name)")  # fmt: skip
+    if adapters and quantize:
+        raise ValueError(f"--adapter with --quantize {quantize}: adapters are served over the "
+                         "full-precision base only; leave out --quantize")  # fmt: skip
     from llm_foundry.chat import BUILTIN_TEMPLATE, end_of_turn, load_chat_template
     from llm_foundry.loading import load_any
     from llm_foundry.serve.app import Served
     from llm_foundry.serve.engine import Engine
 
     model, tok, info = load_any(checkpoint, device, quantize=quantize, group_size=group_size)
+    rows = None
+    if adapters:
+        from llm_foundry.serve.adapters import load_adapters
+
+        rows = load_adapters(model, adapters)
     if tok is None:
         raise FileNotFoundError(f"{info.checkpoint} has no tokenizer.json: the server needs one")
     hf = getattr(tok, "kind", "") == "hf"
@@ -58,7 +74,7 @@ def load_served(checkpoint: str | Path, slots: int = 8, max_queue: int = 64,
     if eot_id is not None:
         eos.add(eot_id)  # a special token ends the reply by its id
     engine = Engine(model, tok, slots=slots, max_queue=max_queue, eos_ids=eos, compile=compile,
-                    max_context=max_context)  # fmt: skip
-    served = Served(engine, tok, name or Path(checkpoint).resolve().name, template, specials)
+                    max_context=max_context, adapters=rows)  # fmt: skip
+    served = Served(engine, tok, name, template, specials, adapters=list(adapters))
     served.chat_stop = () if eot_id is not None else (eot,)  # a plain-text end of turn
     return served

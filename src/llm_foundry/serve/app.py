@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP API over an ``Engine``: /v1/models, /v1/completions,
-/v1/chat/completions (both with server-sent-event streaming), /health and /metrics.
+/v1/chat/completions (both with server-sent-event streaming), /health and /metrics. A request's
+``model`` is the served model's name or, with LoRA adapters over it, an adapter's.
 
 Requests are checked here (types, ranges, context length) and refused with OpenAI's error body
 and HTTP 400 (404 for an unknown model, 413 for a body over the size limit, 503 with Retry-After
@@ -85,7 +86,9 @@ def error_body(message: str, param=None, code=None, kind="invalid_request_error"
 
 @dataclass
 class Served:
-    """What the app serves: the engine, its tokenizer, the chat template and the counters."""
+    """What the app serves: the engine, its tokenizer, the chat template and the counters;
+    ``adapters`` names the LoRA adapters over the model (a request's ``model`` may name one):
+    ``adapters[k - 1]`` is the engine's adapter k."""
 
     engine: Engine
     tokenizer: object
@@ -95,6 +98,19 @@ class Served:
     requests: dict = field(default_factory=dict)  # (endpoint, status) -> count
     chat_stop: tuple[str, ...] = ()  # a chat template's plain-text end of turn
     created: int = field(default_factory=lambda: int(time.time()))
+    adapters: list[str] = field(default_factory=list)
+
+    def adapter_of(self, model) -> int:
+        """The engine's adapter for a request's ``model``: 0 for the served model's name, k
+        for ``adapters[k - 1]``; BadRequest (404) naming the valid ones otherwise."""
+        if model == self.name:
+            return 0
+        if isinstance(model, str) and model in self.adapters:
+            return self.adapters.index(model) + 1
+        valid = ", ".join(f"'{m}'" for m in [self.name, *self.adapters])
+        has = f"has {valid}" if not self.adapters else f"has {valid} (the base and its adapters)"
+        raise BadRequest(f"The model {shown(model)} does not exist; this server {has}", "model",
+                         404, "model_not_found")  # fmt: skip
 
 
 # ---- request fields ---------------------------------------------------------------------------
@@ -329,7 +345,8 @@ def create_app(served: Served, max_request_bytes: int = MAX_REQUEST_BYTES) -> Fa
     async def models():
         model = {"id": served.name, "object": "model", "created": served.created,
                  "owned_by": "llm-foundry"}  # fmt: skip
-        return {"object": "list", "data": [model]}
+        adapters = [{**model, "id": name, "parent": served.name} for name in served.adapters]
+        return {"object": "list", "data": [model, *adapters]}
 
     @app.get("/metrics")
     async def metrics():
@@ -370,9 +387,7 @@ def create_app(served: Served, max_request_bytes: int = MAX_REQUEST_BYTES) -> Fa
             if not isinstance(body, dict):
                 raise BadRequest("the request body must be a JSON object")
             model = body.get("model", served.name)
-            if model != served.name:
-                raise BadRequest(f"The model {shown(model)} does not exist; this server has "
-                                 f"'{served.name}'", "model", 404, "model_not_found")  # fmt: skip
+            adapter = served.adapter_of(model)
             _check_fields(body, chat)
             params, n = _params(body, chat, engine.context)
             bound = engine.slots + engine.max_queue
@@ -418,7 +433,7 @@ def create_app(served: Served, max_request_bytes: int = MAX_REQUEST_BYTES) -> Fa
             def emit(kind, payload, index=i):
                 post(events, (index, kind, payload))
 
-            seqs.append(Sequence(prompt=prompt, params=p, emit=emit))
+            seqs.append(Sequence(prompt=prompt, params=p, emit=emit, adapter=adapter))
         try:
             engine.submit(seqs)
         except QueueFull as e:
@@ -446,7 +461,7 @@ def create_app(served: Served, max_request_bytes: int = MAX_REQUEST_BYTES) -> Fa
                         for i in range(n):
                             first = {"index": i, "delta": {"role": "assistant", "content": ""},
                                      "logprobs": None, "finish_reason": None}  # fmt: skip
-                            yield _sse(rid, obj + ".chunk", created, served.name, [first])
+                            yield _sse(rid, obj + ".chunk", created, model, [first])
                     while done < n:
                         batch = [await events.get()]
                         while not events.empty():  # what arrived meanwhile goes in one write
@@ -464,10 +479,10 @@ def create_app(served: Served, max_request_bytes: int = MAX_REQUEST_BYTES) -> Fa
                                 piece, records = payload
                                 lp = _logprobs_block(served, records, chat) if records else None
                                 choice = _choice(chat, i, piece, lp, None)
-                            out.append(_sse(rid, chunk_obj, created, served.name, [choice]))
+                            out.append(_sse(rid, chunk_obj, created, model, [choice]))
                         yield "".join(out)
                     if usage_chunk:
-                        yield _sse(rid, obj + (".chunk" if chat else ""), created, served.name,
+                        yield _sse(rid, obj + (".chunk" if chat else ""), created, model,
                                    [], usage=usage())  # fmt: skip
                     yield "data: [DONE]\n\n"
                 finally:
@@ -512,7 +527,7 @@ def create_app(served: Served, max_request_bytes: int = MAX_REQUEST_BYTES) -> Fa
             else:
                 choices.append({"index": i, "text": texts[i], "logprobs": lp,
                                 "finish_reason": _finish_reason(reasons[i])})  # fmt: skip
-        return {"id": rid, "object": obj, "created": created, "model": served.name,
+        return {"id": rid, "object": obj, "created": created, "model": model,
                 "choices": choices, "usage": usage()}  # fmt: skip
 
     @app.post("/v1/completions")

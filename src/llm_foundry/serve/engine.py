@@ -15,6 +15,10 @@ not depend on where its slots lie and rows can be moved:
 
 Requests wait in a bounded queue; a full queue refuses new ones (``QueueFull``).
 
+With LoRA adapters over the model (``models.multi_lora``), each request names its adapter (0:
+the bare base) and every forward first tells the adapted layers each row's: rows of different
+adapters share one decode step.
+
 Nothing a request holds can stop the loop: whatever one row raises (its prefill, its sampling,
 decoding its text, telling its client) finishes that row with an error, and a failure of the
 shared decode step (or of anything else in a step) finishes the rows in flight; the loop goes on
@@ -77,6 +81,7 @@ class Sequence:
     submitted: float = field(default_factory=time.perf_counter)
     first_token_s: float | None = None
     generator: torch.Generator | None = None
+    adapter: int = 0  # the LoRA adapter of its rows (0: the bare base; see Engine's adapters)
 
 
 @dataclass
@@ -93,7 +98,9 @@ class Stats:
 
 
 class Engine:
-    """Runs ``model`` for queued ``Sequence``s in a background thread (``start``/``stop``)."""
+    """Runs ``model`` for queued ``Sequence``s in a background thread (``start``/``stop``).
+    ``adapters``: the ``AdapterRows`` of LoRA adapters put over ``model`` (None: none), which
+    each forward sets to its rows' ``Sequence.adapter``."""
 
     def __init__(
         self,
@@ -105,6 +112,7 @@ class Engine:
         capacity: int | None = None,
         compile: bool = False,
         max_context: int | None = None,
+        adapters=None,
     ):
         cfg = model.cfg
         if slots < 1 or max_queue < 0:
@@ -126,6 +134,7 @@ class Engine:
         self._check_memory(cfg, slots, device, dtype, capacity is None)
         self.model, self.tok, self.slots, self.max_queue = model.eval(), tokenizer, slots, max_queue
         self.eos_ids = set(eos_ids)
+        self.adapters = adapters
         # one busy row decodes through the compiled step, whose fused matvec streams weights
         # faster; batches of rows are matrix products either way and run eager (measured:
         # benchmarks/README.md, bench_serve); prefill stays eager
@@ -177,8 +186,11 @@ class Engine:
     # ---- the server's side (any thread) ---------------------------------------------------
     def submit(self, seqs: list[Sequence]) -> None:
         """Queue ``seqs`` (all or none): QueueFull when the queue has no room for them."""
+        known = len(self.adapters.names) if self.adapters is not None else 0
         for s in seqs:
             check_sampling(s.params.temperature, s.params.top_k, s.params.top_p, None, None)
+            if not 0 <= s.adapter <= known:
+                raise ValueError(f"adapter {s.adapter} is not one of 0..{known} (0: the base)")
         with self._wake:
             if len(self.waiting) + len(seqs) > self.max_queue + self.free_slots():
                 raise QueueFull(f"{len(self.waiting)} requests waiting (bound {self.max_queue})")
@@ -204,15 +216,18 @@ class Engine:
     @torch.no_grad()
     def warm_up(self) -> None:
         """Compile the one-row decode step before the first request (two cache lengths: the
-        second makes the length symbolic, so it compiles once)."""
+        second makes the length symbolic, so it compiles once; with adapters, once for the
+        bare base and once for a row with an adapter)."""
         if self.decode is self.model or any(r is not None for r in self.rows):
             return
-        for n, length in ((1, 1), (1, 2)):
-            cache = self.cache.rows(n)
-            cache.length = length
-            cache.pad = torch.zeros(n, dtype=torch.long, device=self.device)
-            idx = torch.zeros(n, 1, dtype=torch.long, device=self.device)
-            self.decode(idx, cache=cache, last_only=True)
+        for adapter in (0, 1) if self.adapters is not None else (0,):
+            self._select([adapter])
+            for n, length in ((1, 1), (1, 2)):
+                cache = self.cache.rows(n)
+                cache.length = length
+                cache.pad = torch.zeros(n, dtype=torch.long, device=self.device)
+                idx = torch.zeros(n, 1, dtype=torch.long, device=self.device)
+                self.decode(idx, cache=cache, last_only=True)
         self.t = 0
 
     def run(self) -> None:
@@ -286,6 +301,7 @@ class Engine:
         cache = self.cache.rows(n)
         cache.length, cache.pad = self.t, pad
         try:
+            self._select([s.adapter if s else 0 for s in rows])
             step = self.decode if n == 1 else self.model
             logits = step(last, cache=cache, last_only=True)[0][:, -1]
         except Exception as e:  # noqa: BLE001 - every request in flight is told
@@ -323,6 +339,7 @@ class Engine:
             raise ValueError(f"token id {bad} is outside the model's vocabulary [0, {vocab})")
         small = self.model.new_cache(1, P)
         idx = torch.tensor([seq.prompt], device=self.device)
+        self._select([seq.adapter])
         return self.model(idx, cache=small, last_only=True)[0][:, -1], small
 
     def _place(self, seq: Sequence, small) -> None:
@@ -341,6 +358,11 @@ class Engine:
         if seq.params.seed is not None:
             seq.generator = torch.Generator(device=self.device).manual_seed(seq.params.seed)
         self.stats.prompt_tokens += P
+
+    def _select(self, adapters: list[int]) -> None:
+        """Tell the adapted layers each row's adapter for the next forward."""
+        if self.adapters is not None:
+            self.adapters.select(adapters)
 
     def _shift(self, d: int) -> None:
         """Move every row's slots by ``d`` (right when > 0) and the write position with them."""
