@@ -27,6 +27,7 @@ from llm_foundry.models.lora import (
     quantize_int8,
     unmerge_lora,
 )
+from llm_foundry.models.nf4 import GRIDS, dequantize_4bit, quantize_4bit
 
 TOL = 1e-4
 
@@ -87,15 +88,16 @@ def test_bad_lora_settings_are_named(tiny_config):
         add_lora(Transformer(tiny_config(tie_embeddings=True)), ("lm_head",))
     with pytest.raises(ValueError, match="rank r=0"):
         add_lora(Transformer(tiny_config()), ("wq",), r=0)
-    with pytest.raises(ValueError, match="LoRA base_dtype='int4' must be one of fp32, bf16, int8"):
-        add_lora(Transformer(tiny_config()), ("wq",), base_dtype="int4")
+    with pytest.raises(ValueError, match="LoRA base_dtype='fp4' must be one of fp32, bf16, int8, "
+                       "nf4, int4"):  # fmt: skip
+        add_lora(Transformer(tiny_config()), ("wq",), base_dtype="fp4")
 
 
 @pytest.mark.parametrize(
     "fields, message",
     [
-        (dict(lora_r=4, lora_base_dtype="int4"), "lora_base_dtype='int4' is not one of fp32, bf16, "
-         "int8"),
+        (dict(lora_r=4, lora_base_dtype="fp4"), "lora_base_dtype='fp4' is not one of fp32, bf16, "
+         "int8, nf4, int4"),
         (dict(lora_base_dtype="int8"), "lora_base_dtype='int8' holds the adapted projections' "
          "frozen weights: it needs lora_r > 0"),
         (dict(lora_r=4, lora_base_dtype="bf16", parallel="fsdp"), "lora_base_dtype='bf16' with "
@@ -119,6 +121,8 @@ def _rounded(w: torch.Tensor, base_dtype: str) -> torch.Tensor:
     """``w`` (out, in) as a base held in ``base_dtype`` computes with it, in fp32."""
     if base_dtype == "int8":
         return dequantize_int8(*quantize_int8(w))
+    if base_dtype in GRIDS:  # nf4, int4: models/nf4.py (checked against bitsandbytes there)
+        return dequantize_4bit(quantize_4bit(w, base_dtype), w.shape, base_dtype)
     return w.to(torch.bfloat16).float() if base_dtype == "bf16" else w
 
 
@@ -139,10 +143,13 @@ def test_int8_quantization_is_within_half_a_step_of_each_row():
     assert (err[2:4] > 0.4 * scale[2:4, None]).any()  # the bound is the real one, not slack
 
 
-@pytest.mark.parametrize("base_dtype", ["bf16", "int8"])
+LOW = {"bf16": torch.bfloat16, "int8": torch.int8, "nf4": torch.uint8, "int4": torch.uint8}
+
+
+@pytest.mark.parametrize("base_dtype", LOW)
 def test_a_low_precision_base_computes_what_fp32_lora_on_the_rounded_weight_does(base_dtype):
     """The reference is the same math in fp32: LoRALinear whose base weight is the dequantized
-    (int8) or bf16-rounded weight. Outputs and the gradients of x, A and B agree."""
+    (int8, nf4, int4) or bf16-rounded weight. Outputs and the gradients of x, A and B agree."""
     torch.manual_seed(0)
     linear = torch.nn.Linear(48, 24, bias=True)
     low = LoRALinear(copy.deepcopy(linear), 4, 8.0, 0.0, False, base_dtype)
@@ -152,7 +159,7 @@ def test_a_low_precision_base_computes_what_fp32_lora_on_the_rounded_weight_does
         ref.base.weight.copy_(_rounded(linear.weight, base_dtype))
         ref.lora_A.copy_(low.lora_A)
         ref.lora_B.copy_(low.lora_B)
-    assert low.base.weight.dtype == {"bf16": torch.bfloat16, "int8": torch.int8}[base_dtype]
+    assert low.base.weight.dtype == LOW[base_dtype]
     assert low.base.bias.dtype == torch.float32
     torch.testing.assert_close(low.base.widened(), ref.base.weight, atol=0, rtol=0)
     x = torch.randn(3, 5, 48, requires_grad=True)
@@ -210,7 +217,7 @@ def test_effective_weight_is_the_weight_each_projection_computes_with(base_dtype
         torch.testing.assert_close(effective_weight(lora), w, atol=1e-6, rtol=0)
 
 
-@pytest.mark.parametrize("base_dtype", ["bf16", "int8"])
+@pytest.mark.parametrize("base_dtype", LOW)
 def test_only_the_adapted_projections_are_held_low_and_only_adapters_train(base_dtype, tiny_config):
     torch.manual_seed(0)
     model = Transformer(tiny_config())
@@ -221,15 +228,16 @@ def test_only_the_adapted_projections_are_held_low_and_only_adapters_train(base_
     low = {f"{n}.base.weight" for n in names}
     for n, p in model.named_parameters():
         if n in low:
-            assert p.dtype == (torch.int8 if base_dtype == "int8" else torch.bfloat16), n
+            assert p.dtype == LOW[base_dtype], n
         else:
             assert p.dtype == torch.float32, n
             assert n.endswith(("lora_A", "lora_B")) or torch.equal(
                 p, plain[n.replace(".base.", ".")]
             ), n
-    assert model.num_params() == sum(p.numel() for p in plain.values()) + sum(
-        p.numel() for n, p in model.named_parameters() if p.requires_grad
-    )  # the frozen weights are counted whatever they are held in
+    if LOW[base_dtype] != torch.uint8:  # packed 4-bit codes hold two weights per element
+        assert model.num_params() == sum(p.numel() for p in plain.values()) + sum(
+            p.numel() for n, p in model.named_parameters() if p.requires_grad
+        )  # the frozen weights are counted whatever they are held in
     # one optimizer step moves the adapters only, and the loss goes down on that batch
     _randomise(model)
     idx = torch.randint(0, 37, (4, 12))
@@ -240,13 +248,15 @@ def test_only_the_adapted_projections_are_held_low_and_only_adapters_train(base_
     assert model(idx, idx)[1] < before
 
 
-def test_a_fine_tune_on_an_int8_base_learns_as_fp32_and_holds_a_quarter(
+@pytest.mark.heavy  # four fine-tunes, ~2 minutes
+def test_a_fine_tune_on_a_low_precision_base_learns_as_fp32_and_holds_less(
     char_data, tmp_path, capsys
 ):
-    """The same fine-tune (adapters on wq, w2 and lm_head) with the base held in fp32, bf16 and
-    int8: every one lowers the validation loss about as much, and the adapted projections'
-    frozen weights, measured from the tensors (and printed at the start), take 1/2 (bf16) and
-    ~1/4 (int8, plus one fp32 scale per row) of fp32's bytes."""
+    """The same fine-tune (adapters on wq, w2 and lm_head) with the base held in fp32, bf16,
+    int8 and nf4: every one lowers the validation loss about as much, and the adapted
+    projections' frozen weights, measured from the tensors (and printed at the start), take 1/2
+    (bf16), ~1/4 (int8, plus one fp32 scale per row) and ~4.127/32 (nf4: 4 bits, one
+    8-bit constant per 64 weights, 8 bytes per 256 constants) of fp32's bytes."""
     from conftest import make_trainer
 
     from llm_foundry.accounting import human
@@ -258,7 +268,7 @@ def test_a_fine_tune_on_an_int8_base_learns_as_fp32_and_holds_a_quarter(
     make_trainer(data, tmp_path / "base").run()
     base = latest_checkpoint(tmp_path / "base" / "checkpoints")
     held, val = {}, {}
-    for base_dtype in BASE_DTYPES:
+    for base_dtype in ("fp32", "bf16", "int8", "nf4"):  # int4: nf4's layout, another grid
         capsys.readouterr()
         out = tmp_path / base_dtype
         argv = ["finetune", "--checkpoint", str(base), "--data", str(data), "--out", str(out)]
@@ -280,9 +290,17 @@ def test_a_fine_tune_on_an_int8_base_learns_as_fp32_and_holds_a_quarter(
     assert all(v[-1] < v[0] - 0.1 for v in val.values()), val  # measured: 3.71 -> 3.43
     assert abs(val["int8"][-1] - val["fp32"][-1]) < 0.05, val  # measured: 8e-4 apart
     assert held["bf16"] * 2 == held["fp32"]
-    scales = sum(m.base.weight_scale.nbytes for m in lora_layers(model).values())
-    assert held["int8"] == held["fp32"] // 4 + scales
+    layers = lora_layers(model).values()
+    assert held["int8"] == held["fp32"] // 4 + sum(4 * m.base.out_features for m in layers)
     assert 0.25 < held["int8"] / held["fp32"] < 0.3
+    # 4-bit: from the shapes, blocks of 64 weights: 32 bytes of codes + 1 byte of absmax each,
+    # an fp32 scale per 256 blocks and one fp32 offset per weight; the biases as they were
+    blocks = [-(m.base.in_features * m.base.out_features // -64) for m in layers]
+    biases = sum(m.base.bias.nbytes for m in layers if m.base.bias is not None)
+    want = sum(33 * b + 4 * -(b // -256) + 4 for b in blocks) + biases
+    assert held["nf4"] == want, (held, want)
+    assert 0.125 < held["nf4"] / held["fp32"] < 0.135
+    assert abs(val["nf4"][-1] - val["int8"][-1]) < 0.05, val
 
 
 # ----------------------------------------------------------------------------------------------
@@ -342,6 +360,13 @@ def test_lora_fine_tuning_starts_from_the_checkpoint_trains_adapters_and_resumes
             q, scale = quantize_int8(p)
             key = name.replace(".weight", ".base.weight")
             assert torch.equal(saved[key], q) and torch.equal(saved[key + "_scale"], scale), name
+        elif base_dtype in GRIDS:
+            key = name.replace(".weight", ".base.weight")
+            packed, codes, scale, offset = quantize_4bit(p, base_dtype)
+            assert torch.equal(saved[key], packed), name
+            assert torch.equal(saved[key + "_absmax"], codes), name
+            assert torch.equal(saved[key + "_absmax_scale"], scale), name
+            assert torch.equal(saved[key + "_absmax_offset"], offset), name
         else:
             want = p.to(torch.bfloat16) if base_dtype == "bf16" else p
             assert torch.equal(saved[name.replace(".weight", ".base.weight")], want), name

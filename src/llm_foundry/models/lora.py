@@ -7,82 +7,119 @@ A starts as nn.Linear's default (Kaiming-uniform, a = sqrt(5)) and B at zero, so
 model starts equal to its base. Merging adds s · B A into W (one matrix again, no extra cost at
 inference); unmerging subtracts it. Shapes: x (..., in) -> (..., out).
 
-The frozen W may be held in less memory (``base_dtype``; the QLoRA idea, Dettmers et al. 2023,
-with int8 in place of NF4): bf16, or int8 with one absmax scale per output channel, widened to
-the activations' dtype in forward and again in backward (no widened copy is kept between them).
-Merging into such a base gives an fp32 weight: widen(W) + s · B A.
+The frozen W may be held in less memory (``base_dtype``; QLoRA, Dettmers et al. 2023): bf16;
+int8 with one absmax scale per output channel; nf4 (the paper's NormalFloat) or int4 (a uniform
+symmetric grid) in blocks of 64 with double-quantized constants, 4.127 bits a weight
+(models/nf4.py). The stored tensors are widened to the activations' dtype in forward and again
+in backward (no widened copy is kept between them). Merging into such a base gives an fp32
+weight: widen(W) + s · B A.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from llm_foundry.messages import shown
+from llm_foundry.models.nf4 import Quantized4bit, dequantize_4bit, quantize_4bit
 from llm_foundry.models.quant import dequantize_int8, quantize_int8
 
 # our projection names (the last part of a module's name) a LoRA can target
 TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3", "lm_head")
-# how an adapted projection's frozen weight is held: fp32 (as trained), bf16, int8 + fp32 scales
-BASE_DTYPES = ("fp32", "bf16", "int8")
 
 
-def widen(weight: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """A stored frozen weight (out, in) as ``dtype``: int8 dequantized with its ``scale`` (out,),
-    bf16 (scale None) cast."""
-    w = weight if scale is None else dequantize_int8(weight, scale)
-    return w.to(dtype)
+@dataclass(frozen=True)
+class BaseFormat:
+    """How a frozen weight is held. ``hold``: the weight (out, in) -> its stored tensors by name
+    (``weight`` first; the rest become buffers); ``widen``: those tensors, in that order, the
+    weight's shape and a dtype -> the weight (out, in) the layer computes with."""
+
+    hold: Callable[[torch.Tensor], dict[str, torch.Tensor]]
+    widen: Callable[[tuple[torch.Tensor, ...], torch.Size, torch.dtype], torch.Tensor]
+
+
+def _four_bit(grid: str) -> BaseFormat:
+    names = ("weight", "weight_absmax", "weight_absmax_scale", "weight_absmax_offset")
+    return BaseFormat(
+        hold=lambda w: dict(zip(names, quantize_4bit(w, grid), strict=True)),
+        widen=lambda t, shape, dtype: dequantize_4bit(Quantized4bit(*t), shape, grid).to(dtype),
+    )
+
+
+# how an adapted projection's frozen weight is held (fp32: as trained, an nn.Linear)
+BASE_FORMATS = {
+    "bf16": BaseFormat(
+        hold=lambda w: {"weight": w.detach().to(torch.bfloat16)},
+        widen=lambda t, shape, dtype: t[0].to(dtype),
+    ),
+    "int8": BaseFormat(
+        hold=lambda w: dict(zip(("weight", "weight_scale"), quantize_int8(w), strict=True)),
+        widen=lambda t, shape, dtype: dequantize_int8(*t).to(dtype),
+    ),
+    "nf4": _four_bit("nf4"),
+    "int4": _four_bit("int4"),
+}
+BASE_DTYPES = ("fp32", *BASE_FORMATS)
 
 
 class _WidenedMatmul(torch.autograd.Function):
-    """x (..., in) @ widen(weight).T -> (..., out), a gradient for x only. Backward widens the
-    weight again instead of saving the widened copy: between forward and backward only the
+    """x (..., in) @ fmt.widen(stored).T -> (..., out), a gradient for x only. Backward widens
+    the weight again instead of saving the widened copy: between forward and backward only the
     low-precision tensors stay alive, which is where the memory goes with many layers."""
 
     @staticmethod
-    def forward(ctx, x, weight, scale):
-        ctx.save_for_backward(weight, scale)
-        return F.linear(x, widen(weight, scale, x.dtype))  # under autocast: cast again inside
+    def forward(ctx, x, fmt, shape, *stored):
+        ctx.fmt, ctx.shape = fmt, shape
+        ctx.save_for_backward(*stored)
+        return F.linear(x, fmt.widen(stored, shape, x.dtype))  # under autocast: cast again inside
 
     @staticmethod
     def backward(ctx, grad):
-        weight, scale = ctx.saved_tensors
+        stored = ctx.saved_tensors
+        none = (None,) * (2 + len(stored))
         if not ctx.needs_input_grad[0]:
-            return None, None, None
-        return grad @ widen(weight, scale, grad.dtype), None, None
+            return None, *none
+        return grad @ ctx.fmt.widen(stored, ctx.shape, grad.dtype), *none
 
 
 class FrozenLinear(nn.Module):
-    """A frozen ``nn.Linear`` whose weight is stored as bf16 or int8 + fp32 per-row scales
-    (``weight_scale``); the bias, if any, stays as it was. x (..., in) -> (..., out)."""
+    """A frozen ``nn.Linear`` whose weight is held as ``BASE_FORMATS[kind]`` says: ``weight``
+    (bf16 (out, in); int8 (out, in) with fp32 ``weight_scale`` (out,); nf4/int4 packed codes
+    uint8 (ceil(out·in/64)·32,) with ``weight_absmax*``, models/nf4.py); the bias, if any,
+    stays as it was. x (..., in) -> (..., out)."""
 
     def __init__(self, base: nn.Linear, kind: str):
         super().__init__()
-        if kind not in ("bf16", "int8"):
-            raise ValueError(f"FrozenLinear kind={kind!r} must be one of bf16, int8")
+        if kind not in BASE_FORMATS:
+            raise ValueError(f"FrozenLinear kind={kind!r} must be one of {', '.join(BASE_FORMATS)}")
         self.kind, self.in_features, self.out_features = kind, base.in_features, base.out_features
         self.linear_cls = type(base)  # what merging turns it back into
-        if kind == "int8":
-            q, scale = quantize_int8(base.weight)
-            self.weight = nn.Parameter(q, requires_grad=False)
-            self.register_buffer("weight_scale", scale)
-        else:
-            self.weight = nn.Parameter(base.weight.detach().to(torch.bfloat16), requires_grad=False)
-            self.register_buffer("weight_scale", None)
+        stored = BASE_FORMATS[kind].hold(base.weight)
+        self.weight = nn.Parameter(stored.pop("weight"), requires_grad=False)
+        self.stored_names = ("weight", *stored)
+        for name, t in stored.items():
+            self.register_buffer(name, t)
         self.bias = base.bias
         if self.bias is not None:
             self.bias.requires_grad_(False)
 
+    def stored(self) -> tuple[torch.Tensor, ...]:
+        """The tensors the weight is held in, ``weight`` first."""
+        return tuple(getattr(self, name) for name in self.stored_names)
+
     def widened(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight the layer computes with: (out, in) as ``dtype``."""
-        return widen(self.weight, self.weight_scale, dtype)
+        shape = torch.Size((self.out_features, self.in_features))
+        return BASE_FORMATS[self.kind].widen(self.stored(), shape, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = _WidenedMatmul.apply(x, self.weight, self.weight_scale)
+        shape = torch.Size((self.out_features, self.in_features))
+        y = _WidenedMatmul.apply(x, BASE_FORMATS[self.kind], shape, *self.stored())
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     @torch.no_grad()
@@ -127,13 +164,14 @@ class LoRALinear(nn.Module):
 
     @property
     def base_dtype(self) -> str:
-        """How the frozen weight is held now: fp32, bf16 or int8 (fp32 again once merged)."""
+        """How the frozen weight is held now: one of ``BASE_DTYPES`` (fp32 again once merged)."""
         return getattr(self.base, "kind", "fp32")
 
     def flops_per_token(self) -> int:
         """Training FLOPs per token: the frozen weight's forward and input gradient (4 per
         weight, no weight gradient) plus the adapters' 6 per weight."""
-        return 4 * self.base.weight.numel() + 6 * (self.lora_A.numel() + self.lora_B.numel())
+        frozen = self.base.in_features * self.base.out_features  # not the packed codes' count
+        return 4 * frozen + 6 * (self.lora_A.numel() + self.lora_B.numel())
 
     def delta(self) -> torch.Tensor:
         """The update s · B A this adapter adds to the base weight: (out, in)."""
@@ -147,8 +185,8 @@ class LoRALinear(nn.Module):
 
     @torch.no_grad()
     def merge(self) -> None:
-        """Fold s · B A into the base weight; a bf16/int8 base becomes fp32 first (widen(W) +
-        s · B A: rounding the sum back to bf16/int8 would lose the update) and stays fp32."""
+        """Fold s · B A into the base weight; a bf16/int8/nf4/int4 base becomes fp32 first
+        (widen(W) + s · B A: rounding the sum back would lose the update) and stays fp32."""
         if not self.merged:
             if isinstance(self.base, FrozenLinear):
                 self.base = self.base.to_linear()
@@ -164,8 +202,8 @@ class LoRALinear(nn.Module):
 
 def effective_weight(module: nn.Module) -> torch.Tensor:
     """The weight (out, in) a projection computes with, whatever LoRA made of it: an
-    ``nn.Linear``'s own weight; a ``FrozenLinear``'s widened to fp32 (int8 dequantized, bf16
-    cast); a ``LoRALinear``'s base weight so read plus its update s · B A unless merged (then
+    ``nn.Linear``'s own weight; a ``FrozenLinear``'s widened to fp32 (int8, nf4, int4
+    dequantized, bf16 cast); a ``LoRALinear``'s base weight so read plus its update s · B A unless merged (then
     the base holds it already). ``module(x) == x @ effective_weight(module).T + bias``, to
     rounding. Gradients reach the adapters; call it under ``torch.no_grad()`` to only read."""
     if isinstance(module, LoRALinear):
@@ -279,21 +317,23 @@ def fold_lora(model: nn.Module) -> list[str]:
 
 
 def unmerge_lora(model: nn.Module) -> None:
-    """Take every merged update out again (a bf16/int8 base merged into fp32 stays fp32)."""
+    """Take every merged update out again (a low-precision base merged into fp32 stays fp32)."""
     for m in lora_layers(model).values():
         m.unmerge()
 
 
 def frozen_base_bytes(model: nn.Module) -> tuple[int, int]:
-    """(bytes the adapted projections' frozen tensors hold now: weights, int8 scales, biases;
-    bytes the same weights and biases hold in fp32), from the tensors themselves."""
+    """(bytes the adapted projections' frozen tensors hold now: weights, their scales or
+    absmax constants, biases; bytes the same weights and biases hold in fp32), from the tensors
+    themselves."""
     fp32_size = torch.finfo(torch.float32).bits // 8
     held = fp32 = 0
     for m in lora_layers(model).values():
-        weights = [t for t in (m.base.weight, m.base.bias) if t is not None]
-        scale = getattr(m.base, "weight_scale", None)
-        held += sum(t.nbytes for t in weights) + (scale.nbytes if scale is not None else 0)
-        fp32 += sum(t.numel() * fp32_size for t in weights)
+        base = m.base
+        stored = base.stored() if isinstance(base, FrozenLinear) else (base.weight,)
+        bias = () if base.bias is None else (base.bias,)
+        held += sum(t.nbytes for t in (*stored, *bias))
+        fp32 += (base.in_features * base.out_features + sum(b.numel() for b in bias)) * fp32_size
     return held, fp32
 
 
@@ -308,7 +348,7 @@ def lora_settings(model: nn.Module) -> dict | None:
     settings = dict(
         r=first.r, alpha=first.alpha, dropout=first.dropout, rslora=first.rslora, targets=targets
     )
-    if first.base_dtype != "fp32":  # the stored base weights are bf16, or int8 + scales
+    if first.base_dtype != "fp32":  # the stored base weights: bf16, int8 + scales, 4-bit codes
         settings["base_dtype"] = first.base_dtype
     return settings
 
