@@ -295,12 +295,13 @@ def sft_dir(tmp_path_factory) -> Path:
     return root / "data"
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora-int8"])
-def test_sft_on_two_ddp_ranks_gives_the_losses_of_one_process(lora, sft_dir, tmp_path):
+@pytest.mark.parametrize("base", [None, "int8", "nf4"], ids=["full", "lora-int8", "lora-nf4"])
+def test_sft_on_two_ddp_ranks_gives_the_losses_of_one_process(base, sft_dir, tmp_path):
     """The loss is the mean over the global batch's completion tokens: each rank weighs its
     mean by its share of them, as one process at the whole batch does. With LoRA only the
-    adapters have gradients (DDP reduces those) and the int8 base is broadcast like any other."""
-    adapters = dict(lora_r=2, lora_targets="wq,wv,w2", lora_base_dtype="int8") if lora else {}
+    adapters have gradients (DDP reduces those) and the int8 or nf4 base (codes and constants)
+    is broadcast like any other."""
+    adapters = dict(lora_r=2, lora_targets="wq,wv,w2", lora_base_dtype=base) if base else {}
     one = tmp_path / "one"
     one_process(sft_dir, one, max_steps=6, **adapters)
     run = tmp_path / "ddp"
