@@ -275,3 +275,40 @@ def test_bad_adapter_specs_are_one_line(base, capsys):
     err = _refusal(["--checkpoint", str(path), "--adapter", f"a={qv}", "--quantize", "int8"],
                    capsys)  # fmt: skip
     assert "--adapter with --quantize int8" in err
+
+
+@pytest.mark.heavy
+def test_the_serve_command_with_compile_serves_each_adapter(base, wanted):
+    """`llm-foundry serve --compile --adapter ...`: one row at a time decodes through the
+    compiled step, with the adapter each request names."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from test_serve import wait_healthy
+
+    path, _, adapters, _ = base
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    specs = [x for name, d in adapters.items() for x in ("--adapter", f"{name}={d}")]
+    cmd = [sys.executable, "-m", "llm_foundry", "serve", "--checkpoint", str(path), "--port",
+           str(port), "--model-name", "tiny", "--compile", *specs]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, 240)
+        c = client(url)
+        assert [m.id for m in c.models.list().data] == ["tiny", "qv", "mlp", "run"]
+        for i, k in enumerate([0, 1, 2, 3, 1]):  # adapter 1 again after the others
+            prompt, n = PROMPTS[i % 4], LENGTHS[i % 4]
+            r = c.completions.create(model=["tiny", "qv", "mlp", "run"][k], prompt=prompt,
+                                     max_tokens=n, temperature=0)  # fmt: skip
+            assert r.choices[0].text == wanted[k, prompt], (k, prompt)
+    finally:
+        proc.terminate()
+        out, err = proc.communicate(timeout=30)
+    assert "adapters qv, mlp, run)" in out, err
