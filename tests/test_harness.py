@@ -189,7 +189,12 @@ def test_the_shipped_tasks_are_what_the_builder_makes_from_the_corpus(shared_dat
     from llm_foundry.tasks.build import FILES, build
 
     counts = build(shared_data / "tinyshakespeare.txt", tmp_path)
-    assert counts == {"next_line": 200, "passages": 50, "next_speaker": 100}
+    assert counts == {
+        "next_line": 200,
+        "passages": 50,
+        "next_speaker": 100,
+        "prefer_next_line": 1000,
+    }
     for name in FILES.values():
         assert (tmp_path / name).read_bytes() == (TASKS_DIR / name).read_bytes(), name
     # held out: no passage occurs in the training part of the corpus

@@ -371,3 +371,38 @@ def plot_experts(records: list[dict], path: str | Path, title: str) -> Path:
 
 # ----------------------------------------------------------------------------------------------
 # Sub-commands
+
+
+def plot_preference(metrics_path: str | Path, out_png: str | Path, title: str = "") -> Path:
+    """A DPO run (``train.task=dpo``) against the step: its loss, the implicit rewards of the
+    chosen and rejected completions and their margin, and the reward accuracy (the share of pairs
+    whose chosen completion out-scores the rejected one); training per step, validation as
+    points."""
+    train, evals = read_metrics(metrics_path)
+    plt = _plt()
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5), layout="constrained")
+    panels = [
+        (axes[0], [("loss", "loss", "tab:blue")], "DPO loss"),
+        (axes[1], [("rewards/chosen", "chosen", "tab:green"),
+                   ("rewards/rejected", "rejected", "tab:red"),
+                   ("rewards/margins", "margin", "tab:purple")], "reward (beta x log-ratio)"),
+        (axes[2], [("rewards/accuracies", "accuracy", "tab:blue")], "reward accuracy"),
+    ]  # fmt: skip
+    for ax, series, ylabel in panels:
+        for key, label, color in series:
+            got = [r for r in train if key in r]
+            if got:
+                ax.plot([r["step"] for r in got], [r[key] for r in got], color=color, alpha=0.35,
+                        lw=0.8, label=f"{label} (train)")  # fmt: skip
+            val = "val_loss" if key == "loss" else f"val_{key}"
+            got = [r for r in evals if val in r]
+            if got:
+                ax.plot([r["step"] for r in got], [r[val] for r in got], "o-", color=color,
+                        lw=1.8, label=f"{label} (validation)")  # fmt: skip
+        ax.set_xlabel("step")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[1].axhline(0, color="gray", lw=0.8)
+    fig.suptitle(title or "preference tuning")
+    return _save(fig, out_png)

@@ -1,10 +1,108 @@
 """``llm-foundry finetune``: a training run that starts from a checkpoint's weights (optionally
-training LoRA adapters only), on plain text or supervised fine-tuning data."""
+training LoRA adapters only), on plain text or supervised fine-tuning data, or (``--task dpo``)
+on preference pairs.
+
+``--task dpo --data ROWS`` takes preference rows (a JSONL file, or a shipped task such as
+``shakespeare_prefer_next_line``), tokenizes them with the checkpoint's tokenizer into
+``OUT/data`` and trains with ``train.task=dpo`` (train/dpo.py); a directory already prepared
+is used as it is. At the end the rewards are plotted in ``OUT/rewards.png``.
+"""
 
 from __future__ import annotations
 
+import argparse
+import sys
+import time
+from pathlib import Path
+
 from llm_foundry.cli.train import main as train_main
+
+TASKS = ("lm", "dpo")
+DATA_DIR = "data"  # where in the run directory --task dpo prepares its rows
+
+
+def _pre_parser() -> argparse.ArgumentParser:
+    """The flags this command reads before the training command parses all of them."""
+    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    p.add_argument("--task", choices=TASKS, default=None)
+    for flag in ("--data", "--out", "--checkpoint"):
+        p.add_argument(flag, default=None)
+    p.add_argument("--resume", action="store_true")
+    return p
+
+
+def preference_rows(data: str) -> Path | None:
+    """The JSONL rows ``--data`` names (a shipped preference task's file, or a file), or None
+    for a directory (prepared already)."""
+    from llm_foundry.tasks import PREFERENCE_TASKS, TASKS_DIR
+
+    if data in PREFERENCE_TASKS:
+        return TASKS_DIR / PREFERENCE_TASKS[data]
+    if Path(data).is_dir():
+        return None
+    if not Path(data).is_file():
+        raise FileNotFoundError(
+            f"--data {data}: no such file or directory; give preference rows (JSONL), a "
+            f"prepared directory, or a shipped task: {', '.join(PREFERENCE_TASKS)}"
+        )
+    return Path(data)
+
+
+def _prepare(ns) -> None:
+    """--data's rows tokenized with the checkpoint's tokenizer into OUT/data; --data points
+    there from now on."""
+    from llm_foundry.data.preference import prepare_preference
+    from llm_foundry.rundir import RunDir, checkpoint_dir
+
+    rows = preference_rows(ns.data)
+    if rows is None:
+        return
+    if ns.checkpoint is None:
+        raise ValueError("finetune needs --checkpoint DIR (a run, our checkpoint or an HF directory)")
+    out = Path(ns.out)
+    if RunDir(out).latest() is not None:  # its data is the run's: never prepared over
+        raise ValueError(f"--out {out} already holds a run with checkpoints: continue it with "
+                         "--resume, or pass another --out")  # fmt: skip
+    tok = checkpoint_dir(ns.checkpoint) / "tokenizer.json"
+    if not tok.is_file():
+        raise FileNotFoundError(f"--checkpoint {ns.checkpoint}: no tokenizer.json in {tok.parent}")
+    meta = prepare_preference(out / DATA_DIR, rows, tok)
+    print(f"prepared {rows}: {meta['train_pairs']:,} train + {meta['val_pairs']:,} val pairs in "
+          f"{out / DATA_DIR} (tokenizer {tok})")  # fmt: skip
+    ns.data = str(out / DATA_DIR)
 
 
 def main(argv: list[str]) -> int:
-    return train_main(argv, finetune=True)
+    if "-h" in argv or "--help" in argv:
+        print("--task {lm,dpo}: lm (default) trains on text or SFT rows; dpo on preference rows "
+              '{"prompt", "chosen", "rejected"} (--data ROWS.jsonl or shakespeare_prefer_next_line)'
+              ", settings --train.dpo_*\n")  # fmt: skip
+        return train_main(argv, finetune=True)
+    ns, rest = _pre_parser().parse_known_args(argv)
+    if ns.task == "dpo" and not ns.resume:
+        ns.out = ns.out or f"runs/dpo-{time.strftime('%Y%m%d-%H%M%S')}"
+        if ns.data is not None:
+            _prepare(ns)
+    given = [(f"--{k}", getattr(ns, k)) for k in ("data", "out", "checkpoint")]
+    args = [*rest, *[x for flag, v in given if v is not None for x in (flag, v)]]
+    args += ["--resume"] * ns.resume + (["--train.task", ns.task] if ns.task else [])
+    rc = train_main(args, finetune=True)
+    out = ns.out and Path(ns.out)
+    if out and (out / "metrics.jsonl").is_file() and _is_dpo(out):
+        from llm_foundry.plots import plot_preference
+
+        png = plot_preference(out / "metrics.jsonl", out / "rewards.png", title=f"{out.name}: DPO")
+        print(f"rewards and margins in {png}", file=sys.stderr if rc else sys.stdout)
+    return rc
+
+
+def _is_dpo(out: Path) -> bool:
+    """Whether the run in ``out`` trained with train.task=dpo (its run.json says)."""
+    import json
+
+    from llm_foundry.rundir import RUN_INFO
+
+    try:
+        return json.loads((out / RUN_INFO).read_text())["train"].get("task") == "dpo"
+    except (OSError, ValueError, KeyError):
+        return False

@@ -6,6 +6,12 @@ built from the held-out end of tiny Shakespeare (``build.py`` makes the JSONL fi
     shakespeare_next_speaker  generation: who speaks after this speech (exact match)
     shakespeare               the group of all three
 
+and one training set, for preference tuning (``finetune --task dpo --data NAME``), built from the
+training part of the corpus:
+
+    shakespeare_prefer_next_line  prompt: a speech's first line; chosen: its real next line;
+                                  rejected: its words shuffled
+
 ``llm-foundry eval --tasks`` finds them by name; lm-eval finds them with
 ``--include_path`` set to ``TASKS_DIR``.
 """
@@ -21,3 +27,5 @@ LOCAL_TASKS = (
     "shakespeare_next_speaker",
     "shakespeare",
 )
+# preference rows (DPO) by name: the JSONL file beside this one
+PREFERENCE_TASKS = {"shakespeare_prefer_next_line": "prefer_next_line.jsonl"}

@@ -1,5 +1,7 @@
 """Build the local tasks' JSONL files from tiny Shakespeare's validation part (its last 10%, the
-split ``prepare`` holds out), so a model trained on the rest is evaluated on text it never saw.
+split ``prepare`` holds out), so a model trained on the rest is evaluated on text it never saw;
+and the preference rows of ``finetune --task dpo``'s demonstration from the training part (the
+evaluation tasks stay unseen by it too).
 
     python -m llm_foundry.tasks.build path/to/tinyshakespeare.txt
 
@@ -20,8 +22,14 @@ FILES = {
     "next_line": "next_line.jsonl",
     "passages": "passages.jsonl",
     "next_speaker": "next_speaker.jsonl",
+    "prefer_next_line": "prefer_next_line.jsonl",
 }
 VAL_FRACTION = 0.1  # prepare's split: the last 10% of the text
+
+
+def training_part(text: str) -> str:
+    """The part of ``text`` a model prepared from it trains on (all but the last 10%)."""
+    return text[: int(len(text) * (1 - VAL_FRACTION))]
 
 
 def held_out(text: str) -> str:
@@ -76,13 +84,37 @@ def next_speaker_rows(text: str, n: int = 100, seed: int = 0) -> list[dict]:
     ]
 
 
+def prefer_next_line_rows(text: str, n: int = 1000, seed: int = 0) -> list[dict]:
+    """Preference pairs: a speaker and the speech's first line; chosen, the speech's real second
+    line; rejected, the same words in a shuffled order (second lines of at least 4 words)."""
+    found = [s for s in speeches(text) if len(s[1]) >= 2 and len(set(s[1][1].split())) >= 4]
+    rng = random.Random(seed)
+    rows = []
+    for i in rng.sample(range(len(found)), min(n, len(found))):
+        speaker, lines = found[i]
+        words = lines[1].split()
+        shuffled = words[:]
+        while shuffled == words:
+            rng.shuffle(shuffled)
+        rows.append(
+            {
+                "prompt": f"{speaker}:\n{lines[0]}\n",
+                "chosen": f"{lines[1]}\n",
+                "rejected": " ".join(shuffled) + "\n",
+            }
+        )
+    return rows
+
+
 def build(corpus: str | Path, out: str | Path) -> dict[str, int]:
-    """Write the three JSONL files into ``out``; returns rows per file."""
-    text = held_out(Path(corpus).read_text(encoding="utf-8"))
+    """Write the JSONL files into ``out``; returns rows per file."""
+    whole = Path(corpus).read_text(encoding="utf-8")
+    text = held_out(whole)
     made = {
         "next_line": next_line_rows(text),
         "passages": passage_rows(text),
         "next_speaker": next_speaker_rows(text),
+        "prefer_next_line": prefer_next_line_rows(training_part(whole)),
     }
     for name, rows in made.items():
         lines = [json.dumps(r, ensure_ascii=False) for r in rows]

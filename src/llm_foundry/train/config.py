@@ -14,6 +14,7 @@ from llm_foundry.data.loader import SAMPLING
 from llm_foundry.messages import shown
 from llm_foundry.models.lora import BASE_DTYPES as LORA_BASE_DTYPES
 from llm_foundry.models.lora import TARGETS as LORA_TARGETS
+from llm_foundry.train.dpo import LOSSES as DPO_LOSSES
 from llm_foundry.train.optim import OPTIMIZERS
 from llm_foundry.train.schedule import SCHEDULES
 from llm_foundry.train.tensor_parallel import settings_problems
@@ -23,6 +24,8 @@ DEVICES = ("auto", "cpu", "cuda", "mps")
 ON_NONFINITE = ("stop", "skip")
 PARALLEL = ("none", "ddp", "fsdp", "tp", "fsdp+tp")
 CHECKPOINT_FORMATS = ("full", "dcp", "dcp-async")
+TASKS = ("lm", "dpo")  # next-token loss (text, SFT rows) | preference pairs (train/dpo.py)
+DPO_REFERENCES = ("model", "precomputed")
 
 
 # seeds torch and numpy accept, with room for the offsets added to them (an ablation's seed
@@ -42,6 +45,34 @@ def fused_loss_problems(tc) -> list[str]:
     if is_int(tc.lora_r) and tc.lora_r > 0 and "lm_head" in targets:
         p.append("fused_loss=true with lm_head in lora_targets: the fused loss needs a plain "
                  "linear head; leave lm_head out of lora_targets, or fused_loss=false")  # fmt: skip
+    return p
+
+
+def dpo_problems(tc) -> list[str]:
+    """What is wrong with ``tc``'s task and DPO settings (fields of any type), one line each."""
+    p: list[str] = []
+    one_of(p, "task", tc.task, TASKS)
+    one_of(p, "dpo_loss", tc.dpo_loss, tuple(DPO_LOSSES))
+    one_of(p, "dpo_reference", tc.dpo_reference, DPO_REFERENCES)
+    if not is_number(tc.dpo_beta) or not 0 < tc.dpo_beta < math.inf:
+        p.append(f"dpo_beta={shown(tc.dpo_beta)} must be a number > 0")
+    eps = tc.dpo_label_smoothing
+    if not is_number(eps) or not 0 <= eps < 0.5:
+        p.append(f"dpo_label_smoothing={shown(eps)} must be a number in [0, 0.5)")
+    elif eps and tc.dpo_loss == "ipo":
+        p.append(f"dpo_label_smoothing={eps} with dpo_loss='ipo': IPO has no label smoothing; "
+                 "use sigmoid (conservative DPO) or robust, or dpo_label_smoothing=0")  # fmt: skip
+    if tc.task != "dpo":
+        return p
+    if tc.parallel not in ("none", "ddp"):
+        p.append(f"task='dpo' with parallel={shown(tc.parallel)}: the reference model is whole "
+                 "on every rank; use parallel=ddp or none")  # fmt: skip
+    if tc.fused_loss is True:
+        p.append("task='dpo' with fused_loss=true: DPO sums each sequence's log-probabilities "
+                 "from the logits; use fused_loss=false")  # fmt: skip
+    if tc.sft_packing is True or tc.data_sampling == "packed":
+        p.append("task='dpo' with packed rows: each row is one prompt and completion; set "
+                 "sft_packing=false and data_sampling=windows")  # fmt: skip
     return p
 
 
@@ -111,13 +142,23 @@ class TrainConfig:
     lora_dropout: float = 0.0  # dropout on the adapters' input
     lora_targets: str = "wq,wv"  # comma list of projections: wq, wk, wv, wo, w1, w2, w3, lm_head
     lora_rslora: bool = False  # rank-stabilised scale (Kalajdzievski 2023)
-    lora_base_dtype: str = "fp32"  # adapted projections' frozen weights (models/lora.py BASE_DTYPES)
+    lora_base_dtype: str = (
+        "fp32"  # adapted projections' frozen weights (models/lora.py BASE_DTYPES)
+    )
     sft_packing: bool = False  # SFT data: fill rows with whole examples, attention kept in each
     # text data (llm_foundry.data.loader): random windows of the shards, or rows packed with
     # whole documents in a seeded order (the row's last one cut; needs the shards' .idx indexes)
     data_sampling: str = "windows"  # windows | packed
     document_mask: bool = True  # packed rows: attention and targets kept inside each document
     prefetch: int = 2  # batches built ahead in a background thread; 0 builds each in the step
+    # preference tuning (train/dpo.py): dpo trains on preference pairs against a frozen reference
+    task: str = "lm"  # lm: next-token loss (text or SFT rows) | dpo: preference pairs
+    dpo_beta: float = 0.1  # how far from the reference the policy may go (higher: less)
+    dpo_loss: str = "sigmoid"  # sigmoid (DPO) | robust (rDPO) | ipo (IPO)
+    dpo_label_smoothing: float = 0.0  # sigmoid: conservative DPO's eps; robust: the flip rate
+    # model: the starting weights (LoRA: adapters off) score every batch | precomputed: their
+    # log-probs computed once for every pair and stored in the run directory
+    dpo_reference: str = "model"
 
     def __post_init__(self) -> None:
         p: list[str] = []
@@ -205,6 +246,7 @@ class TrainConfig:
         if self.dtype == "fp8" and isinstance(self.parallel, str) and "tp" in self.parallel:
             p.append(f"dtype='fp8' with parallel={self.parallel!r}: the fp8 products take whole "
                      "weights, not tensor-parallel shards; use bf16, or ddp / fsdp")  # fmt: skip
+        p += dpo_problems(self)
         if self.init_from is not None and not (isinstance(self.init_from, str) and self.init_from):
             p.append(f"init_from={shown(self.init_from)} must be a directory path or null")
         if p:

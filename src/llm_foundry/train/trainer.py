@@ -6,7 +6,9 @@ Everything a resumed run needs to continue bit for bit (weights, optimizer momen
 data-sampler states: those of the batches trained on, not of those the prefetch thread built
 ahead) goes into each checkpoint; ``metrics.jsonl`` is cut back to the checkpoint's
 step on resume. With ``monitor_interval`` set, ``llm_foundry.train.monitor`` adds a
-training-dynamics record every N steps.
+training-dynamics record every N steps. With ``task=dpo`` a micro-batch is B preference pairs and
+its loss is DPO's (``train.dpo``) against a frozen reference (``train.reference``); the rewards
+and margins are logged with each step and validation.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from llm_foundry.data.loader import (
     sources_fingerprint,
     sources_text,
 )
+from llm_foundry.data.preference import PreferenceSampler, is_preference
 from llm_foundry.models import Transformer
 from llm_foundry.models.lora import apply_lora_settings, lora_settings
 from llm_foundry.rundir import METRICS, RUN_INFO, RunDir, latest_checkpoint, read_state, step_name
@@ -47,11 +50,21 @@ from llm_foundry.train import tensor_parallel as TP
 from llm_foundry.train.build import build_model, build_sampler, is_sft, model_config_for_data
 from llm_foundry.train.config import TrainConfig
 from llm_foundry.train.dcp import ShardedCheckpoints, load_sharded
+from llm_foundry.train.dpo import STAT_NAMES, completion_lengths, preference_loss, sequence_logps
 from llm_foundry.train.memory import check_training_memory
 from llm_foundry.train.metrics import MetricsLog, tb_write, tensorboard
 from llm_foundry.train.monitor import ExpertLoad, Monitor, layer_grad_norms, rest_grad_norm
 from llm_foundry.train.optim import build_optimizer, set_lr
 from llm_foundry.train.precision import choose_precision, recorded_dtype
+from llm_foundry.train.reference import (
+    REFERENCE_FILE,
+    ModelReference,
+    StoredReference,
+    frozen_copy,
+    load_table,
+    save_table,
+    score_all,
+)
 from llm_foundry.train.schedule import lr_at
 from llm_foundry.train.state import (
     check_resumable,
@@ -103,6 +116,8 @@ class Trainer:
         self.meta = source_metas(self.sources)[0]
         self.mc = model_config_for_data(model_cfg, tc, self.meta, self.data_dir)
         self.sft = is_sft(self.meta)  # whole examples with masked prompts
+        self.preference = is_preference(self.meta)  # pairs of completions (train.task=dpo)
+        self._check_task(len(self.sources))
         # rows whose targets are partly ignored: a step's loss is weighed by targets, not rows
         self.weighted = self.sft or (tc.data_sampling == "packed" and tc.document_mask)
         self.world, self.device = D.init_world(D.resolve_device(tc.device), tc.parallel, tc.tp_size)
@@ -134,20 +149,18 @@ class Trainer:
             self.ckpt_root, self.world, tc.checkpoint_format == "dcp-async", tc.keep_last
         )  # fmt: skip
         # text: every source's splits mapped once (shards checked); SFT rows: SFTSampler's own
-        self.corpora = {} if self.sft else {
+        self.corpora = {} if self.sft or self.preference else {
             split: [PreparedSplit(s.dir, split) for s in self.sources] for split in ("train", "val")
         }  # fmt: skip
         self.val_data = (
-            load_split(self.data_dir, "val") if self.sft else self.corpora["val"][0].tokens
+            load_split(self.data_dir, "val")
+            if self.sft or self.preference
+            else self.corpora["val"][0].tokens
         )
         self.sampler = self._sampler("train", tc.seed)
         self.feed = self.sampler  # run() reads through a Prefetch of it
-        if self.sft and (self.sampler.cut or self.sampler.dropped) and self.world.main:
-            log.info(
-                f"note: {self.sampler.cut} of {len(self.sampler.offsets) - 1} training examples are "
-                f"longer than block_size + 1 = {tc.block_size + 1} tokens and are cut; "
-                f"{self.sampler.dropped} keep no target and are left out"
-            )
+        if (self.sft or self.preference) and self.world.main:
+            self._say_cut()
         # the validation split must hold a window too: fail now, not at the first evaluation
         for k in range(len(self.sources)):
             self._sampler("val", tc.seed + 1, k)
@@ -168,9 +181,14 @@ class Trainer:
         self.skipped = 0
         self.resumed_from: Path | None = None
         self.data_id = sources_fingerprint(self.sources)
+        # the loss of one micro-batch, by task: (loss, its statistics to log) (train/dpo.py)
+        self.batch_loss = {"lm": self._lm_loss, "dpo": self._dpo_loss}[tc.task]
+        self.last_stats: dict[str, float] = {}  # the last step's DPO statistics
+        self.val_stats: dict[str, float] = {}  # the last validation's
         if self.world.main:  # the run directory is this process's until run() ends
             lock.acquire(self.out, "run directory")
         try:
+            self.reference = self._reference(resume) if tc.task == "dpo" else None
             if resume:
                 self._resume()
             if self.world.main:
@@ -179,6 +197,48 @@ class Trainer:
         except BaseException:
             self.release()
             raise
+
+    def _check_task(self, n_sources: int) -> None:
+        """train.task and the data must agree: DPO trains on one directory of preference pairs,
+        from a starting model; the next-token loss on text or SFT rows."""
+        where, tc = self.data_dir, self.tc
+        if tc.task == "dpo" and (not self.preference or n_sources > 1):
+            raise ValueError(f"train.task=dpo needs one directory of preference pairs; {where} "
+                             "is not: `finetune --task dpo --data ROWS.jsonl` prepares the "
+                             "rows")  # fmt: skip
+        if tc.task != "dpo" and self.preference:
+            raise ValueError(f"{where} holds preference pairs: train them with train.task=dpo "
+                             "(finetune --task dpo)")  # fmt: skip
+        if tc.task == "dpo" and not tc.init_from:
+            raise ValueError("train.task=dpo needs the model to start from (and to stay near): "
+                             "finetune --checkpoint DIR (train.init_from)")  # fmt: skip
+
+    def _say_cut(self) -> None:
+        s, kind = self.sampler, "pairs" if self.preference else "examples"
+        if s.cut or s.dropped:
+            total = s.pairs if self.preference else len(s.offsets) - 1
+            log.info(
+                f"note: {s.cut} training sequences are longer than block_size + 1 = "
+                f"{self.tc.block_size + 1} tokens and are cut; {s.dropped} of {total} {kind} keep "
+                "no target and are left out"
+            )
+
+    def _reference(self, resume: bool):
+        """The frozen reference of train.dpo_reference (train/reference.py): with LoRA the
+        policy with its adapters off, else a frozen copy of the starting weights; precomputed:
+        every pair scored now (a resumed run reads the table it stored)."""
+        tc, path = self.tc, self.out / REFERENCE_FILE
+        if tc.dpo_reference == "precomputed" and resume:
+            return StoredReference(load_table(path))
+        frozen = None if tc.lora_r else frozen_copy(self.mc, tc.init_from, self.device)
+        scorer = ModelReference(self.model, frozen, self._autocast)
+        if tc.dpo_reference == "model":
+            return scorer
+        samplers = {split: self._sampler(split, tc.seed) for split in ("train", "val")}
+        table = score_all(scorer, samplers, tc.batch_size, self.device)
+        if self.world.main:
+            save_table(path, table)
+        return StoredReference(table)
 
     def release(self) -> None:
         """Give up the run directory (``run`` does this when it ends)."""
@@ -224,8 +284,12 @@ class Trainer:
 
     def _sampler(self, split: str, seed: int, source: int | None = None):
         """Random windows or packed documents of every source (``source``: of that one alone),
-        or whole fine-tuning examples (SFT data)."""
+        whole fine-tuning examples (SFT data), or preference pairs."""
         pick = slice(None) if source is None else slice(source, source + 1)
+        if self.preference:
+            w = self.world
+            return PreferenceSampler(self.data_dir, split, self.tc.block_size, self.tc.batch_size,
+                                     seed, rank=w.dp_rank, world_size=w.dp_size)  # fmt: skip
         corpora = None if self.sft else self.corpora[split][pick]
         return build_sampler(self.sources[pick], split, self.tc, seed, self.world, self.sft,
                              corpora)  # fmt: skip
@@ -296,14 +360,35 @@ class Trainer:
         w = self.world
         sampler = self._sampler("val", self.tc.seed + 1, source)
         total = torch.zeros((), device=self.device)
+        stats = torch.zeros(len(STAT_NAMES), device=self.device)
         for _ in range(self.tc.eval_batches):
-            x, y, *doc = (t.to(self.device) for t in sampler.next())
-            share = self._target_shares([y])[0] if self.weighted else 1
+            batch = [t.to(self.device) for t in sampler.next()]
+            share = self._target_shares([batch[1]])[0] if self.weighted else 1
             with self.loss_context(), self._autocast():
-                loss = TP.local(self.forward(x, y, doc=doc[0] if doc else None)[1])
+                loss, st = self.batch_loss(batch, "val")
                 total += loss.float() * share
+            if st:
+                stats += torch.stack([st[k] for k in STAT_NAMES])
         self.model.train()
+        if self.reference is not None:  # DPO: the rewards of the validation pairs too
+            means = (D.mean(stats, w) / self.tc.eval_batches).tolist()
+            self.val_stats = {f"val_{k}": v for k, v in zip(STAT_NAMES, means, strict=True)}
         return D.mean(total, w).item() / self.tc.eval_batches
+
+    def _lm_loss(self, batch: list[torch.Tensor], split: str):
+        """x, y (B, T) [, doc (B, T)] -> (the mean next-token loss over y's targets, {})."""
+        x, y, *doc = batch
+        return TP.local(self.forward(x, y, doc=doc[0] if doc else None)[1]), {}
+
+    def _dpo_loss(self, batch: list[torch.Tensor], split: str):
+        """x, y (2B, T), pairs (B,) of ``split`` -> (the mean DPO loss over the B pairs, its
+        statistics: means over the pairs, detached)."""
+        x, y, pairs = batch
+        policy = sequence_logps(self.forward(x)[0], y)  # (2B,)
+        reference = self.reference.logps(x, y, pairs, split)  # (2B,)
+        tc = self.tc
+        return preference_loss(policy, reference, completion_lengths(y), tc.dpo_loss,
+                               tc.dpo_beta, tc.dpo_label_smoothing)  # fmt: skip
 
     def save(self, blocking: bool = True) -> Path:
         """Checkpoint the run at this step; a dcp-async save returns at once unless
@@ -358,21 +443,24 @@ class Trainer:
         set_lr(self.optimizer, lr_at(self.step, tc))
         loss_sum = torch.zeros((), device=self.device)
         aux_sum = torch.zeros((), device=self.device)
+        stats_sum = torch.zeros(len(STAT_NAMES), device=self.device)
         batches = [
             [t.to(self.device, non_blocking=True) for t in self.feed.next()]
             for _ in range(tc.grad_accum)
         ]
         shares = self._target_shares([b[1] for b in batches]) if self.weighted else None
-        for micro, (x, y, *doc) in enumerate(batches):
+        for micro, batch in enumerate(batches):
             last = micro == tc.grad_accum - 1
             sync = D.sync_gradients(self.wrapped, tc.parallel, last)
             with sync, self.loss_context(), self._autocast():
-                loss = TP.local(self.forward(x, y, doc=doc[0] if doc else None)[1])
+                loss, stats = self.batch_loss(batch, "train")
                 loss = loss / tc.grad_accum if shares is None else loss * shares[micro]
                 aux = self.model.aux_loss()  # experts' balancing losses (None: dense)
                 total = loss if aux is None else loss + aux / tc.grad_accum
                 self.scaler.scale(total).backward()
             loss_sum += loss.detach()
+            if stats:
+                stats_sum += torch.stack([stats[k] for k in STAT_NAMES]) / tc.grad_accum
             if aux is not None:
                 aux_sum += aux.detach() / tc.grad_accum
                 self.experts.count(self.model)
@@ -389,6 +477,9 @@ class Trainer:
         if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor holding the global norm
             grad_norm = grad_norm.full_tensor()
         loss_value, norm_value = loss_sum.item(), grad_norm.item()  # the one host sync per step
+        if self.reference is not None:  # computed by now: no further wait
+            means = D.mean(stats_sum, self.world).tolist()
+            self.last_stats = dict(zip(STAT_NAMES, means, strict=True))
         # fp16's grad scaler skips overflowing steps itself; only a bad loss is fatal there
         bad_norm = not math.isfinite(norm_value) and not self.scaler.is_enabled()
         if not math.isfinite(loss_value) or bad_norm:
@@ -426,7 +517,8 @@ class Trainer:
         )
         say = bar.write if main else (lambda msg: None)  # only rank 0 prints
         flops_per_token = self.model.flops_per_token(tc.block_size)
-        tokens_per_step = tc.tokens_per_step * self.world.dp_size
+        # a DPO micro-batch is B pairs: 2B sequences
+        tokens_per_step = tc.tokens_per_step * self.world.dp_size * (1 + self.preference)
         t_start = time.perf_counter()
         self.model.train()
         # the next batches built while this step runs; saved states are those of batches trained
@@ -461,6 +553,7 @@ class Trainer:
                     **self.experts.step_record(self.last_aux),
                     lr=lr_at(self.step - 1, tc),
                     grad_norm=grad_norm,
+                    **self.last_stats,
                     tokens_per_s=tps,
                     flops_per_s=tps * flops_per_token,
                     time=time.perf_counter() - t_start,
@@ -481,7 +574,9 @@ class Trainer:
                 if (tc.eval_interval and self.step % tc.eval_interval == 0) or final:
                     val = self.evaluate()
                     val_history.append((self.step, val))
-                    ev = dict(step=self.step, val_loss=val, val_ppl=math.exp(val))
+                    # DPO: the validation pairs' rewards (a perplexity of its loss means nothing)
+                    more = self.val_stats if self.reference else dict(val_ppl=math.exp(val))
+                    ev = dict(step=self.step, val_loss=val, **more)
                     ev.update({f"val_loss/{k}": v for k, v in self.val_by_source.items()})
                     metrics.write(ev)
                     if tb:

@@ -1,0 +1,309 @@
+"""Preference data for DPO: JSONL rows -> token ids with a loss mask, two sequences per pair, and
+batches of pairs.
+
+Rows (one JSON object a line), TRL's preference formats:
+
+    {"prompt": "...", "chosen": "...", "rejected": "..."}
+    {"prompt": [{"role": "user", "content": "..."}, ...],
+     "chosen": [{"role": "assistant", "content": "..."}], "rejected": [...]}
+
+(in the chat form ``chosen`` / ``rejected`` may also be one message object). A sequence is the
+prompt then the completion, encoded as SFT rows are (``data.sft``: each piece alone, the built-in
+template or an HF tokenizer's own chat template); the loss mask covers the completion alone (its
+text and end-of-sequence token, or the content of its assistant messages). ``prepare_preference``
+writes the SFT layout with pair i's chosen sequence as example 2i and its rejected one as 2i + 1:
+
+  train.bin, train.mask.bin, train.offsets.bin, val.* (see data/sft.py), tokenizer.json,
+  meta.json with "kind": "preference", "train_pairs" and "val_pairs"
+
+The rows are encoded in memory (preference sets are small next to pretraining text).
+``PreferenceSampler`` draws pairs (seeded, resumable like ``BatchSampler``), each sequence cut to
+block_size + 1 tokens; a pair either of whose sequences keeps no target is not drawn.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from llm_foundry import lock
+from llm_foundry.chat import load_chat_template, response_spans
+from llm_foundry.data.batches import (
+    IGNORE,
+    BatchSampler,
+    check_files,
+    file_entry,
+    load_meta,
+    open_tokens,
+)
+from llm_foundry.data.encode import token_dtype
+from llm_foundry.data.sft import ROLES, segments
+from llm_foundry.data.sources import DataError, publish, remove_temporaries, temporary
+from llm_foundry.messages import shown
+from llm_foundry.tokenizer import load_any_tokenizer
+
+KIND = "preference"
+FIELDS = ("prompt", "chosen", "rejected")
+TOKEN_FILES = tuple(f"{s}.{k}bin" for s in ("train", "val") for k in ("", "mask.", "offsets."))
+OUTPUTS = (*TOKEN_FILES, "tokenizer.json", "meta.json")
+
+
+def _messages(value, field: str, where: str) -> list[dict]:
+    """A message list (or one message object) checked: known roles, string contents."""
+    msgs = [value] if isinstance(value, dict) else value
+    if not isinstance(msgs, list) or not msgs:
+        raise DataError(f"{where}: {field!r} must be a non-empty list of messages (or one message)")
+    for j, m in enumerate(msgs):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise DataError(
+                f"{where}: {field}[{j}] needs a 'role' of {', '.join(ROLES)}; got {shown(m)}"
+            )
+        if not isinstance(m.get("content"), str):
+            raise DataError(f"{where}: {field}[{j}].content must be a string")
+    return msgs
+
+
+def check_row(row, where: str) -> dict:
+    """The row with its chat fields as message lists; a DataError naming ``where`` (file and
+    line) and the field otherwise."""
+    if not isinstance(row, dict):
+        raise DataError(f"{where}: a {type(row).__name__}, expected an object")
+    for field in FIELDS:
+        if field not in row:
+            raise DataError(
+                f"{where}: no {field!r}; a row is "
+                '{"prompt": ..., "chosen": ..., "rejected": ...} (text or messages)'
+            )
+    prompt = row["prompt"]
+    if isinstance(prompt, str):
+        for field in FIELDS:
+            if not isinstance(row[field], str) or not row[field]:
+                raise DataError(
+                    f"{where}: {field!r} must be a non-empty string (the prompt is text), "
+                    f"got {shown(row[field])}"
+                )
+        return row
+    out = {"prompt": _messages(prompt, "prompt", where)}
+    for field in ("chosen", "rejected"):
+        if isinstance(row[field], str):
+            raise DataError(
+                f"{where}: {field!r} is a string but 'prompt' is messages: give "
+                f'{field} as messages too ([{{"role": "assistant", "content": ...}}])'
+            )
+        out[field] = _messages(row[field], field, where)
+        if not any(m["role"] == "assistant" and m["content"] for m in out[field]):
+            raise DataError(f"{where}: {field!r} has no non-empty assistant message")
+    return out
+
+
+def read_rows(path: str | Path) -> list[tuple[int, dict]]:
+    """(line number, row) of every row of a JSONL preference file, checked (``check_row``);
+    lines end at ``\\n`` only."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"preference rows file {path} does not exist (or is not a file)")
+    rows = []
+    for i, raw in enumerate(path.read_bytes().split(b"\n"), start=1):
+        where = f"{path}, line {i}"
+        try:
+            line = raw.decode("utf-8").removeprefix("\ufeff" if i == 1 else "")
+        except UnicodeDecodeError as e:
+            raise DataError(f"{where}: not UTF-8 (byte at column {e.start + 1})") from None
+        if not line.strip(" \t\r"):
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{where}: not JSON ({e.msg}, column {e.colno})") from None
+        rows.append((i, check_row(row, where)))
+    if len(rows) < 2:
+        raise DataError(f"{path} has {len(rows)} row(s); at least 2 are needed (train and val)")
+    return rows
+
+
+class Encoder:
+    """(ids, mask) of one sequence, prompt then completion, with a tokenizer: the built-in
+    template, or an HF tokenizer's chat template (``template``, ``specials``)."""
+
+    def __init__(self, tokenizer, template: str | None = None, specials: dict | None = None):
+        self.tok, self.template, self.specials = tokenizer, template, specials or {}
+        self.hf = getattr(tokenizer, "kind", "") == "hf"
+
+    def _encode(self, text: str) -> list[int]:
+        if not text:
+            return []
+        return self.tok.encode(text, add_special_tokens=False) if self.hf else self.tok.encode(text)
+
+    def sequence(self, prompt, completion) -> tuple[list[int], list[int]]:
+        """``prompt`` and ``completion`` both text or both message lists -> (ids, mask)."""
+        if isinstance(prompt, str):
+            p, c = self._encode(prompt), self._encode(completion)
+            eos = [self.tok.eos_id] if getattr(self.tok, "eos_id", None) is not None else []
+            return p + c + eos, [0] * len(p) + [1] * (len(c) + len(eos))
+        if self.hf:
+            return self._chat(prompt, completion)
+        pieces = [(t, False) for t, _ in segments({"messages": prompt})]
+        pieces += segments({"messages": completion})
+        ids, mask = [], []
+        for text, trained in pieces:
+            piece = self._encode(text)
+            ids += piece
+            mask += [int(trained)] * len(piece)
+        return ids, mask
+
+    def _chat(self, prompt: list, completion: list) -> tuple[list[int], list[int]]:
+        """Under the HF template: mask 1 on the completion's assistant replies alone."""
+        if self.template is None:
+            raise ValueError("the tokenizer has no chat template to render messages with")
+        text, spans = response_spans(self.template, prompt + completion, **self.specials)
+        spans = spans[sum(m["role"] == "assistant" for m in prompt) :]  # the completion's
+        enc = self.tok.hf.encode(text, add_special_tokens=False)
+        mask = [int(any(a <= start < b for a, b in spans)) for start, _ in enc.offsets]
+        return list(enc.ids), mask
+
+
+def prepare_preference(
+    out_dir: str | Path, jsonl: str | Path, tokenizer_file: str | Path, val_fraction: float = 0.1
+) -> dict:
+    """Tokenize the preference rows of ``jsonl`` with the tokenizer in ``tokenizer_file`` (the
+    model's own; an HF tokenizer's chat template beside it renders chat rows) into ``out_dir``;
+    the last ``val_fraction`` of the pairs (at least one) are validation. Returns meta.json."""
+    if not 0 < val_fraction < 1:
+        raise ValueError(f"val_fraction must be strictly between 0 and 1; got {val_fraction}")
+    out, jsonl, tokenizer_file = Path(out_dir), Path(jsonl), Path(tokenizer_file)
+    rows = read_rows(jsonl)
+    n_val = max(1, int(round(len(rows) * val_fraction)))
+    if n_val >= len(rows):
+        raise DataError(f"{jsonl} has {len(rows)} rows: val_fraction={val_fraction} leaves none "
+                        "to train on; use a smaller val_fraction or more rows")  # fmt: skip
+    tok = load_any_tokenizer(tokenizer_file)
+    template, specials = (None, {})
+    if getattr(tok, "kind", "") == "hf":
+        template, specials = load_chat_template(tokenizer_file.parent)
+        if tok.eos_id is None and "eos_token" in specials:
+            tok.eos_id = tok.hf.token_to_id(specials["eos_token"])
+    enc = Encoder(tok, template, specials)
+    splits = {"train": rows[: len(rows) - n_val], "val": rows[len(rows) - n_val :]}
+    encoded = {}
+    for split, part in splits.items():
+        seqs = []
+        for line, row in part:
+            for field in ("chosen", "rejected"):
+                try:
+                    seqs.append(enc.sequence(row["prompt"], row[field]))
+                except (KeyError, ValueError) as e:
+                    raise DataError(f"{jsonl}, line {line}: {field!r} cannot be encoded by "
+                                    f"{tokenizer_file}: {e}") from None  # fmt: skip
+        encoded[split] = seqs
+    out.mkdir(parents=True, exist_ok=True)
+    with lock.hold(out, "data directory", readers=True):
+        return _write(out, jsonl, tokenizer_file, tok, encoded)
+
+
+def _write(out: Path, jsonl: Path, tokenizer_file: Path, tok, encoded: dict) -> dict:
+    """The encoded splits written under temporary names, then published with meta.json last."""
+    dtype = token_dtype(tok.vocab_size)
+    remove_temporaries(out, OUTPUTS)
+    written = {name: temporary(out / name) for name in TOKEN_FILES}
+    copy_tokenizer = tokenizer_file.resolve() != (out / "tokenizer.json").resolve()
+    if copy_tokenizer:
+        written["tokenizer.json"] = temporary(out / "tokenizer.json")
+    meta = dict(
+        kind=KIND,
+        source=str(jsonl.resolve()),
+        sha256=hashlib.sha256(jsonl.read_bytes()).hexdigest(),
+        dtype=np.dtype(dtype).name,
+        vocab_size=tok.vocab_size,
+        tokenizer_file="tokenizer.json",
+    )
+    try:
+        for split, seqs in encoded.items():
+            ids = [i for s, _ in seqs for i in s]
+            np.asarray(ids, dtype=dtype).tofile(written[f"{split}.bin"])
+            np.asarray([m for _, mk in seqs for m in mk], np.uint8).tofile(
+                written[f"{split}.mask.bin"]
+            )
+            offsets = np.cumsum([0] + [len(s) for s, _ in seqs]).astype(np.int64)
+            offsets.tofile(written[f"{split}.offsets.bin"])
+            meta[f"{split}_tokens"], meta[f"{split}_pairs"] = len(ids), len(seqs) // 2
+        if copy_tokenizer:
+            shutil.copyfile(tokenizer_file, written["tokenizer.json"])
+        meta["files"] = {name: file_entry(tmp) for name, tmp in written.items()}
+        if not copy_tokenizer:
+            meta["files"]["tokenizer.json"] = file_entry(out / "tokenizer.json")
+        publish(out, written, json.dumps(meta, indent=2) + "\n")
+        return meta
+    finally:
+        for tmp in written.values():
+            tmp.unlink(missing_ok=True)
+
+
+def is_preference(meta: dict) -> bool:
+    """Whether a prepared directory's meta.json describes preference pairs."""
+    return meta.get("kind") == KIND
+
+
+class PreferenceSampler(BatchSampler):
+    """Batches of preference pairs: x, y (2B, block_size), the B chosen sequences then the B
+    rejected ones, y = IGNORE outside the completions (and on padding); and the pairs' indices in
+    the split (B,), to look precomputed reference log-probabilities up by."""
+
+    def __init__(self, data_dir: str | Path, split: str, block_size: int, batch_size: int,
+                 seed: int = 0, *, rank: int = 0, world_size: int = 1):  # fmt: skip
+        data_dir = Path(data_dir)
+        with lock.sharing(data_dir):  # meta.json and the files it names: of one prepare
+            meta = load_meta(data_dir)
+            if not is_preference(meta) or not isinstance(meta.get(f"{split}_pairs"), int):
+                raise DataError(f"{data_dir / 'meta.json'} is not preference data (kind "
+                                f"'{KIND}'); `finetune --task dpo --data ROWS.jsonl` prepares "
+                                "it")  # fmt: skip
+            names = [f"{split}.bin", f"{split}.mask.bin", f"{split}.offsets.bin", "tokenizer.json"]
+            check_files(data_dir, meta, names)
+            n_tokens, self.pairs = meta[f"{split}_tokens"], meta[f"{split}_pairs"]
+            tokens = open_tokens(data_dir / f"{split}.bin", meta["dtype"], n_tokens)
+            self.mask = open_tokens(data_dir / f"{split}.mask.bin", np.uint8, n_tokens)
+            offsets = open_tokens(data_dir / f"{split}.offsets.bin", np.int64, 2 * self.pairs + 1)
+        super().__init__(tokens, 1, batch_size, seed, rank=rank, world_size=world_size)
+        self.block_size, self.offsets, self.pad_id = block_size, np.asarray(offsets), 0
+        # a sequence cut at block_size + 1 tokens must keep a target; else its pair is left out
+        starts, ends = self.offsets[:-1], self.offsets[1:]
+        csum = np.concatenate([[0], np.cumsum(np.asarray(self.mask, dtype=np.int64))])
+        kept = csum[np.minimum(ends, starts + block_size + 1)] - csum[starts + 1] > 0  # (2P,)
+        self.eligible = np.flatnonzero(kept[0::2] & kept[1::2])  # pair indices
+        self.cut = int(np.sum(ends - starts > block_size + 1))
+        self.dropped = self.pairs - len(self.eligible)
+        if len(self.eligible) == 0:
+            raise DataError(f"{data_dir} ({split}): no pair keeps a target in both sequences "
+                            f"within block_size + 1 = {block_size + 1} tokens; raise "
+                            "train.block_size or shorten the prompts")  # fmt: skip
+
+    def rows(self, pairs: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """x, y (2 len(pairs), block_size) of ``pairs`` (pair indices): chosen rows, then
+        rejected."""
+        T = self.block_size
+        seqs = [2 * int(i) for i in pairs] + [2 * int(i) + 1 for i in pairs]
+        x = np.full((len(seqs), T), self.pad_id, dtype=np.int64)
+        y = np.full((len(seqs), T), IGNORE, dtype=np.int64)
+        for b, s in enumerate(seqs):
+            start = int(self.offsets[s])
+            end = min(int(self.offsets[s + 1]), start + T + 1)
+            ids = np.asarray(self.data[start:end], dtype=np.int64)
+            trained = np.asarray(self.mask[start + 1 : end], dtype=bool)
+            x[b, : len(ids) - 1] = ids[:-1]
+            y[b, : len(ids) - 1] = np.where(trained, ids[1:], IGNORE)
+        return torch.from_numpy(x), torch.from_numpy(y)
+
+    def next(self):
+        """x, y (2B, T) and the pairs' indices (B,)."""
+        B = self.batch_size
+        draws = self.rng.integers(0, len(self.eligible), size=B * self.world_size)
+        picks = self.eligible[draws[self.rank * B : (self.rank + 1) * B]]  # (B,)
+        self.batches += 1
+        return *self.rows(picks), torch.from_numpy(picks.astype(np.int64))
+
+    __next__ = next
