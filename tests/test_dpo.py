@@ -347,11 +347,11 @@ def _records(run, key):
 @pytest.mark.parametrize(
     "train",
     [
-        dict(dpo_reference="model", lora_r=4, lora_targets="wq,wv,w2"),
-        dict(dpo_reference="precomputed", dpo_loss="ipo"),
-    ],  # fmt: skip
-    ids=["lora-model", "full-precomputed"],
-)
+        pytest.param(dict(dpo_reference="model", lora_r=4, lora_targets="wq,wv,w2"),
+                     id="lora-model", marks=pytest.mark.heavy),  # ~15 s on 2 busy cores
+        pytest.param(dict(dpo_reference="precomputed", dpo_loss="ipo"), id="full-precomputed"),
+    ],
+)  # fmt: skip
 def test_dpo_runs_log_rewards_and_resume_exactly(pref, tmp_path, train):
     from llm_foundry.train.state import write_json_atomic
 
@@ -456,3 +456,45 @@ def test_dpo_on_two_ddp_ranks_gives_the_losses_of_one_process(pref, tmp_path, tr
     assert one.keys() == ddp.keys() and max(abs(one[k] - ddp[k]) for k in one) < 1e-5
     one, ddp = val_losses(tmp_path / "one"), val_losses(tmp_path / "ddp")
     assert one.keys() == ddp.keys() and max(abs(one[k] - ddp[k]) for k in one) < 1e-5
+
+
+def test_chat_rows_under_an_hf_template_target_what_trl_calls_the_completion(tmp_path):
+    """ChatML: the completion is what the reply adds after the prompt's generation prompt (its
+    text and end of turn), as TRL's conversational rows have it; the prompt's reply is not."""
+    transformers = pytest.importorskip("transformers")
+    from test_chat import CHATML, MESSAGES, _hf_tokenizer_dir
+
+    directory = _hf_tokenizer_dir(tmp_path / "tok", CHATML)
+    row = {"prompt": MESSAGES[:3], "chosen": [MESSAGES[3]],
+           "rejected": {"role": "assistant", "content": "JULIET"}}  # fmt: skip
+    _write_rows(tmp_path / "rows.jsonl", [row] * 3)
+    prepare_preference(
+        tmp_path / "pref", tmp_path / "rows.jsonl", directory / "tokenizer.json", 0.34
+    )
+    x, y, _ = PreferenceSampler(tmp_path / "pref", "train", 128, 1, seed=0).next()
+    hf = transformers.AutoTokenizer.from_pretrained(str(directory))
+    prompt = hf.apply_chat_template(MESSAGES[:3], tokenize=False, add_generation_prompt=True)
+    for b, reply in ((0, MESSAGES[3]["content"]), (1, "JULIET")):
+        whole = hf.apply_chat_template([*MESSAGES[:3], {"role": "assistant", "content": reply}],
+                                       tokenize=False)  # fmt: skip
+        assert whole.startswith(prompt)
+        assert hf.decode(y[b][y[b] != IGNORE].tolist()) == whole[len(prompt) :]
+
+
+def test_finetune_task_dpo_errors_are_one_line(pref, tmp_path, capsys):
+    data, tok = pref
+    init, _ = _base(tmp_path, tok)
+    tok.save(f"{init}/tokenizer.json")
+    (tmp_path / "bad.jsonl").write_text(
+        '{"prompt": "a", "chosen": "b", "rejected": "c"}\n{"prompt": "a"}\n'
+    )
+    base = ["finetune", "--task", "dpo", "--checkpoint", init, "--out", str(tmp_path / "run")]
+    for data_arg, message in (
+        (str(tmp_path / "missing.jsonl"), "no such file or directory; give preference rows"),
+        (str(tmp_path / "bad.jsonl"), "bad.jsonl, line 2: no 'chosen'"),
+    ):
+        rc, err = cli_status([*base, "--data", data_arg], capsys)
+        assert rc == 2 and err.count("\n") == 1 and message in err, err
+    lm = ["finetune", "--checkpoint", init, "--data", str(data), "--out", str(tmp_path / "lm")]
+    rc, err = cli_status(lm, capsys)
+    assert rc == 2 and "holds preference pairs: train them with train.task=dpo" in err, err

@@ -58,7 +58,9 @@ def _prepare(ns) -> None:
     if rows is None:
         return
     if ns.checkpoint is None:
-        raise ValueError("finetune needs --checkpoint DIR (a run, our checkpoint or an HF directory)")
+        raise ValueError(
+            "finetune needs --checkpoint DIR (a run, our checkpoint or an HF directory)"
+        )
     out = Path(ns.out)
     if RunDir(out).latest() is not None:  # its data is the run's: never prepared over
         raise ValueError(f"--out {out} already holds a run with checkpoints: continue it with "
