@@ -56,7 +56,9 @@ def main() -> int:
     browser = webdriver.Chrome(service=Service(shutil.which("chromedriver")), options=options)
     try:
         browser.get(f"http://127.0.0.1:{sock.getsockname()[1]}/")
-        WebDriverWait(browser, 20).until(lambda b: b.find_elements(By.CSS_SELECTOR, "#model option"))
+        WebDriverWait(browser, 20).until(
+            lambda b: b.find_elements(By.CSS_SELECTOR, "#model option")
+        )
         for element_id, value in (("temperature", args.temperature),
                                   ("max-tokens", args.max_tokens)):  # fmt: skip
             field = browser.find_element(By.ID, element_id)
@@ -66,7 +68,7 @@ def main() -> int:
             box = browser.find_element(By.ID, "input")
             box.send_keys(message)
             box.send_keys(Keys.ENTER)
-            WebDriverWait(browser, 120).until(lambda b: finished(b) == n)
+            WebDriverWait(browser, 120).until(lambda b, n=n: finished(b) == n)
         browser.save_screenshot(args.out)
         print(f"wrote {args.out}")
     finally:
