@@ -28,6 +28,7 @@ layout bitsandbytes' ``quantize_4bit(..., quant_type="nf4", compress_statistics=
 
 from __future__ import annotations
 
+from functools import cache
 from typing import NamedTuple
 
 import torch
@@ -73,6 +74,12 @@ GRIDS = {
     "int4": torch.arange(-7, 8, dtype=torch.float32) / 7,
 }
 DYNAMIC = dynamic_table()
+
+
+@cache
+def _table_on(name: str, device: torch.device) -> torch.Tensor:
+    """``GRIDS[name]`` (or ``DYNAMIC`` for "dynamic") on ``device``, copied there once."""
+    return (DYNAMIC if name == "dynamic" else GRIDS[name]).to(device)
 
 
 def quantize_blockwise(
@@ -141,7 +148,8 @@ def dequantize_absmax(
     scale[block of 256] + offset."""
     blocks = absmax_codes.numel()
     codes = torch.nn.functional.pad(absmax_codes, (0, -blocks % ABSMAX_BLOCK))
-    absmax = dequantize_blockwise(codes, absmax_scale, DYNAMIC, ABSMAX_BLOCK)[:blocks]
+    dynamic = _table_on("dynamic", codes.device)
+    absmax = dequantize_blockwise(codes, absmax_scale, dynamic, ABSMAX_BLOCK)[:blocks]
     return absmax + absmax_offset
 
 
@@ -149,5 +157,7 @@ def dequantize_4bit(q: Quantized4bit, shape: torch.Size | tuple, grid: str = "nf
     """``quantize_4bit``'s output -> fp32 ``shape``: grid[code] · absmax[block], the absmax
     constants dequantized first."""
     absmax = dequantize_absmax(q.absmax_codes, q.absmax_scale, q.absmax_offset)
-    w = dequantize_blockwise(unpack_nibbles(q.packed), absmax, GRIDS[grid], BLOCK)
+    w = dequantize_blockwise(
+        unpack_nibbles(q.packed), absmax, _table_on(grid, q.packed.device), BLOCK
+    )
     return w[: torch.Size(shape).numel()].reshape(shape)
