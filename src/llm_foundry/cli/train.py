@@ -229,8 +229,13 @@ def train_and_report(model_cfg, train_cfg, data: str | Path, out: Path, resume: 
             f"non-embedding) | device {trainer.device} | run dir {out}\n"
             f"global batch: {train_cfg.batch_size} per {'group' if w.tp > 1 else 'rank'} x "
             f"{train_cfg.grad_accum} accumulation x {w.dp_size} "
-            f"{'data-parallel group(s)' if w.tp > 1 else 'rank(s)'} = {per_step} sequences = "
-            f"{per_step * train_cfg.block_size:,} tokens/step"
+            f"{'data-parallel group(s)' if w.tp > 1 else 'rank(s)'} = "
+            + (
+                f"{per_step} pairs = {2 * per_step} sequences = "  # dpo: a chosen + a rejected row
+                f"{2 * per_step * train_cfg.block_size:,} tokens/step"
+                if train_cfg.task == "dpo"
+                else f"{per_step} sequences = {per_step * train_cfg.block_size:,} tokens/step"
+            )
             + (f" | parallel {train_cfg.parallel}" if w.distributed else "")
             + (f" ({w.tp}-way tensor parallel in each group)" if w.tp > 1 else "")
         )
