@@ -379,6 +379,53 @@ def test_dpo_runs_log_rewards_and_resume_exactly(pref, tmp_path, train):
     assert all(math.isfinite(r["loss"]) for r in full)
 
 
+def _short_run(data, out, init, cfg, **train):
+    """Two DPO steps, checkpointed at step 2 (the run to resume)."""
+    settings = dict(max_steps=2, checkpoint_interval=2, eval_interval=2, eval_batches=1)
+    _dpo_trainer(data, out, init, cfg, **{**settings, **train}).run()
+
+
+def test_a_stale_precomputed_reference_is_refused_on_resume(pref, tmp_path):
+    """The stored table holds the log-probabilities of the sequences as they were cut and
+    scored: a resume that cuts them elsewhere, or a table with no record of it, is refused."""
+    from safetensors.torch import load_file, save_file
+
+    from llm_foundry.train.reference import REFERENCE_FILE
+
+    data, tok = pref
+    init, cfg = _base(tmp_path, tok)
+    run = tmp_path / "run"
+    _short_run(data, run, init, cfg, dpo_reference="precomputed")
+    table = run / REFERENCE_FILE
+    with pytest.raises(ValueError) as e:
+        _dpo_trainer(data, run, init, cfg, resume=True, dpo_reference="precomputed",
+                     block_size=48, max_steps=3)  # fmt: skip
+    msg = str(e.value)
+    assert "\n" not in msg and str(table) in msg and "block_size 64 -> 48" in msg, msg
+    save_file(load_file(str(table)), str(table))  # the same values, no record of what they are
+    with pytest.raises(ValueError, match="no record of them"):
+        _dpo_trainer(data, run, init, cfg, resume=True, dpo_reference="precomputed", max_steps=3)
+    table.unlink()
+    with pytest.raises(FileNotFoundError, match="resume with --train.dpo_reference model"):
+        _dpo_trainer(data, run, init, cfg, resume=True, dpo_reference="precomputed", max_steps=3)
+
+
+def test_a_reference_whose_weights_changed_is_refused_on_resume(pref, tmp_path):
+    """Full fine-tuning scores a frozen copy of train.init_from, read again on resume: other
+    weights there by then (the base retrained in place) are refused, the same ones resume."""
+    data, tok = pref
+    init, cfg = _base(tmp_path, tok)
+    run = tmp_path / "run"
+    _short_run(data, run, init, cfg)
+    _dpo_trainer(data, run, init, cfg, resume=True, max_steps=3, checkpoint_interval=3).run()
+    torch.manual_seed(1)
+    save_checkpoint(Transformer(cfg), init)  # the same directory, other weights
+    with pytest.raises(ValueError) as e:
+        _dpo_trainer(data, run, init, cfg, resume=True, max_steps=4)
+    msg = str(e.value)
+    assert "\n" not in msg and f"train.init_from={init} holds other weights" in msg, msg
+
+
 def test_dpo_needs_preference_data_and_a_start(pref, tmp_path, char_data):
     data, tok = pref
     init, cfg = _base(tmp_path, tok)

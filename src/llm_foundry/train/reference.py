@@ -6,17 +6,26 @@ weights give each sequence, scored batch by batch or precomputed once.
     precomputed  the same, run once over every pair of both splits before training; the table
                  (pairs, 2) of each split is kept in the run directory (REFERENCE_FILE), so a
                  resumed run reads it instead of scoring again, and the frozen copy is let go
+
+A stale reference is refused, never used: the table records what its values depend on besides
+the run's own starting weights (``table_key``: the data, block_size, the precision) and a resume
+that differs is refused; a frozen copy scored per batch is read from ``train.init_from`` again on
+resume, so the run records those files' identity (``weights_id``) and a resume whose
+``init_from`` now holds other weights is refused.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from llm_foundry.data.batches import file_check
 from llm_foundry.models import Transformer
 from llm_foundry.models.lora import lora_layers
 from llm_foundry.train.dpo import sequence_logps
@@ -97,16 +106,64 @@ def score_all(reference: ModelReference, samplers: dict, batch_size: int, device
     return table
 
 
-def save_table(path: Path, table: dict[str, torch.Tensor]) -> None:
-    """Write the table under a temporary name, then rename it into place."""
+def table_key(data_id: dict, block_size: int, dtype: str) -> dict:
+    """What a precomputed table's values depend on besides the starting weights: the pairs (the
+    data's fingerprint), where their sequences are cut (block_size), the precision scored in."""
+    return {"data": data_id, "block_size": block_size, "dtype": dtype}
+
+
+def save_table(path: Path, table: dict[str, torch.Tensor], key: dict) -> None:
+    """Write the table with its ``table_key`` under a temporary name, then rename it into place."""
     tmp = path.with_name(f".{path.name}.tmp")
-    save_file({k: v.contiguous() for k, v in table.items()}, str(tmp))
+    meta = {"key": json.dumps(key, sort_keys=True)}
+    save_file({k: v.contiguous() for k, v in table.items()}, str(tmp), metadata=meta)
     tmp.replace(path)
 
 
-def load_table(path: Path) -> dict[str, torch.Tensor]:
+def load_table(path: Path, key: dict) -> dict[str, torch.Tensor]:
+    """The table a resumed run stored; refused in one line when it is missing or was scored for
+    another ``table_key`` (the sequences or their precision changed since)."""
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing: the run's precomputed reference "
-                                "log-probabilities (train.dpo_reference=precomputed); start the "
-                                "run again without --resume")  # fmt: skip
+                                "log-probabilities (train.dpo_reference=precomputed); resume "
+                                "with --train.dpo_reference model, or start a new run with "
+                                "--out")  # fmt: skip
+    with safe_open(str(path), "pt") as f:
+        saved = json.loads((f.metadata() or {}).get("key", "{}"))
+    if saved != json.loads(json.dumps(key, sort_keys=True)):
+        diff = [f"{k} {saved.get(k)!r} -> {v!r}" if k != "data" else "other data"
+                for k, v in key.items() if saved.get(k) != json.loads(json.dumps(v))]  # fmt: skip
+        diff = diff if saved else []  # a table written with no key
+        raise ValueError(f"{path} was scored for other sequences than this run's ("
+                         f"{'; '.join(diff) or 'no record of them'}): resume with the settings "
+                         "the run started with, or start a new run with --out")  # fmt: skip
     return load_file(str(path))
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+
+
+def weights_id(init_from: str | Path) -> dict:
+    """The identity of the weights ``init_from`` names: the checkpoint directory it resolves to
+    and the ``file_check`` digest of each weights file there (a few reads, whatever the size)."""
+    from llm_foundry.rundir import checkpoint_dir
+
+    ckpt = checkpoint_dir(init_from, "train.init_from")
+    files = sorted(
+        p
+        for p in ckpt.iterdir()
+        if p.suffix in WEIGHT_SUFFIXES and p.is_file() and not p.name.startswith("optimizer")
+    )  # a run's step: its weights alone
+    return {"checkpoint": str(ckpt.resolve()), "files": {p.name: file_check(p) for p in files}}
+
+
+def check_same_weights(saved: dict | None, now: dict | None, init_from, checkpoint) -> None:
+    """Refuse resuming ``checkpoint`` when the reference ``init_from`` now names is not the one
+    the run started with (``weights_id`` then: ``saved``; None: not recorded, nothing to check)."""
+    if saved is None or now is None or saved == now:
+        return
+    now_at = "" if saved["checkpoint"] == now["checkpoint"] else f" ({now['checkpoint']})"
+    raise ValueError(f"resume: the DPO reference train.init_from={init_from}{now_at} holds other "
+                     f"weights than {checkpoint}'s run started from ({saved['checkpoint']}); the "
+                     "reference must stay the starting weights: resume with --train.init_from "
+                     "naming them, or start a new run with --out")  # fmt: skip

@@ -60,10 +60,13 @@ from llm_foundry.train.reference import (
     REFERENCE_FILE,
     ModelReference,
     StoredReference,
+    check_same_weights,
     frozen_copy,
     load_table,
     save_table,
     score_all,
+    table_key,
+    weights_id,
 )
 from llm_foundry.train.schedule import lr_at
 from llm_foundry.train.state import (
@@ -185,6 +188,7 @@ class Trainer:
         self.batch_loss = {"lm": self._lm_loss, "dpo": self._dpo_loss}[tc.task]
         self.last_stats: dict[str, float] = {}  # the last step's DPO statistics
         self.val_stats: dict[str, float] = {}  # the last validation's
+        self.reference_weights: dict | None = None  # DPO's frozen copy: its weights_id
         if self.world.main:  # the run directory is this process's until run() ends
             lock.acquire(self.out, "run directory")
         try:
@@ -228,16 +232,19 @@ class Trainer:
         policy with its adapters off, else a frozen copy of the starting weights; precomputed:
         every pair scored now (a resumed run reads the table it stored)."""
         tc, path = self.tc, self.out / REFERENCE_FILE
+        key = table_key(self.data_id, tc.block_size, self.dtype)
         if tc.dpo_reference == "precomputed" and resume:
-            return StoredReference(load_table(path))
+            return StoredReference(load_table(path, key))
         frozen = None if tc.lora_r else frozen_copy(self.mc, tc.init_from, self.device)
+        # a frozen copy is read from init_from again on resume: which weights those were
+        self.reference_weights = weights_id(tc.init_from) if frozen is not None else None
         scorer = ModelReference(self.model, frozen, self._autocast)
         if tc.dpo_reference == "model":
             return scorer
         samplers = {split: self._sampler(split, tc.seed) for split in ("train", "val")}
         table = score_all(scorer, samplers, tc.batch_size, self.device)
         if self.world.main:
-            save_table(path, table)
+            save_table(path, table, key)
         return StoredReference(table)
 
     def release(self) -> None:
@@ -257,6 +264,8 @@ class Trainer:
         changed = check_resumable(
             state, path, self.mc, self.tc, self.data_id, sources_text(self.sources)
         )
+        check_same_weights(state.get("reference_weights"), self.reference_weights,
+                           self.tc.init_from, path)  # fmt: skip
         if changed and self.world.main:
             log.info("resuming with changed training settings: " + ", ".join(changed))
         if is_dcp(path):  # each rank reads what its shards hold, in whatever layout it runs
@@ -403,6 +412,7 @@ class Trainer:
             train_config=self.tc.to_dict(),
             data=self.data_id,
             expert_counts=self.experts.state_dict() if self.experts.layers else None,
+            reference_weights=self.reference_weights,  # DPO's frozen copy: checked on resume
         )
         tok = self.data_dir / "tokenizer.json"
         if self.dcp is not None:
