@@ -410,13 +410,25 @@ def test_a_stale_precomputed_reference_is_refused_on_resume(pref, tmp_path):
         _dpo_trainer(data, run, init, cfg, resume=True, dpo_reference="precomputed", max_steps=3)
 
 
-def test_a_reference_whose_weights_changed_is_refused_on_resume(pref, tmp_path):
+def test_a_reference_whose_weights_changed_is_refused_on_resume(pref, tmp_path, capsys):
     """Full fine-tuning scores a frozen copy of train.init_from, read again on resume: other
-    weights there by then (the base retrained in place) are refused, the same ones resume."""
+    weights there by then (the base retrained in place) are refused, the same ones resume; the
+    eval lines show the held-out reward margin and accuracy."""
     data, tok = pref
     init, cfg = _base(tmp_path, tok)
     run = tmp_path / "run"
     _short_run(data, run, init, cfg)
+    ev = _records(run, "val_loss")[-1]
+    shown = (
+        f"val margin {ev['val_rewards/margins']:.3f}, val acc {ev['val_rewards/accuracies']:.2f}"
+    )
+    assert shown in capsys.readouterr().out
+    # and finetune's last words: the last evaluation's margin and accuracy
+    from llm_foundry.cli.finetune import held_out_rewards
+
+    said = held_out_rewards(run / "metrics.jsonl")
+    assert f"at step 2: reward margin {ev['val_rewards/margins']:.3f}" in said
+    assert f"ahead in {ev['val_rewards/accuracies']:.0%} of them" in said
     _dpo_trainer(data, run, init, cfg, resume=True, max_steps=3, checkpoint_interval=3).run()
     torch.manual_seed(1)
     save_checkpoint(Transformer(cfg), init)  # the same directory, other weights

@@ -94,8 +94,25 @@ def main(argv: list[str]) -> int:
         from llm_foundry.plots import plot_preference
 
         png = plot_preference(out / "metrics.jsonl", out / "rewards.png", title=f"{out.name}: DPO")
-        print(f"rewards and margins in {png}", file=sys.stderr if rc else sys.stdout)
+        stream = sys.stderr if rc else sys.stdout
+        said = held_out_rewards(out / "metrics.jsonl")
+        if said:
+            print(said, file=stream)
+        print(f"rewards and margins in {png}", file=stream)
     return rc
+
+
+def held_out_rewards(metrics: Path) -> str | None:
+    """The last evaluation's rewards of a DPO run, in one line (None before any)."""
+    from llm_foundry.plots import read_metrics
+
+    evals = [r for r in read_metrics(metrics)[1] if "val_rewards/margins" in r]
+    if not evals:
+        return None
+    r = evals[-1]
+    return (f"held-out pairs at step {r['step']}: reward margin {r['val_rewards/margins']:.3f} "
+            f"(chosen {r['val_rewards/chosen']:.3f}, rejected {r['val_rewards/rejected']:.3f}), "
+            f"the chosen completion ahead in {r['val_rewards/accuracies']:.0%} of them")  # fmt: skip
 
 
 def _is_dpo(out: Path) -> bool:

@@ -399,6 +399,15 @@ class Trainer:
         return preference_loss(policy, reference, completion_lengths(y), tc.dpo_loss,
                                tc.dpo_beta, tc.dpo_label_smoothing)  # fmt: skip
 
+    @staticmethod
+    def _dpo_shown(stats: dict[str, float], prefix: str = "") -> dict[str, str]:
+        """DPO's reward margin and accuracy of ``stats`` as printed (none without them)."""
+        names = {"margin": "rewards/margins", "acc": "rewards/accuracies"}
+        got = {k: stats.get(prefix + v) for k, v in names.items()}
+        return {
+            k: f"{v:.3f}" if k == "margin" else f"{v:.2f}" for k, v in got.items() if v is not None
+        }
+
     def save(self, blocking: bool = True) -> Path:
         """Checkpoint the run at this step; a dcp-async save returns at once unless
         ``blocking`` (it is complete and named by latest.json once ``self.dcp`` commits it)."""
@@ -574,7 +583,8 @@ class Trainer:
                 if tb:
                     tb_write(tb, "train", rec)
                 bar.update(1)
-                bar.set_postfix(loss=f"{loss:.4f}", lr=f"{rec['lr']:.2e}", tok_s=f"{tps:,.0f}")
+                bar.set_postfix(loss=f"{loss:.4f}", **self._dpo_shown(self.last_stats),
+                                lr=f"{rec['lr']:.2e}", tok_s=f"{tps:,.0f}")  # fmt: skip
                 final = self.step == tc.max_steps
                 if self.experts.due(self.step) or (final and self.experts.layers):
                     metrics.write(self.experts.interval_record(self.step, say))
@@ -592,7 +602,10 @@ class Trainer:
                     if tb:
                         tb_write(tb, "val", ev)
                     each = ", ".join(f"{k} {v:.4f}" for k, v in self.val_by_source.items())
-                    say(f"step {self.step}: train loss {loss:.4f}, val loss {val:.4f}"
+                    dpo = "".join(
+                        f", val {k} {v}" for k, v in self._dpo_shown(self.val_stats, "val_").items()
+                    )
+                    say(f"step {self.step}: train loss {loss:.4f}, val loss {val:.4f}{dpo}"
                         + (f" (weighted mean of {each})" if each else ""))  # fmt: skip
                     if val < self.best_val:  # the best model is always on disk
                         self.best_val, self.best_name = val, step_name(self.step)
