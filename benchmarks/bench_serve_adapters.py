@@ -15,7 +15,12 @@ steps. Clients, requests and token counting are bench_serve's (asyncio streams, 
 /v1/completions, completion tokens from `usage` over wall time).
 
     python benchmarks/bench_serve_adapters.py [--json] [--size small|124m] [--rounds 3]
-        [--requests 16] [--max-tokens 64] [--concurrency 1,4,8,16] [--rank 16]
+        [--requests 16] [--max-tokens 64] [--concurrency 1,4,8,16] [--rank 16] [--in-process]
+
+``--in-process`` measures the two engines in this process instead, without HTTP: at each client
+count, ``c`` greedy requests submitted at once and stepped to the end, merged and adapters in
+turn, for ``--rounds`` short rounds; on a machine shared with other work its ratios hold up
+better than the servers' (each measurement is a second or two, alternated).
 """
 
 from __future__ import annotations
@@ -119,6 +124,23 @@ def spread_load(url, names: list[str], prompts, clients: int, requests: int, max
                 tokens_per_s=sum(tokens) / wall, ttft_median_s=statistics.median(ttft))  # fmt: skip
 
 
+def engine_load(engine, names: list[str], prompts, clients: int, max_tokens: int) -> dict:
+    """``clients`` greedy requests (request i for names[i % len(names)]) stepped to the end."""
+    from llm_foundry.serve.engine import Params, Sequence
+
+    seqs = [Sequence(engine.tok.encode(prompts[i % len(prompts)], add_special_tokens=False),
+                     Params(max_tokens=max_tokens, temperature=0), lambda kind, payload: None,
+                     adapter=int(names[i % len(names)][1:]) + 1 if names != ["m"] else 0)
+            for i in range(clients)]  # fmt: skip
+    t0 = time.perf_counter()
+    engine.submit(seqs)
+    while any(not s.finished for s in seqs):
+        engine.step()
+    wall = time.perf_counter() - t0
+    tokens = sum(len(s.tokens) for s in seqs)
+    return dict(clients=clients, tokens=tokens, wall_s=wall, tokens_per_s=tokens / wall)
+
+
 def load_average() -> float:
     """The 1-minute load average (other work on the machine while measuring)."""
     return os.getloadavg()[0]
@@ -134,6 +156,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--concurrency", default="1,4,8,16")
     ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--in-process", action="store_true", help="the engines, without HTTP")
     ns = ap.parse_args()
     text = CORPUS.read_text() if CORPUS.exists() else "ROMEO: But soft, what light?\n" * 100
     prompts = [line for line in text.splitlines() if len(line) > 20][:200]
@@ -144,25 +167,46 @@ def main() -> None:
         cpu=cpu_model(), threads=torch.get_num_threads(), torch=torch.__version__, model=name,
         rank=ns.rank, targets=list(TARGETS), max_tokens=ns.max_tokens, requests=ns.requests,
         rounds=ns.rounds, command=" ".join(["python", *sys.argv]), runs=[],
+        in_process=ns.in_process,
     )  # fmt: skip
     configs = {"merged": ["m"], **{f"{k} adapters": [f"a{i}" for i in range(k)] for k in (1, 2, 4)}}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_model(size, Path(tmp) / "base", text)
         adapters, merged = write_adapters(model_dir, Path(tmp), ns.rank)
         slots = str(max(levels))
+        if ns.in_process:
+            from llm_foundry.serve import load_served
+
+            engines = {"merged": load_served(merged, int(slots), name="m").engine,
+                       "adapters": load_served(model_dir, int(slots), name="base",
+                                               adapters={f"a{i}": a for i, a in
+                                                         enumerate(adapters)}).engine}  # fmt: skip
+            for config, names in configs.items():  # warm-up
+                engine_load(engines["merged" if config == "merged" else "adapters"], names,
+                            prompts, 2, 8)  # fmt: skip
+            for rnd in range(ns.rounds):
+                for c in levels:
+                    for config, names in configs.items():
+                        load = load_average()
+                        engine = engines["merged" if config == "merged" else "adapters"]
+                        r = engine_load(engine, names, prompts, c, ns.max_tokens)
+                        r.update(round=rnd, config=config, load_before=load)
+                        report["runs"].append(r)
+                        print(f"round {rnd} {c:3} clients {config:11}: {r['tokens_per_s']:8.1f} "
+                              f"tok/s (load {load:.1f})", file=sys.stderr, flush=True)  # fmt: skip
         specs = [x for i, a in enumerate(adapters) for x in ("--adapter", f"a{i}={a}")]
         ports = {"merged": free_port(), "adapters": free_port()}
-        procs = [
+        procs = [] if ns.in_process else [
             start(["--checkpoint", str(merged), "--model-name", "m", "--slots", slots],
                   ports["merged"]),
             start(["--checkpoint", str(model_dir), "--model-name", "base", "--slots", slots,
                    *specs], ports["adapters"]),
         ]  # fmt: skip
         try:
-            for config, names in configs.items():  # warm-up
+            for config, names in configs.items() if procs else ():  # warm-up
                 url = f"http://127.0.0.1:{ports['merged' if config == 'merged' else 'adapters']}"
                 spread_load(url, names, prompts, 2, 4, 8)
-            for rnd in range(ns.rounds):
+            for rnd in range(ns.rounds if procs else 0):
                 for c in levels:
                     for config, names in configs.items():
                         server = "merged" if config == "merged" else "adapters"

@@ -134,9 +134,10 @@ def wanted(base):
     return want
 
 
-def test_a_row_of_each_adapter_computes_what_that_adapter_alone_does():
+@pytest.mark.parametrize("kernel", ["gather", "masked"])
+def test_a_row_of_each_adapter_computes_what_that_adapter_alone_does(kernel):
     """MultiLoRALinear with rows on different adapters (ranks 3 and 5, padded, and the bare
-    base) equals each row through a LoRALinear holding that row's adapter."""
+    base) equals each row through a LoRALinear holding that row's adapter, by either kernel."""
     torch.manual_seed(0)
     linear = torch.nn.Linear(16, 12)
     singles = []
@@ -147,7 +148,7 @@ def test_a_row_of_each_adapter_computes_what_that_adapter_alone_does():
     weights = [LoRAWeights(s.lora_A.detach(), s.lora_B.detach(), s.scale) for s in singles]
     A, B = stack_adapters(weights, 16, 12)
     rows = AdapterRows(["a", "b"])
-    multi = MultiLoRALinear(linear, A, B, rows)
+    multi = MultiLoRALinear(linear, A, B, rows, kernel=kernel)
     x = torch.randn(4, 7, 16)
     choice = [2, 0, 1, 2]
     with torch.no_grad():
@@ -161,14 +162,24 @@ def test_a_row_of_each_adapter_computes_what_that_adapter_alone_does():
     assert rows.mode == "base"
     with pytest.raises(ValueError, match=r"must be in 0\.\.2"):
         rows.select([3])
+    with pytest.raises(ValueError, match="must be one of gather, masked"):
+        MultiLoRALinear(linear, A, B, rows, kernel="fast")
 
 
-def test_mixed_adapter_rows_share_decode_steps_and_each_equals_its_merged_model(base, wanted):
+@pytest.mark.parametrize("kernel", ["gather", "masked"])
+def test_mixed_adapter_rows_share_decode_steps_and_each_equals_its_merged_model(
+    base, wanted, kernel, monkeypatch
+):
+    from llm_foundry.models import multi_lora
+
     path, tok, adapters, peft_merged = base
+    monkeypatch.setattr(multi_lora, "choose_kernel", lambda *sizes: kernel)
     served = load_served(path, slots=4, adapters=adapters)
     assert served.adapters == ["qv", "mlp", "run"]
     names = [n for n, m in served.engine.model.named_modules() if isinstance(m, MultiLoRALinear)]
     assert len(names) == 2 * 7 + 1  # every projection some adapter adapts, lm_head too
+    kernels = {m.kernel for m in served.engine.model.modules() if isinstance(m, MultiLoRALinear)}
+    assert kernels == {kernel}
     # rows of all four kinds at once, interleaved so that decode steps mix them
     jobs = [(i % 4, PROMPTS[(i + i // 4) % 4], LENGTHS[(i + i // 4) % 4]) for i in range(8)]
     texts, modes = run_engine(served.engine, jobs)
@@ -177,6 +188,8 @@ def test_mixed_adapter_rows_share_decode_steps_and_each_equals_its_merged_model(
     # the adapters change the text: the comparison above is not the base's four times over
     for k in (1, 2, 3):
         assert any(wanted[k, p] != wanted[0, p] for p in PROMPTS), k
+    if kernel == "masked":
+        return  # what follows does not depend on the kernel
     # each merged adapter served alone by the engine gives the same text
     for k, directory in enumerate([None, *adapters.values()]):
         merged = load_any(path, adapter=directory).model

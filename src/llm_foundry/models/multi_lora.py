@@ -7,9 +7,16 @@ adapter's scale folded into its B; stack entry 0 is all zeros: the bare base. A 
 
     y[b] = base(x[b]) + (x[b] · A[i_b]ᵀ) · B[i_b]ᵀ          x (B, T, in), i (B,) in 0..N
 
-computed as a gather of the rows' A and B and two batched matmuls, the layout of S-LoRA
-(Sheng et al. 2023) and Punica (Chen et al. 2023) without their custom kernels. When every row
-uses one adapter it is two plain matmuls; when every row is the bare base, the base alone.
+Rows of different adapters take one of two kernels (``KERNELS``), chosen per projection by cost:
+
+    gather   the rows' A and B gathered, two batched matmuls: O(r) per row, the layout of S-LoRA
+             (Sheng et al. 2023) and Punica (Chen et al. 2023) without their custom kernels
+    masked   x times every adapter's A at once (one matmul, N·r wide), each row's block kept by
+             a 0/1 mask, times every B: O(N·r) per row but plain matmuls, which on a CPU beat
+             small batched ones (and never stall on a busy machine's threads as bmm did here)
+
+When every row uses one adapter it is two plain matmuls; when every row is the bare base, the
+base alone.
 
 One ``AdapterRows`` is shared by all the adapted projections of a model: whoever runs the model
 sets the rows' adapters (``select``) before each forward.
@@ -51,11 +58,37 @@ def stack_adapters(
     return A, B
 
 
-def lora_rows(x: torch.Tensor, index: torch.Tensor, A: torch.Tensor, B: torch.Tensor):
+def lora_rows_gather(x: torch.Tensor, index: torch.Tensor, A: torch.Tensor, B: torch.Tensor):
     """Each row's low-rank update: x (B, T, in), index (B,) into the stacks A (N+1, r, in) and
     B (N+1, out, r) -> (B, T, out) = (x[b] · A[i_b]ᵀ) · B[i_b]ᵀ, by gather + bmm."""
     h = torch.bmm(x, A[index].transpose(1, 2))  # (B, T, r)
     return torch.bmm(h, B[index].transpose(1, 2))  # (B, T, out)
+
+
+def side_by_side(B: torch.Tensor) -> torch.Tensor:
+    """The adapters' B (N+1, out, r) as one matrix (out, N·r), adapter 1 first (no base)."""
+    return B[1:].permute(1, 0, 2).reshape(B.shape[1], -1)
+
+
+def lora_rows_masked(x: torch.Tensor, index: torch.Tensor, A: torch.Tensor, B: torch.Tensor):
+    """``lora_rows_gather``'s result by plain matmuls: x (B, T, in) times all N adapters' A
+    (N+1, r, in) at once, each row keeping the r columns of its adapter (none for index 0),
+    times all B side by side (out, N·r: ``side_by_side``) -> (B, T, out)."""
+    n, r = A.shape[0] - 1, A.shape[1]
+    h = F.linear(x, A[1:].reshape(n * r, -1))  # (B, T, N·r)
+    keep = F.one_hot(index, n + 1)[:, 1:].repeat_interleave(r, dim=1).to(h.dtype)  # (B, N·r)
+    return F.linear(h * keep[:, None, :], B)  # (B, T, out)
+
+
+KERNELS = {"gather": lora_rows_gather, "masked": lora_rows_masked}
+
+
+def choose_kernel(n: int, r: int, in_features: int, out_features: int) -> str:
+    """masked while all N adapters' r·(in + out) multiply-adds per row stay within the base
+    projection's in·out (there it measured faster than gather + bmm: benchmarks/README.md,
+    bench_serve_adapters), gather past that (many adapters, where O(N·r) per row grows)."""
+    masked = n * r * (in_features + out_features) <= in_features * out_features
+    return "masked" if masked else "gather"
 
 
 class AdapterRows:
@@ -84,12 +117,19 @@ class MultiLoRALinear(nn.Module):
     stacked adapters ``A`` (N+1, r, in) and ``B`` (N+1, out, r) of ``stack_adapters``, each row
     updated by the adapter ``rows`` names for it. x (B, T, in) -> (B, T, out)."""
 
-    def __init__(self, base: nn.Module, A: torch.Tensor, B: torch.Tensor, rows: AdapterRows):
+    def __init__(self, base: nn.Module, A: torch.Tensor, B: torch.Tensor, rows: AdapterRows,
+                 kernel: str | None = None):  # fmt: skip
         super().__init__()
         self.base, self.rows = base, rows
         self.in_features, self.out_features = A.shape[2], B.shape[1]
         self.register_buffer("A", A)
         self.register_buffer("B", B)
+        n, r = A.shape[0] - 1, A.shape[1]
+        self.kernel = kernel or choose_kernel(n, r, self.in_features, self.out_features)
+        if self.kernel not in KERNELS:
+            raise ValueError(f"kernel={self.kernel!r} must be one of {', '.join(KERNELS)}")
+        # the B the mixed-rows kernel reads: stacked, or side by side (made once, not per step)
+        self.register_buffer("B_mixed", B if self.kernel == "gather" else side_by_side(B))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
@@ -103,12 +143,12 @@ class MultiLoRALinear(nn.Module):
             else:  # views: no copy, and fewer ops per step than the gather above
                 a, b = self.A[self.rows.first], self.B[self.rows.first]
             return y + F.linear(F.linear(x, a), b).to(y.dtype)
-        return y + lora_rows(x, index, self.A, self.B).to(y.dtype)
+        return y + KERNELS[self.kernel](x, index, self.A, self.B_mixed).to(y.dtype)
 
     def extra_repr(self) -> str:
         n, r = self.A.shape[0] - 1, self.A.shape[1]
         sizes = f"in_features={self.in_features}, out_features={self.out_features}"
-        return f"{sizes}, {n} adapters, r={r}"
+        return f"{sizes}, {n} adapters, r={r}, {self.kernel}"
 
 
 def add_adapters(model: nn.Module, adapters: dict[str, dict[str, LoRAWeights]]) -> AdapterRows:
