@@ -16,6 +16,7 @@ steps. Clients, requests and token counting are bench_serve's (asyncio streams, 
 
     python benchmarks/bench_serve_adapters.py [--json] [--size small|124m] [--rounds 3]
         [--requests 16] [--max-tokens 64] [--concurrency 1,4,8,16] [--rank 16] [--in-process]
+        [--threads N]
 
 ``--in-process`` measures the two engines in this process instead, without HTTP: at each client
 count, ``c`` greedy requests submitted at once and stepped to the end, merged and adapters in
@@ -157,7 +158,12 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,4,8,16")
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--in-process", action="store_true", help="the engines, without HTTP")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads of the model "
+                    "(servers: OMP_NUM_THREADS); on a machine others load, 1 stalls less")  # fmt: skip
     ns = ap.parse_args()
+    if ns.threads:
+        torch.set_num_threads(ns.threads)
+        os.environ["OMP_NUM_THREADS"] = str(ns.threads)  # the servers' too
     text = CORPUS.read_text() if CORPUS.exists() else "ROMEO: But soft, what light?\n" * 100
     prompts = [line for line in text.splitlines() if len(line) > 20][:200]
     levels = [int(c) for c in ns.concurrency.split(",")]
