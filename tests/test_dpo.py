@@ -287,6 +287,30 @@ def test_loss_rewards_and_margins_equal_trl(trl_setup, pref, reference, kind, ep
     assert 0 < logged["rewards/accuracies"] < 1  # both outcomes occur: the test is not of zeros
 
 
+@pytest.mark.heavy
+def test_text_rows_tokenize_as_trl_does_with_the_eos_in_the_completion(trl_setup, tmp_path):
+    """Text rows with a tokenizer that has an end-of-sequence token: our prompt and completion
+    ids are TRL's own tokenization (its DPOTrainer's dataset preparation), the EOS counted as
+    the completion's last target."""
+    from datasets import Dataset
+
+    trainer = trl_setup[0]
+    hf_tok = trainer.processing_class
+    hf_tok.save_pretrained(str(tmp_path / "tok"))
+    rows = _rows(6)
+    _write_rows(tmp_path / "rows.jsonl", rows)
+    prepare_preference(tmp_path / "pref", tmp_path / "rows.jsonl", tmp_path / "tok" /
+                       "tokenizer.json", 0.34)  # fmt: skip
+    sampler = PreferenceSampler(tmp_path / "pref", "train", block_size=64, batch_size=4)
+    assert sampler.pairs == 4
+    theirs = trainer._prepare_dataset(Dataset.from_list(rows[:4]), hf_tok, trainer.args, "rows")
+    names = ("prompt_ids", "chosen_ids", "rejected_ids")
+    assert _pairs_as_trl(sampler, torch.arange(4)) == [{k: ex[k] for k in names} for ex in theirs]
+    assert all(ex["chosen_ids"][-1] == hf_tok.eos_token_id for ex in theirs)
+    _, y, _ = sampler.next()
+    assert all(row[row != IGNORE][-1] == hf_tok.eos_token_id for row in y)
+
+
 def test_lora_reference_is_the_base_and_dpo_grads_reach_adapters_only(tiny_config):
     torch.manual_seed(0)
     base = Transformer(tiny_config(dropout=0.0))
