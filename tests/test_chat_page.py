@@ -126,8 +126,8 @@ def finished_reply(browser) -> str:
     return replies(browser)[-1].text
 
 
-def api_reply(url: str, messages: list[dict], max_tokens: int) -> str:
-    out = client(url).chat.completions.create(model="tiny", messages=messages, temperature=0,
+def api_reply(url: str, messages: list[dict], max_tokens: int, model: str = "tiny") -> str:
+    out = client(url).chat.completions.create(model=model, messages=messages, temperature=0,
                                               max_tokens=max_tokens)  # fmt: skip
     return out.choices[0].message.content
 
@@ -222,3 +222,33 @@ def test_an_error_from_the_server_is_shown_as_a_message(server, page):
     assert finished_reply(page) == visible(
         api_reply(url, [{"role": "user", "content": "Hello"}], 20)
     )
+
+
+def test_the_adapter_picked_in_the_page_is_the_one_that_answers(checkpoint, browser, tmp_path):
+    """Served with an adapter (`serve --adapter tuned=DIR`): the page lists the base and the
+    adapter, and the one picked answers as the API does under that name."""
+    from selenium.webdriver.support.ui import Select
+
+    from llm_foundry.checkpoint import load_checkpoint
+    from llm_foundry.interop.peft import save_adapter
+    from llm_foundry.models.lora import add_lora, lora_layers
+
+    model = load_checkpoint(checkpoint)
+    add_lora(model, ("wq", "wv", "w2"), r=4, alpha=8)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # B is zero at init: an adapter that changes nothing would prove nothing
+        for layer in lora_layers(model).values():
+            layer.lora_B.normal_(0.0, 0.5, generator=g)
+    save_adapter(model, tmp_path / "tuned")
+    with running(checkpoint, slots=2, adapters={"tuned": tmp_path / "tuned"}) as (url, _):
+        browser.get(url + "/")
+        options = lambda b: [o.text for o in b.find_elements(By.CSS_SELECTOR, "#model option")]  # noqa: E731
+        wait(browser, lambda b: options(b) == ["tiny", "tuned"], "the base and the adapter listed")
+        field(browser, "temperature", "0")
+        field(browser, "max-tokens", "30")
+        Select(browser.find_element(By.ID, "model")).select_by_visible_text("tuned")
+        say(browser, "ROMEO:")
+        reply = finished_reply(browser)
+        turn = [{"role": "user", "content": "ROMEO:"}]
+        assert reply == visible(api_reply(url, turn, 30, model="tuned"))
+        assert reply != visible(api_reply(url, turn, 30, model="tiny"))
