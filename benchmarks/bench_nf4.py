@@ -12,7 +12,7 @@ Three parts, each on its own flag (all by default):
            run) on an int8 and an nf4 base, 2 seeds each, through ``llm-foundry finetune``: val
            loss at the end and its best, nf4 vs int8 beside the spread between seeds.
 
-    python benchmarks/bench_nf4.py [--memory] [--speed] [--quality] [--json FILE]
+    python benchmarks/bench_nf4.py [--memory] [--speed] [--quality] [--threads N] [--json FILE]
 """
 
 from __future__ import annotations
@@ -181,30 +181,41 @@ def main_() -> int:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--steps", type=int, default=5, help="timed steps per base per round")
     p.add_argument("--base-steps", type=int, default=2000, help="the base run (make demo: 2000)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--json", type=Path, default=None)
     ns = p.parse_args()
+    if ns.threads:  # one thread: steadier timings where other work shares the cores
+        torch.set_num_threads(ns.threads)
     every = not (ns.memory or ns.speed or ns.quality)
-    out = dict(
-        date=time.strftime("%Y-%m-%d"), command=" ".join(["python", *sys.argv]),
+    # a file that exists keeps the parts this run does not redo; each part says how it was run
+    out = json.loads(ns.json.read_text()) if ns.json and ns.json.is_file() else {}
+    out.update(
         cpu=next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo")
                   if ln.startswith("model name")), platform.processor()),
-        threads=torch.get_num_threads(), torch=torch.__version__, load_start=os.getloadavg(),
+        torch=torch.__version__,
     )  # fmt: skip
-    if ns.memory or every:
-        out["memory"] = memory()
-        for base, r in out["memory"].items():
-            print(f"{base:5s} frozen {r['frozen_gib']:6.2f} GiB ({r['vs_fp32']:.3f} of fp32, "
-                  f"{r['bits_per_weight']:.3f} bits/weight); whole model {r['model_gib']:.2f} GiB")  # fmt: skip
-    if ns.speed or every:
-        out["speed"] = speed(ns.rounds, ns.steps)
-    if ns.quality or every:
-        with tempfile.TemporaryDirectory() as work:
-            out["quality"] = quality(Path(work), ns.base_steps, (1337, 1338))
-        print(json.dumps(out["quality"]["summary"], indent=1))
-    out["load_end"] = os.getloadavg()
+    parts = {
+        "memory": lambda: memory(),
+        "speed": lambda: speed(ns.rounds, ns.steps),
+        "quality": lambda: quality_in_temp(ns.base_steps),
+    }
+    for name, run in parts.items():
+        if not (getattr(ns, name) or every):
+            continue
+        started = dict(date=time.strftime("%Y-%m-%d %H:%M"), threads=torch.get_num_threads(),
+                       load_start=os.getloadavg())  # fmt: skip
+        result = run()
+        out[name] = dict(command=" ".join(["python", *sys.argv]), **started,
+                         load_end=os.getloadavg(), result=result)  # fmt: skip
+        print(json.dumps({name: result if name != "speed" else "see the table above"})[:2000])
     if ns.json:
         ns.json.write_text(json.dumps(out, indent=1) + "\n")
     return 0
+
+
+def quality_in_temp(base_steps: int) -> dict:
+    with tempfile.TemporaryDirectory() as work:
+        return quality(Path(work), base_steps, (1337, 1338))
 
 
 if __name__ == "__main__":
