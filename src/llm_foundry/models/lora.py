@@ -108,6 +108,10 @@ class FrozenLinear(nn.Module):
         if self.bias is not None:
             self.bias.requires_grad_(False)
 
+    def weights_in(self, p: torch.Tensor) -> int:
+        """How many weights the parameter ``p`` of this layer holds (4-bit codes: two a byte)."""
+        return self.in_features * self.out_features if p is self.weight else p.numel()
+
     def stored(self) -> tuple[torch.Tensor, ...]:
         """The tensors the weight is held in, ``weight`` first."""
         return tuple(getattr(self, name) for name in self.stored_names)

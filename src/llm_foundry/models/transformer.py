@@ -186,7 +186,12 @@ class Transformer(nn.Module):
     def num_params(self, non_embedding: bool = False) -> int:
         """Parameters, each shared tensor once. ``non_embedding`` leaves out the token-embedding
         and learned-position tables (lookups, not compute); an untied output head stays in."""
-        n = sum(p.numel() for p in self.parameters())
+        held: dict[int, int] = {}  # each tensor once; a module holding weights packed counts them
+        for m in self.modules():
+            count = getattr(m, "weights_in", None)
+            for p in m.parameters(recurse=False):
+                held.setdefault(id(p), count(p) if count else p.numel())
+        n = sum(held.values())
         if non_embedding:
             n -= self.tok_emb.weight.numel()
             n -= sum(m.weight.numel() for m in self.pos.modules() if isinstance(m, nn.Embedding))
