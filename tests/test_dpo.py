@@ -21,11 +21,11 @@ from llm_foundry.data import DataError
 from llm_foundry.data.batches import IGNORE
 from llm_foundry.data.preference import PreferenceSampler, prepare_preference
 from llm_foundry.models import Transformer
-from llm_foundry.models.lora import add_lora, lora_layers
+from llm_foundry.models.lora import adapters_disabled, add_lora, lora_layers
 from llm_foundry.tokenizer import CharTokenizer
 from llm_foundry.train.config import TrainConfig
 from llm_foundry.train.dpo import completion_lengths, preference_loss, sequence_logps
-from llm_foundry.train.reference import ModelReference, StoredReference, adapters_off, score_all
+from llm_foundry.train.reference import ModelReference, StoredReference, score_all
 from llm_foundry.train.trainer import Trainer
 
 WORDS = "what light through yonder window breaks it is the east and juliet sun".split()
@@ -322,7 +322,7 @@ def test_lora_reference_is_the_base_and_dpo_grads_reach_adapters_only(tiny_confi
             layer.lora_B.normal_(0, 0.2)  # adapters that change the function
     x = torch.randint(0, 37, (4, 16))
     y = torch.where(torch.arange(16) >= 6, torch.randint(0, 37, (4, 16)), IGNORE)
-    with adapters_off(model):
+    with adapters_disabled(model):
         off = model(x)[0]
     torch.testing.assert_close(off, base(x)[0], rtol=0, atol=0)  # the base's own computation
     assert not torch.equal(model(x)[0], off)  # and the adapters are back on after it

@@ -17,6 +17,7 @@ from llm_foundry.models.lora import (
     BASE_DTYPES,
     FrozenLinear,
     LoRALinear,
+    adapters_disabled,
     add_lora,
     dequantize_int8,
     effective_weight,
@@ -62,6 +63,29 @@ def test_an_adapted_model_starts_as_its_base_and_merges_exactly(tiny_config):
     torch.testing.assert_close(model(idx)[0], adapted, atol=1e-5, rtol=1e-5)
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable == {f"{n}.lora_{ab}" for n in names for ab in "AB"}
+
+
+def test_adapters_disabled_computes_the_base_alone_and_then_the_adapters_again(tiny_config):
+    torch.manual_seed(0)
+    model = Transformer(tiny_config()).eval()
+    idx = torch.randint(0, 37, (2, 9))
+    base = model(idx)[0]
+    add_lora(model, ("wq", "w2"), r=2, alpha=4, base_dtype="int8")
+    int8_base = model(idx)[0]  # the rounded base (B is zero)
+    _randomise(model)
+    adapted = model(idx)[0]
+    assert (adapted - int8_base).abs().max() > 1e-2
+    with adapters_disabled(model):
+        torch.testing.assert_close(model(idx)[0], int8_base, atol=0, rtol=0)
+        with adapters_disabled(model):  # nested: the outer one still holds after the inner
+            pass
+        torch.testing.assert_close(model(idx)[0], int8_base, atol=0, rtol=0)
+    torch.testing.assert_close(model(idx)[0], adapted, atol=0, rtol=0)
+    assert (int8_base - base).abs().max() > 0  # the int8 base is not the fp32 one
+    merge_lora(model)
+    with pytest.raises(ValueError, match="merged into their base"):
+        with adapters_disabled(model):
+            pass
 
 
 def test_training_moves_only_the_adapters(tiny_config):

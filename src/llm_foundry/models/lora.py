@@ -17,6 +17,7 @@ weight: widen(W) + s · B A.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -165,6 +166,7 @@ class LoRALinear(nn.Module):
         self.scale = alpha / (math.sqrt(r) if rslora else r)
         self.drop = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.merged = False
+        self.enabled = True  # False: the base alone (adapters_disabled)
 
     @property
     def base_dtype(self) -> str:
@@ -183,7 +185,7 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        if self.merged:  # the update is inside base.weight already
+        if self.merged or not self.enabled:  # merged: the update is inside base.weight already
             return y
         return y + self.scale * F.linear(F.linear(self.drop(x), self.lora_A), self.lora_B)
 
@@ -300,6 +302,25 @@ def check_settings(settings: dict) -> list[str]:
 def lora_layers(model: nn.Module) -> dict[str, LoRALinear]:
     """name -> adapter, for every LoRA in ``model``."""
     return {n: m for n, m in model.named_modules() if isinstance(m, LoRALinear)}
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module):
+    """``model`` computing as its base alone for the duration (a DPO reference, say): every
+    adapter's update left out, no weight touched. Merged adapters are refused: their update is
+    inside the base weight."""
+    layers = lora_layers(model)
+    merged = [n for n, m in layers.items() if m.merged]
+    if merged:
+        raise ValueError(f"adapters merged into their base ({merged[0]}, ...): unmerge them first")
+    before = {n: m.enabled for n, m in layers.items()}
+    for m in layers.values():
+        m.enabled = False
+    try:
+        yield model
+    finally:
+        for n, m in layers.items():
+            m.enabled = before[n]
 
 
 def merge_lora(model: nn.Module) -> None:

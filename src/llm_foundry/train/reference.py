@@ -27,24 +27,10 @@ from safetensors.torch import load_file, save_file
 
 from llm_foundry.data.batches import file_check
 from llm_foundry.models import Transformer
-from llm_foundry.models.lora import lora_layers
+from llm_foundry.models.lora import adapters_disabled
 from llm_foundry.train.dpo import sequence_logps
 
 REFERENCE_FILE = "reference_logps.safetensors"
-
-
-@contextlib.contextmanager
-def adapters_off(model: torch.nn.Module):
-    """``model`` computing as its base: each unmerged LoRA layer marked merged for the duration,
-    which makes its forward return the base projection alone (no weight is touched)."""
-    layers = [m for m in lora_layers(model).values() if not m.merged]
-    for m in layers:
-        m.merged = True
-    try:
-        yield model
-    finally:
-        for m in layers:
-            m.merged = False
 
 
 class ModelReference:
@@ -59,7 +45,9 @@ class ModelReference:
         """x, y (2B, T) -> (2B,) fp32 summed completion log-probabilities (``pairs``, ``split``:
         unused, the stored reference's keys)."""
         use = (
-            adapters_off(self.model) if self.frozen is None else contextlib.nullcontext(self.frozen)
+            adapters_disabled(self.model)
+            if self.frozen is None
+            else contextlib.nullcontext(self.frozen)
         )
         with use as net, self.autocast():
             was = net.training
