@@ -181,3 +181,31 @@ def test_packing_two_codes_per_byte():
     q = quantize_4bit(torch.randn(3, 50))  # 150 weights: 3 blocks, the last padded with zeros
     assert q.packed.shape == (96,) and q.absmax_codes.shape == (3,)
     assert q.absmax_scale.shape == (1,) and q.absmax_offset.shape == (1,)
+
+
+@pytest.mark.parametrize("grid", ["nf4", "int4"])
+def test_a_4bit_base_compiles_in_one_graph_without_warnings(grid):
+    """torch.compile (dynamo, eager backend: the tracing is what differs) of an adapted layer
+    on a 4-bit base: one graph, no warning printed, the eager output and gradients."""
+    import warnings
+
+    from llm_foundry.models.lora import LoRALinear
+
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    layer = LoRALinear(torch.nn.Linear(70, 9), 4, 8.0, 0.0, False, grid)  # 630 weights: padded
+    with torch.no_grad():
+        layer.lora_B.normal_()
+    x = torch.randn(2, 3, 70)
+    want = layer(x)
+    want.square().sum().backward()
+    grads = layer.lora_A.grad.clone(), layer.lora_B.grad.clone()
+    layer.zero_grad()
+    compiled = torch.compile(layer, backend="eager", fullgraph=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = compiled(x)
+        got.square().sum().backward()
+    assert [str(w.message) for w in caught] == []
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    torch.testing.assert_close((layer.lora_A.grad, layer.lora_B.grad), grads, atol=0, rtol=0)

@@ -77,9 +77,15 @@ DYNAMIC = dynamic_table()
 
 
 @cache
+def _cached_table(name: str, device: torch.device) -> torch.Tensor:
+    return (DYNAMIC if name == "dynamic" else GRIDS[name]).to(device)
+
+
 def _table_on(name: str, device: torch.device) -> torch.Tensor:
     """``GRIDS[name]`` (or ``DYNAMIC`` for "dynamic") on ``device``, copied there once."""
-    return (DYNAMIC if name == "dynamic" else GRIDS[name]).to(device)
+    if torch.compiler.is_compiling():  # traced: a constant of the graph (dynamo warns on caches)
+        return (DYNAMIC if name == "dynamic" else GRIDS[name]).to(device)
+    return _cached_table(name, device)
 
 
 def quantize_blockwise(
