@@ -209,3 +209,25 @@ def test_a_4bit_base_compiles_in_one_graph_without_warnings(grid):
     assert [str(w.message) for w in caught] == []
     torch.testing.assert_close(got, want, atol=0, rtol=0)
     torch.testing.assert_close((layer.lora_A.grad, layer.lora_B.grad), grads, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("grid", ["nf4", "int4"])
+def test_a_value_half_way_between_two_grid_values_takes_the_lower_code(grid):
+    """The tie rule the module states: block absmax 1 (so w / absmax is w exactly), the other
+    weights each on a midpoint of two neighbouring grid values (computed in fp32, as the
+    quantizer computes its boundaries)."""
+    table = GRIDS[grid]
+    mids = (table[:-1] + table[1:]) / 2
+    w = torch.cat((torch.ones(1), mids, torch.zeros(BLOCK - 1 - len(mids))))
+    codes, absmax = quantize_blockwise(w, table, BLOCK)
+    assert absmax.tolist() == [1.0]
+    assert codes[1 : len(table)].tolist() == list(range(len(table) - 1))
+
+
+def test_bitsandbytes_breaks_ties_as_we_do(bnb):
+    mids = (GRIDS["nf4"][:-1] + GRIDS["nf4"][1:]) / 2
+    w = torch.cat((torch.ones(1), mids, torch.zeros(BLOCK - 16)))
+    packed, _ = bnb.quantize_4bit(w, blocksize=BLOCK, quant_type="nf4")
+    assert torch.equal(
+        unpack_nibbles(packed.flatten()), quantize_blockwise(w, GRIDS["nf4"], BLOCK)[0]
+    )
