@@ -641,6 +641,14 @@ def test_a_lora_checkpoint_as_adapter_goes_on_its_base_and_no_other(tiny_config,
         model, _, info = load_any(tmp_path / "base", adapter=tmp_path / "tuned")
         torch.testing.assert_close(model(idx)[0], want, atol=1e-5, rtol=1e-5)
     assert not lora_layers(model) and "of " + str(tmp_path / "tuned") in info.merged_note()
+    assert "rounded" not in info.merged_note()
+    # adapters fitted to an nf4-rounded base go on the full-precision one, and the line says so
+    on_nf4 = copy.deepcopy(base)
+    add_lora(on_nf4, ("wq", "w3"), r=4, alpha=8, base_dtype="nf4")
+    _randomise(on_nf4, seed=3)
+    save_checkpoint(on_nf4, tmp_path / "on-nf4")
+    _, _, info = load_any(tmp_path / "base", adapter=tmp_path / "on-nf4")
+    assert "(trained over the nf4-rounded base, put on this one)" in info.merged_note()
     save_checkpoint(Transformer(tiny_config(dim=64)), tmp_path / "wider")
     with pytest.raises(ValueError, match=r"trained on another model \(dim: 32 there, 64 here"):
         load_any(tmp_path / "wider", adapter=tmp_path / "tuned")

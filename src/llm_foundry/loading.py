@@ -173,8 +173,11 @@ def put_adapter(model, adapter: str | Path) -> dict:
                 "the base it was fine-tuned from"
             )
         tuned = load_checkpoint(ckpt, merge=False)
-        settings = {**lora_settings(tuned), "base_dtype": "fp32"}  # the base is the one given
+        trained = lora_settings(tuned)
+        settings = {**trained, "base_dtype": "fp32"}  # the base is the one given
         apply_lora_settings(model, settings)
+        if trained.get("base_dtype", "fp32") != "fp32":  # fitted to the rounded weights: say so
+            settings["trained_over"] = trained["base_dtype"]
         ours = lora_layers(model)
         with torch.no_grad():
             for name, layer in lora_layers(tuned).items():

@@ -384,9 +384,11 @@ def describe_merge(settings: dict, source: str | None = None) -> str:
     base = settings.get("base_dtype", "fp32")
     widened = f", the {base} base widened to fp32" if base != "fp32" else ""
     where = f" of {source}" if source else ""
+    over = settings.get("trained_over")  # an --adapter run fitted to a rounded base
+    trained = f" (trained over the {over}-rounded base, put on this one)" if over else ""
     return (
-        f"merged the LoRA adapters{where} (r={settings['r']}, alpha={settings['alpha']}, on "
-        f"{', '.join(settings['targets'])}) into the base weights: widen(W) + s·B·A{widened}"
+        f"merged the LoRA adapters{where}{trained} (r={settings['r']}, alpha={settings['alpha']}, "
+        f"on {', '.join(settings['targets'])}) into the base weights: widen(W) + s·B·A{widened}"
     )
 
 
