@@ -363,6 +363,7 @@ def test_the_serve_command_starts_a_server_a_client_can_use(checkpoint, tmp_path
         proc.terminate()
         out, err = proc.communicate(timeout=30)
     assert f"serving tiny on http://127.0.0.1:{port}/v1" in out, err
+    assert f"; chat page at http://127.0.0.1:{port}/\n" in out
 
 
 def test_without_fastapi_the_install_line_is_given(checkpoint, monkeypatch):

@@ -103,7 +103,8 @@ def main(argv: list[str]) -> int:
     weights = f", {scheme} weights" if scheme else ""
     weights += f", adapters {', '.join(served.adapters)}" if served.adapters else ""
     print(f"serving {served.name} on http://{ns.host}:{ns.port}/v1 ({ns.slots} slots, context "
-          f"{served.engine.context}{weights})", flush=True)  # fmt: skip
+          f"{served.engine.context}{weights}); chat page at http://{ns.host}:{ns.port}/",
+          flush=True)  # fmt: skip
     watcher = threading.Thread(target=lambda: (thread.join(), served.engine.stop()), daemon=True)
     watcher.start()  # the HTTP server ending (e.g. on SIGTERM) ends the loop
     try:
