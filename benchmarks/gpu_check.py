@@ -1080,6 +1080,16 @@ def section_serve(ctx: Ctx, res: dict, deadline: float) -> None:
                 outputs[(name, c)] = row.pop("outputs")
                 rows.append(row)
                 log(f"serve: {name} {c:3d} clients {row['tokens_per_s']:9.1f} tok/s")
+            if not kw and ctx.args.profile and ctx.left(deadline) > 10:
+                res["profile_1_client"] = p = profile_engine(ctx, engine, prompts, min(new, 32))
+                busy = (
+                    f", the device busy {p['device_busy_ms_per_token']} ms of it"
+                    if ctx.cuda
+                    else ""
+                )
+                log(f"serve: {name}, 1 client profiled: {p['wall_ms_per_token']} ms a token{busy}; "
+                    "host waits " + ", ".join(f"{k} x{v['calls_per_token']}"
+                                              for k, v in p["host_waits"].items()))  # fmt: skip
         except Exception as e:  # noqa: BLE001 - the other engines and transformers still run
             res["skipped"].append(f"{name}: {short(e)}")
             log(f"serve: {name} failed: {short(e)}")
@@ -1119,6 +1129,50 @@ def section_serve(ctx: Ctx, res: dict, deadline: float) -> None:
                     summary[key] = round(r["tokens_per_s"] / theirs[r["clients"]], 2)
     res["summary"] = summary
     res["same_tokens_as_engine_solo"] = same_tokens(outputs, ("llm-foundry engine", 1))
+
+
+# host-side calls that copy to or from the device or wait for it (each a possible stall)
+HOST_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync", "cudaMemcpy",
+              "aten::item", "aten::_local_scalar_dense", "aten::nonzero")  # fmt: skip
+
+
+def profile_engine(ctx: Ctx, engine, prompts, new: int, top: int = 10) -> dict:
+    """torch.profiler over one request served alone (1 client, ``new`` tokens): per token, the
+    wall time, the device's busy time (CUDA kernels), the host's copies and waits
+    (``HOST_WAITS``) and the ops with the most CPU time of their own: what paces a lone row."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.cuda else [])
+    ctx.sync()
+    with profile(activities=acts) as prof:
+        t = time.perf_counter()
+        row = drive_ours(engine, prompts, 1, 1, new)
+        ctx.sync()
+        wall = time.perf_counter() - t
+    n = max(1, row["tokens"])
+    busy, waits, cpu = 0.0, {}, []
+    for e in prof.key_averages():
+        dev = getattr(e, "self_device_time_total", None)
+        dev = getattr(e, "self_cuda_time_total", 0) if dev is None else dev
+        if (
+            ctx.cuda
+            and dev > 0
+            and getattr(e, "device_type", None) != torch.autograd.DeviceType.CPU
+        ):
+            busy += dev / 1e3
+        if e.key in HOST_WAITS:
+            waits[e.key] = dict(calls_per_token=round(e.count / n, 2),
+                                ms_per_token=round(e.cpu_time_total / 1e3 / n, 3))  # fmt: skip
+        cpu.append((e.key, e.self_cpu_time_total / 1e3 / n, e.count / n))
+    cpu.sort(key=lambda r: -r[1])
+    return dict(
+        tokens=n, wall_ms_per_token=round(wall * 1e3 / n, 2),
+        device_busy_ms_per_token=round(busy / n, 3) if ctx.cuda else None,
+        device_busy_fraction=round(busy / (wall * 1e3), 3) if ctx.cuda else None,
+        host_waits=waits,
+        top_cpu_ops=[dict(name=k[:100], self_ms_per_token=round(ms, 3), calls_per_token=round(c, 2))
+                     for k, ms, c in cpu[:top]],
+    )  # fmt: skip
 
 
 def same_tokens(outputs: dict, ref_key) -> dict:
