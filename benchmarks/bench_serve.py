@@ -92,18 +92,24 @@ def start(kind: str, model_dir: Path, port: int, slots: int) -> subprocess.Popen
         exe = Path(sys.executable).parent / "transformers"
         cmd = [str(exe), "serve", "--continuous-batching", "--device", "cpu", "--dtype",
                "float32", "--port", str(port), str(model_dir)]  # fmt: skip
+    return launch(cmd, env, port, f"{kind} server", 180)
+
+
+def launch(cmd: list[str], env: dict, port: int, what: str, seconds: float) -> subprocess.Popen:
+    """``cmd`` started, returned once its /health on ``port`` answers 200 (``what`` names it in
+    the error when it exits or does not answer within ``seconds``)."""
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 180
+    deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{kind} server exited: {proc.stderr.read().decode()[-2000:]}")
+            raise RuntimeError(f"{what} exited: {proc.stderr.read().decode()[-2000:]}")
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
                 return proc
         except httpx.TransportError:
             time.sleep(0.3)
     proc.kill()
-    raise RuntimeError(f"{kind} server did not start in 180 s")
+    raise RuntimeError(f"{what} did not start in {seconds:.0f} s")
 
 
 async def one_request(session, url: str, model: str, prompt: str, max_tokens: int):

@@ -37,11 +37,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_serve import CORPUS, SIZES, free_port, one_request, write_model  # noqa: E402
+from bench_serve import CORPUS, SIZES, free_port, launch, one_request, write_model  # noqa: E402
 
 from llm_foundry.bench import cpu_model  # noqa: E402
 
@@ -78,19 +77,7 @@ def write_adapters(model_dir: Path, out: Path, rank: int) -> tuple[list[Path], P
 def start(args: list[str], port: int) -> subprocess.Popen:
     """``llm-foundry serve ARGS`` on ``port``, once /health answers."""
     cmd = [sys.executable, "-m", "llm_foundry", "serve", "--port", str(port), *args]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"serve {args} exited: {proc.stderr.read().decode()[-2000:]}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            time.sleep(0.3)
-    proc.kill()
-    raise RuntimeError(f"serve {args} did not start in 300 s")
+    return launch(cmd, {**os.environ, "HF_HUB_OFFLINE": "1"}, port, f"serve {args}", 300)
 
 
 def spread_load(url, names: list[str], prompts, clients: int, requests: int, max_tokens: int):
