@@ -42,7 +42,7 @@ from llm_foundry.data.batches import (
     open_tokens,
 )
 from llm_foundry.data.encode import token_dtype
-from llm_foundry.data.sft import ROLES, segments
+from llm_foundry.data.sft import check_messages, iter_objects, segments
 from llm_foundry.data.sources import DataError, publish, remove_temporaries, temporary
 from llm_foundry.messages import shown
 from llm_foundry.tokenizer import load_any_tokenizer
@@ -58,13 +58,7 @@ def _messages(value, field: str, where: str) -> list[dict]:
     msgs = [value] if isinstance(value, dict) else value
     if not isinstance(msgs, list) or not msgs:
         raise DataError(f"{where}: {field!r} must be a non-empty list of messages (or one message)")
-    for j, m in enumerate(msgs):
-        if not isinstance(m, dict) or m.get("role") not in ROLES:
-            raise DataError(
-                f"{where}: {field}[{j}] needs a 'role' of {', '.join(ROLES)}; got {shown(m)}"
-            )
-        if not isinstance(m.get("content"), str):
-            raise DataError(f"{where}: {field}[{j}].content must be a string")
+    check_messages(msgs, field, where)
     return msgs
 
 
@@ -102,25 +96,9 @@ def check_row(row, where: str) -> dict:
 
 
 def read_rows(path: str | Path) -> list[tuple[int, dict]]:
-    """(line number, row) of every row of a JSONL preference file, checked (``check_row``);
-    lines end at ``\\n`` only."""
-    path = Path(path)
-    if not path.is_file():
-        raise DataError(f"preference rows file {path} does not exist (or is not a file)")
-    rows = []
-    for i, raw in enumerate(path.read_bytes().split(b"\n"), start=1):
-        where = f"{path}, line {i}"
-        try:
-            line = raw.decode("utf-8").removeprefix("\ufeff" if i == 1 else "")
-        except UnicodeDecodeError as e:
-            raise DataError(f"{where}: not UTF-8 (byte at column {e.start + 1})") from None
-        if not line.strip(" \t\r"):
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{where}: not JSON ({e.msg}, column {e.colno})") from None
-        rows.append((i, check_row(row, where)))
+    """(line number, row) of every row of a JSONL preference file, read as SFT rows are
+    (``sft.iter_objects``) and checked (``check_row``)."""
+    rows = [(i, check_row(row, where)) for i, row, where in iter_objects(path, "preference rows")]
     if len(rows) < 2:
         raise DataError(f"{path} has {len(rows)} row(s); at least 2 are needed (train and val)")
     return rows

@@ -89,12 +89,14 @@ def _object(pairs: list) -> dict:
     return row
 
 
-def iter_rows(path: str | Path, digest=None) -> Iterator[tuple[int, dict]]:
-    """(line number, row) of every row of a JSONL file, read one line at a time and checked (see
-    ``read_rows``); ``digest`` (a hashlib object) is fed every byte read."""
+def iter_objects(path: str | Path, what: str, digest=None) -> Iterator[tuple[int, dict, str]]:
+    """(line number, object, where) of every line of a JSONL file, read one line at a time: UTF-8
+    (a byte-order mark allowed), blank lines skipped, each other line one JSON object naming each
+    key once; a DataError naming the file and line otherwise (``what`` names the file when it is
+    missing). ``digest`` (a hashlib object) is fed every byte read."""
     path = Path(path)
     if not path.is_file():
-        raise DataError(f"SFT rows file {path} does not exist (or is not a file)")
+        raise DataError(f"{what} file {path} does not exist (or is not a file)")
     with open(path, "rb") as f:
         for i, raw in enumerate(f, start=1):  # binary lines end at b"\n" only
             if digest is not None:
@@ -122,8 +124,15 @@ def iter_rows(path: str | Path, digest=None) -> Iterator[tuple[int, dict]]:
                 ) from None
             if not isinstance(row, dict):
                 raise DataError(f"{where}: a {type(row).__name__}, expected an object")
-            _check_row(row, where)
-            yield i, row
+            yield i, row, where
+
+
+def iter_rows(path: str | Path, digest=None) -> Iterator[tuple[int, dict]]:
+    """(line number, row) of every row of a JSONL file of SFT rows, checked (see ``read_rows``);
+    ``digest`` (a hashlib object) is fed every byte read."""
+    for i, row, where in iter_objects(path, "SFT rows", digest):
+        _check_row(row, where)
+        yield i, row
 
 
 def read_rows(path: str | Path) -> list[dict]:
@@ -148,13 +157,7 @@ def _check_row(row: dict, where: str) -> None:
         msgs = row["messages"]
         if not isinstance(msgs, list) or not msgs:
             raise DataError(f"{where}: 'messages' must be a non-empty list")
-        for j, m in enumerate(msgs):
-            if not isinstance(m, dict) or m.get("role") not in ROLES:
-                raise DataError(
-                    f"{where}: messages[{j}] needs a 'role' of {', '.join(ROLES)}; got {shown(m)}"
-                )
-            if not isinstance(m.get("content"), str):
-                raise DataError(f"{where}: messages[{j}].content must be a string")
+        check_messages(msgs, "messages", where)
         if not any(m["role"] == "assistant" and m["content"] for m in msgs):
             raise DataError(f"{where}: no non-empty assistant message: nothing to learn from")
         return
@@ -166,6 +169,18 @@ def _check_row(row: dict, where: str) -> None:
             )
     if not row["completion"]:
         raise DataError(f"{where}: 'completion' is empty: nothing to learn from")
+
+
+def check_messages(msgs: list, field: str, where: str) -> None:
+    """Each message of ``msgs`` (the row's ``field``) an object with a role of ``ROLES`` and
+    string content; a DataError naming ``where`` and the message otherwise."""
+    for j, m in enumerate(msgs):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise DataError(
+                f"{where}: {field}[{j}] needs a 'role' of {', '.join(ROLES)}; got {shown(m)}"
+            )
+        if not isinstance(m.get("content"), str):
+            raise DataError(f"{where}: {field}[{j}].content must be a string")
 
 
 def segments(row: dict) -> list[tuple[str, bool]]:
