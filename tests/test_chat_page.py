@@ -10,16 +10,10 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import string
 import time
 
 import pytest
 import torch
-
-from llm_foundry.checkpoint import save_checkpoint
-from llm_foundry.models import Transformer
-from llm_foundry.presets import get_preset
-from llm_foundry.tokenizer import CharTokenizer
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
@@ -29,7 +23,7 @@ from selenium.common.exceptions import TimeoutException  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.common.keys import Keys  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
-from test_serve import client, running  # noqa: E402
+from test_serve import char_checkpoint, client, running  # noqa: E402
 
 from llm_foundry.serve.page import CSP  # noqa: E402
 
@@ -53,13 +47,7 @@ def checkpoint(tmp_path_factory):
     """A random character model with a long context (1024), so that a long reply streams for
     seconds: long enough to press Stop in the middle of it."""
     path = tmp_path_factory.mktemp("chat") / "ckpt"
-    tok = CharTokenizer.train(" \n" + string.ascii_letters + string.punctuation)
-    torch.manual_seed(0)
-    cfg = get_preset("llama-shakespeare-char", vocab_size=tok.vocab_size, n_layers=4, dim=128,
-                     n_heads=4, n_kv_heads=2, max_seq_len=1024)  # fmt: skip
-    save_checkpoint(Transformer(cfg), path)
-    tok.save(path / "tokenizer.json")
-    return path
+    return char_checkpoint(path, seed=0, n_layers=4, dim=128, max_seq_len=1024)
 
 
 @pytest.fixture(scope="module")

@@ -34,6 +34,7 @@ from llm_foundry.serve import load_served  # noqa: E402
 from llm_foundry.serve.app import create_app  # noqa: E402
 from llm_foundry.serve.engine import Engine, Params, Sequence  # noqa: E402
 
+LETTERS = " \n" + string.ascii_letters + string.punctuation  # what the plays' opening holds
 PROMPTS = ["ROMEO:", "JULIET: O", "To be, or not", "First Citizen:\nBefore we", "the", "What",
            "KING:", "Good morrow"]  # fmt: skip
 
@@ -43,12 +44,17 @@ def checkpoint(tmp_path_factory):
     """A small random character model (128 positions) over a fixed vocabulary: letters,
     punctuation, space and newline (what tiny Shakespeare's opening holds), so the model and its
     greedy choices are the same with or without the shared corpus."""
-    path = tmp_path_factory.mktemp("serve") / "ckpt"
-    tok = CharTokenizer.train(" \n" + string.ascii_letters + string.punctuation)
-    torch.manual_seed(0)
-    cfg = get_preset("llama-shakespeare-char", vocab_size=tok.vocab_size, n_layers=2, dim=64,
-                     n_heads=4, n_kv_heads=2, max_seq_len=128)  # fmt: skip
-    save_checkpoint(Transformer(cfg), path)
+    return char_checkpoint(tmp_path_factory.mktemp("serve") / "ckpt", seed=0, max_seq_len=128)
+
+
+def char_checkpoint(path, seed: int, chars: str = LETTERS, **sizes):
+    """A random LLaMA-style character model over ``chars`` (2 layers, 64 wide unless ``sizes``
+    say otherwise; ``seed`` draws its weights) with its tokenizer, saved at ``path``."""
+    tok = CharTokenizer.train(chars)
+    torch.manual_seed(seed)
+    sizes = {**dict(n_layers=2, dim=64, n_heads=4, n_kv_heads=2), **sizes}
+    save_checkpoint(Transformer(get_preset("llama-shakespeare-char", vocab_size=tok.vocab_size,
+                                           **sizes)), path)  # fmt: skip
     tok.save(path / "tokenizer.json")
     return path
 
@@ -93,6 +99,11 @@ def solo(checkpoint, prompt: str, n: int) -> str:
     from llm_foundry.loading import load_any
 
     model, tok, _ = load_any(checkpoint)
+    return greedy(model, tok, prompt, n)
+
+
+def greedy(model, tok, prompt: str, n: int) -> str:
+    """``generate``'s greedy continuation of ``prompt`` alone, every choice checked decisive."""
     ids = torch.tensor([tok.encode(prompt)])
     out = generate(model, ids, n, temperature=0)
     with torch.no_grad():
@@ -408,13 +419,7 @@ def small_checkpoint(tmp_path_factory):
     """A random character model over 12 characters (64 positions): fewer tokens than the 20
     alternatives a chat request may ask for, and enough to write a built-in chat prompt."""
     path = tmp_path_factory.mktemp("serve-small") / "ckpt"
-    tok = CharTokenizer.train(SMALL_CHARS)
-    torch.manual_seed(2)
-    cfg = get_preset("llama-shakespeare-char", vocab_size=tok.vocab_size, n_layers=2, dim=64,
-                     n_heads=4, n_kv_heads=2, max_seq_len=64)  # fmt: skip
-    save_checkpoint(Transformer(cfg), path)
-    tok.save(path / "tokenizer.json")
-    return path
+    return char_checkpoint(path, seed=2, chars=SMALL_CHARS, max_seq_len=64)
 
 
 @pytest.fixture(scope="module")

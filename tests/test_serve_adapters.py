@@ -10,10 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from conftest import assert_decisive
 
 from llm_foundry.checkpoint import load_checkpoint, save_checkpoint
-from llm_foundry.generate import generate
 from llm_foundry.interop.peft import save_adapter
 from llm_foundry.loading import load_any
 from llm_foundry.models import Transformer
@@ -24,7 +22,7 @@ from llm_foundry.tokenizer import CharTokenizer
 
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
-from test_serve import client, running  # noqa: E402
+from test_serve import client, greedy, running  # noqa: E402
 
 from llm_foundry.serve import load_served  # noqa: E402
 from llm_foundry.serve.engine import Engine, Params, Sequence  # noqa: E402
@@ -86,16 +84,6 @@ def base(tmp_path_factory):
     save_checkpoint(model, root / "run")
     adapters = {name: root / name for name in ("qv", "mlp", "run")}
     return root / "base", tok, adapters, peft_merged
-
-
-def greedy(model, tok, prompt: str, n: int) -> str:
-    """``generate``'s greedy continuation of ``prompt`` alone, every choice checked decisive."""
-    ids = torch.tensor([tok.encode(prompt)])
-    out = generate(model, ids, n, temperature=0)
-    with torch.no_grad():
-        logits = model(out[:, :-1])[0][0, ids.shape[1] - 1 :]
-    assert_decisive(logits, f"greedy continuation of {prompt!r}")
-    return tok.decode(out[0, ids.shape[1] :].tolist())
 
 
 def run_engine(engine: Engine, jobs: list[tuple[int, str, int]]) -> tuple[list[str], set]:
