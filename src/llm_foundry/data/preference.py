@@ -24,8 +24,6 @@ block_size + 1 tokens; a pair either of whose sequences keeps no target is not d
 from __future__ import annotations
 
 import hashlib
-import json
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -37,13 +35,12 @@ from llm_foundry.data.batches import (
     IGNORE,
     BatchSampler,
     check_files,
-    file_entry,
     load_meta,
     open_tokens,
 )
 from llm_foundry.data.encode import token_dtype
-from llm_foundry.data.sft import check_messages, iter_objects, segments
-from llm_foundry.data.sources import DataError, publish, remove_temporaries, temporary
+from llm_foundry.data.sft import check_messages, iter_objects, publish_prepared, segments
+from llm_foundry.data.sources import DataError, remove_temporaries, temporary
 from llm_foundry.messages import shown
 from llm_foundry.tokenizer import load_any_tokenizer
 
@@ -209,13 +206,7 @@ def _write(out: Path, jsonl: Path, tokenizer_file: Path, tok, encoded: dict) -> 
             offsets = np.cumsum([0] + [len(s) for s, _ in seqs]).astype(np.int64)
             offsets.tofile(written[f"{split}.offsets.bin"])
             meta[f"{split}_tokens"], meta[f"{split}_pairs"] = len(ids), len(seqs) // 2
-        if copy_tokenizer:
-            shutil.copyfile(tokenizer_file, written["tokenizer.json"])
-        meta["files"] = {name: file_entry(tmp) for name, tmp in written.items()}
-        if not copy_tokenizer:
-            meta["files"]["tokenizer.json"] = file_entry(out / "tokenizer.json")
-        publish(out, written, json.dumps(meta, indent=2) + "\n")
-        return meta
+        return publish_prepared(out, written, meta, tokenizer_file, copy_tokenizer)
     finally:
         for tmp in written.values():
             tmp.unlink(missing_ok=True)

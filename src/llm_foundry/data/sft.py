@@ -351,8 +351,6 @@ def _write_sft(out, jsonl, tokenizer_file, tok, encode, n_train, first_digest) -
         for w in writers.values():
             w.flush()
             w.close()
-        if copy_tokenizer:
-            shutil.copyfile(tokenizer_file, written["tokenizer.json"])
         meta = dict(
             kind="sft",
             source=str(jsonl.resolve()),
@@ -365,16 +363,25 @@ def _write_sft(out, jsonl, tokenizer_file, tok, encode, n_train, first_digest) -
             meta[f"{split}_tokens"] = w.tokens
             meta[f"{split}_examples"] = w.examples
             meta[f"{split}_targets"] = w.targets
-        meta["files"] = {name: file_entry(tmp) for name, tmp in written.items()}
-        if not copy_tokenizer:
-            meta["files"]["tokenizer.json"] = file_entry(out / "tokenizer.json")
-        publish(out, written, json.dumps(meta, indent=2) + "\n")
-        return meta
+        return publish_prepared(out, written, meta, tokenizer_file, copy_tokenizer)
     finally:
         for w in writers.values():
             w.close()
         for tmp in written.values():
             tmp.unlink(missing_ok=True)
+
+
+def publish_prepared(out: Path, written: dict, meta: dict, tokenizer_file: Path,
+                     copy_tokenizer: bool) -> dict:  # fmt: skip
+    """The tokenizer copied in (unless it is ``out``'s already), every file's size and digest
+    recorded in ``meta``, the directory published (meta.json last); returns ``meta``."""
+    if copy_tokenizer:
+        shutil.copyfile(tokenizer_file, written["tokenizer.json"])
+    meta["files"] = {name: file_entry(tmp) for name, tmp in written.items()}
+    if not copy_tokenizer:
+        meta["files"]["tokenizer.json"] = file_entry(out / "tokenizer.json")
+    publish(out, written, json.dumps(meta, indent=2) + "\n")
+    return meta
 
 
 class SFTSampler(BatchSampler):
