@@ -39,15 +39,19 @@ from llm_foundry.data.batches import (
     open_tokens,
 )
 from llm_foundry.data.encode import token_dtype
-from llm_foundry.data.sft import check_messages, iter_objects, publish_prepared, segments
-from llm_foundry.data.sources import DataError, remove_temporaries, temporary
+from llm_foundry.data.sft import (
+    check_messages,
+    iter_objects,
+    publish_prepared,
+    segments,
+    temporaries,
+)
+from llm_foundry.data.sources import DataError
 from llm_foundry.messages import shown
 from llm_foundry.tokenizer import load_any_tokenizer
 
 KIND = "preference"
 FIELDS = ("prompt", "chosen", "rejected")
-TOKEN_FILES = tuple(f"{s}.{k}bin" for s in ("train", "val") for k in ("", "mask.", "offsets."))
-OUTPUTS = (*TOKEN_FILES, "tokenizer.json", "meta.json")
 
 
 def _messages(value, field: str, where: str) -> list[dict]:
@@ -183,11 +187,7 @@ def prepare_preference(
 def _write(out: Path, jsonl: Path, tokenizer_file: Path, tok, encoded: dict) -> dict:
     """The encoded splits written under temporary names, then published with meta.json last."""
     dtype = token_dtype(tok.vocab_size)
-    remove_temporaries(out, OUTPUTS)
-    written = {name: temporary(out / name) for name in TOKEN_FILES}
-    copy_tokenizer = tokenizer_file.resolve() != (out / "tokenizer.json").resolve()
-    if copy_tokenizer:
-        written["tokenizer.json"] = temporary(out / "tokenizer.json")
+    written, copy_tokenizer = temporaries(out, tokenizer_file)
     meta = dict(
         kind=KIND,
         source=str(jsonl.resolve()),

@@ -324,11 +324,7 @@ def _write_sft(out, jsonl, tokenizer_file, tok, encode, n_train, first_digest) -
     """The second pass, under the directory's lock: rows encoded into temporary files, then
     published (``sources.publish``)."""
     dtype = token_dtype(tok.vocab_size)
-    remove_temporaries(out, OUTPUTS)
-    written = {name: temporary(out / name) for name in TOKEN_FILES}
-    copy_tokenizer = tokenizer_file.resolve() != (out / "tokenizer.json").resolve()
-    if copy_tokenizer:
-        written["tokenizer.json"] = temporary(out / "tokenizer.json")
+    written, copy_tokenizer = temporaries(out, tokenizer_file)
     writers = {}
     try:
         for split in ("train", "val"):
@@ -369,6 +365,17 @@ def _write_sft(out, jsonl, tokenizer_file, tok, encode, n_train, first_digest) -
             w.close()
         for tmp in written.values():
             tmp.unlink(missing_ok=True)
+
+
+def temporaries(out: Path, tokenizer_file: Path) -> tuple[dict, bool]:
+    """(name -> temporary path of each file a prepared directory gets, whether the tokenizer is
+    copied in: not when it is ``out``'s own already); earlier runs' leftovers removed first."""
+    remove_temporaries(out, OUTPUTS)
+    written = {name: temporary(out / name) for name in TOKEN_FILES}
+    copy_tokenizer = tokenizer_file.resolve() != (out / "tokenizer.json").resolve()
+    if copy_tokenizer:
+        written["tokenizer.json"] = temporary(out / "tokenizer.json")
+    return written, copy_tokenizer
 
 
 def publish_prepared(out: Path, written: dict, meta: dict, tokenizer_file: Path,
