@@ -7,7 +7,7 @@
 # from COMMIT where the tree travelled without .git.
 set -o pipefail
 TOTAL=${1:-560}
-SECTIONS=${2:-matmul,train32,decode,serve,loader}
+SECTIONS=${2:-matmul,decode,serve,train32,loader}
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1

@@ -164,10 +164,11 @@ def test_completions_chat_streaming_stop_and_usage_through_the_openai_client(che
         assert chunks[-1].choices[0].finish_reason in ("stop", "length")
 
 
-def test_eight_concurrent_clients_each_get_what_they_get_alone(checkpoint):
+@pytest.mark.parametrize("cuda_graph", [False, True], ids=["eager", "cuda_graph"])
+def test_eight_concurrent_clients_each_get_what_they_get_alone(checkpoint, cuda_graph):
     lengths = [40, 12, 30, 25, 8, 50, 17, 33]
     want = [solo(checkpoint, p, n) for p, n in zip(PROMPTS, lengths, strict=True)]
-    with running(checkpoint, slots=8) as (url, served):
+    with running(checkpoint, slots=8, cuda_graph=cuda_graph) as (url, served):
         c = client(url)
 
         def ask(i):
@@ -210,6 +211,67 @@ def test_rows_that_move_in_the_cache_keep_their_tokens(checkpoint):
     for i, (p, n) in enumerate(zip(prompts, lengths, strict=True)):
         room = min(n, 128 - len(p))
         assert results[i] == solo(checkpoint, p, room), i
+
+
+class _Replays:
+    """Stands in for a CUDA graph on the CPU: "captured" once, each replay runs the static step."""
+
+    captured = replayed = 0
+
+    def __init__(self, dec):
+        self.dec = dec
+        type(self).captured += 1
+
+    def replay(self):
+        type(self).replayed += 1
+        self.dec.logits = self.dec._run(self.dec._model())
+
+
+@pytest.mark.parametrize("graphs", ["static", "captured"])
+def test_cuda_graph_steps_keep_every_row_its_solo_tokens(checkpoint, graphs, monkeypatch):
+    """``cuda_graph=True`` on the CPU: every step is the static step over rows 0..b-1 (b: 1, 2,
+    or the 3 slots), run eagerly ("static") or replayed by stand-in graphs captured as on CUDA
+    ("captured": each size once, at warm-up, and every step a replay). Rows move in the cache
+    and join and leave as in the eager test; every sequence equals its solo run."""
+    from llm_foundry import decode_graph
+
+    if graphs == "captured":
+        monkeypatch.setattr(decode_graph, "captures", lambda device: True)
+        monkeypatch.setattr(decode_graph.StaticDecoder, "_capture",
+                            lambda d: setattr(d, "graph", _Replays(d)))  # fmt: skip
+        _Replays.captured = _Replays.replayed = 0
+    served = load_served(checkpoint, slots=3)
+    engine = Engine(served.engine.model, served.tokenizer, slots=3, capacity=132,
+                    cuda_graph=True)  # fmt: skip
+    engine.warm_up()
+    if graphs == "captured":  # rounded up to whole buckets of positions, as on CUDA
+        assert engine.capacity == decode_graph.BUCKET and _Replays.captured == 3
+    prompts = [PROMPTS[i % 8] * (1 + i % 3) for i in range(9)]
+    lengths = [116 - 7 * i for i in range(9)]  # the first rows finish last: b shrinks
+    seqs = [Sequence(served.tokenizer.encode(p), Params(max_tokens=n, temperature=0),
+                     lambda kind, payload: None) for p, n in zip(prompts, lengths, strict=True)]  # fmt: skip
+    sizes, step = [], engine._static_step
+    engine._static_step = lambda b, *a: (sizes.append(b), step(b, *a))[1]
+    engine.submit(seqs)
+    moved = 0
+    while any(not s.finished for s in seqs):
+        before = engine.t
+        engine.step()
+        moved += engine.t < before
+    assert moved >= 1 and len(set(sizes)) >= 2 and len(sizes) == engine.stats.decode_steps
+    if graphs == "captured":
+        assert _Replays.captured == 3 and _Replays.replayed == engine.stats.decode_steps + 3
+    for i, (p, n) in enumerate(zip(prompts, lengths, strict=True)):
+        room = min(n, 128 - len(p))
+        got = served.tokenizer.decode(seqs[i].tokens)
+        assert got == solo(checkpoint, p, room), i
+
+
+def test_cuda_graph_with_adapters_is_refused_in_one_line(checkpoint):
+    served = load_served(checkpoint, slots=2)
+    with pytest.raises(ValueError, match="--cuda-graph with --adapter") as e:
+        Engine(served.engine.model, served.tokenizer, slots=2, adapters=object(), cuda_graph=True)
+    assert "\n" not in str(e.value)
 
 
 def test_a_late_request_gets_its_first_token_before_the_long_ones_finish(checkpoint):
@@ -355,14 +417,15 @@ def test_a_soak_of_hundreds_of_requests_leaks_no_slot_and_no_memory(checkpoint):
 
 
 @pytest.mark.heavy
-def test_the_serve_command_starts_a_server_a_client_can_use(checkpoint, tmp_path):
+@pytest.mark.parametrize("flags", [[], ["--cuda-graph"]], ids=["eager", "cuda_graph"])
+def test_the_serve_command_starts_a_server_a_client_can_use(checkpoint, tmp_path, flags):
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     sock.close()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "llm_foundry", "serve", "--checkpoint", str(checkpoint),
-           "--port", str(port), "--model-name", "tiny"]  # fmt: skip
+           "--port", str(port), "--model-name", "tiny", *flags]  # fmt: skip
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -375,6 +438,19 @@ def test_the_serve_command_starts_a_server_a_client_can_use(checkpoint, tmp_path
         out, err = proc.communicate(timeout=30)
     assert f"serving tiny on http://127.0.0.1:{port}/v1" in out, err
     assert f"; chat page at http://127.0.0.1:{port}/\n" in out
+    if flags:  # on this CPU: the static step, eagerly, said once
+        assert "note: --cuda-graph: no CUDA graphs on cpu; the static decode step runs " in err
+        assert "capturing the decode steps' CUDA graphs ...\nready in " in out
+
+
+def test_the_serve_command_refuses_cuda_graph_with_adapters_before_loading(tmp_path, capsys):
+    from llm_foundry.cli import main
+
+    args = ["serve", "--checkpoint", str(tmp_path / "absent"), "--cuda-graph", "--adapter",
+            f"a={tmp_path}"]  # fmt: skip
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "--cuda-graph with --adapter" in err and "absent" not in err and err.count("\n") == 1
 
 
 def test_without_fastapi_the_install_line_is_given(checkpoint, monkeypatch):

@@ -116,11 +116,12 @@ class StaticDecoder:
     recorded at the first step."""
 
     def __init__(self, model, batch: int, length: int, *, compile: bool = False,
-                 capture: bool = False):  # fmt: skip
+                 capture: bool = False, cache=None):  # fmt: skip
         check_static(model, capture)
         self._model = weakref.ref(model)  # kept per model in a weak map: no reference back
         dev = model.tok_emb.weight.device
-        self.cache = model.new_cache(batch, length)
+        # ``cache``: rows of a cache someone else owns (the serving engine's), written in place
+        self.cache = cache if cache is not None else model.new_cache(batch, length)
         self.length = length
         self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=dev)
         self.slot = torch.zeros(1, dtype=torch.long, device=dev)
@@ -191,19 +192,25 @@ class StaticDecoder:
     def step(self, new: torch.Tensor) -> torch.Tensor:
         """Feed one token per row ``new`` (B, 1) at the next position: logits (B, V)."""
         at = self.cache.length
+        logits = self.decode(new, at)
+        self.cache.length = at + 1
+        return logits
+
+    def decode(self, new: torch.Tensor, at: int, pad: torch.Tensor | None = None) -> torch.Tensor:
+        """Feed one token per row ``new`` (B, 1) at buffer slot ``at``, each row left-padded by
+        ``pad`` (B,) (None: as at prefill): logits (B, V). The caller keeps the cache's length."""
         if at >= self.length:
             raise ValueError(f"KV cache full: position {at} does not fit its max_len={self.length}")
-        self.tokens.copy_(new)
+        self.tokens.copy_(new, non_blocking=True)
         self.slot.fill_(at)
+        if pad is not None:
+            self.pad.copy_(pad, non_blocking=True)
         if self.capture and self.graph is None:
             self._capture()
         if self.graph is not None:
             self.graph.replay()
-            logits = self.logits.clone()  # the buffer is overwritten by the next replay
-        else:
-            logits = self._run(self._model())
-        self.cache.length = at + 1
-        return logits
+            return self.logits.clone()  # the buffer is overwritten by the next replay
+        return self._run(self._model())
 
     def _capture(self) -> None:
         """Warm up on a side stream, then record one step. Its inputs are the first step's, in

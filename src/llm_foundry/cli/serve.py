@@ -4,6 +4,7 @@ continuous batching, on 127.0.0.1 unless told otherwise."""
 from __future__ import annotations
 
 import argparse
+import sys
 import threading
 import time
 
@@ -61,6 +62,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--compile", action="store_true", help="compile the one-row decode step (its fused "
                    "matvec streams weights faster; ~20 s at start)")  # fmt: skip
+    p.add_argument("--cuda-graph", action="store_true", help="decode every step as a CUDA "
+                   "graph: one per batch size (1, 2, 4, ... --slots), captured at start and "
+                   "replayed each token (decoding on a GPU is bound by kernel launches); with "
+                   "--compile the one-row step is compiled too; on CPU the static step runs "
+                   "eagerly, with a note; not with --adapter")  # fmt: skip
     add_quantize_flags(p)
     ns = p.parse_args(argv)
     if not 0 < ns.port < 65536:
@@ -74,6 +80,10 @@ def main(argv: list[str]) -> int:
     if ns.max_request_bytes is not None and ns.max_request_bytes < 1:
         raise ValueError(f"--max-request-bytes {ns.max_request_bytes} must be >= 1")
     adapters = adapter_specs(ns.adapter)
+    if ns.cuda_graph and adapters:
+        from llm_foundry.serve.engine import CUDA_GRAPH_ADAPTERS
+
+        raise ValueError(CUDA_GRAPH_ADAPTERS)
     try:
         import uvicorn
 
@@ -87,11 +97,18 @@ def main(argv: list[str]) -> int:
         ) from None
     scheme, group = quantize_choice(ns.quantize, ns.group_size)
     served = load_served(ns.checkpoint, ns.slots, ns.max_queue, ns.model_name, ns.device,
-                         ns.compile, scheme, group, ns.max_context, adapters)  # fmt: skip
+                         ns.compile, scheme, group, ns.max_context, adapters,
+                         ns.cuda_graph)  # fmt: skip
     app = create_app(served, ns.max_request_bytes or MAX_REQUEST_BYTES)
-    if ns.compile:
-        print("compiling the decode step ...", flush=True)
+    if ns.cuda_graph and not served.engine.device.type == "cuda":
+        print(f"note: --cuda-graph: no CUDA graphs on {served.engine.device.type}; the static "
+              "decode step runs eagerly (the same tokens, no faster)", file=sys.stderr)  # fmt: skip
+    if ns.compile or ns.cuda_graph:
+        what = "capturing the decode steps' CUDA graphs" if ns.cuda_graph else "compiling"
+        print(f"{what} ...", flush=True)
+        t = time.perf_counter()
         served.engine.warm_up()
+        print(f"ready in {time.perf_counter() - t:.1f} s", flush=True)
     # HTTP in a thread, the model loop in this (main) thread, where compiled kernels run fastest
     server = uvicorn.Server(uvicorn.Config(app, host=ns.host, port=ns.port, log_level="warning"))
     thread = threading.Thread(target=server.run, name="http", daemon=True)

@@ -36,13 +36,15 @@ def load_served(checkpoint: str | Path, slots: int = 8, max_queue: int = 64,
                 name: str | None = None, device: str = "cpu", compile: bool = False,
                 quantize: str | None = None, group_size: int = 64,
                 max_context: int | None = None,
-                adapters: dict[str, str | Path] | None = None):  # fmt: skip
+                adapters: dict[str, str | Path] | None = None,
+                cuda_graph: bool = False):  # fmt: skip
     """The model of ``checkpoint`` behind an engine, with its tokenizer and chat template, as
     ``app.Served`` (the engine not yet started). ``max_context`` caps the tokens (prompt and
     reply) a request may use, and with it the KV cache (default: the model's max_seq_len; a
     cache larger than the memory left is refused before it is allocated). ``adapters`` (name ->
     directory: a PEFT adapter or a LoRA run of ours) are put over the model unmerged, each
-    served under its name (``serve.adapters``)."""
+    served under its name (``serve.adapters``). ``cuda_graph``: every decode step a CUDA
+    graph (``Engine``)."""
     check_device(device)
     name = name or Path(checkpoint).resolve().name
     adapters = dict(adapters or {})
@@ -74,7 +76,7 @@ def load_served(checkpoint: str | Path, slots: int = 8, max_queue: int = 64,
     if eot_id is not None:
         eos.add(eot_id)  # a special token ends the reply by its id
     engine = Engine(model, tok, slots=slots, max_queue=max_queue, eos_ids=eos, compile=compile,
-                    max_context=max_context, adapters=rows)  # fmt: skip
+                    max_context=max_context, adapters=rows, cuda_graph=cuda_graph)  # fmt: skip
     served = Served(engine, tok, name, template, specials, adapters=list(adapters))
     served.chat_stop = () if eot_id is not None else (eot,)  # a plain-text end of turn
     return served

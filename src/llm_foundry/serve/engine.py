@@ -15,6 +15,12 @@ not depend on where its slots lie and rows can be moved:
 
 Requests wait in a bounded queue; a full queue refuses new ones (``QueueFull``).
 
+With ``cuda_graph=True`` every decode step runs the static step of ``decode_graph`` over rows
+0..b-1 of the cache, b the smallest of 1, 2, 4, ... (capped at ``slots``) covering the busy
+rows: the write position and each row's pad are device tensors and attention reads the whole
+buffer, masked, so on CUDA each b's step is one CUDA graph, captured once (``warm_up``) and
+replayed every step. Off CUDA the same step runs eagerly (the numbers a graph gives, no graph).
+
 With LoRA adapters over the model (``models.multi_lora``), each request names its adapter (0:
 the bare base) and every forward first tells the adapted layers each row's: rows of different
 adapters share one decode step.
@@ -39,6 +45,8 @@ from llm_foundry.messages import one_line
 from llm_foundry.sampling import check_sampling, sample_next
 
 LOGPROB_FLOOR = -9999.0  # OpenAI's stand-in for a token the model rules out (JSON has no -inf)
+CUDA_GRAPH_ADAPTERS = ("--cuda-graph with --adapter: a graph holds one adapter layout, not each "
+                       "step's rows; serve adapters without --cuda-graph")  # fmt: skip
 
 
 class QueueFull(Exception):
@@ -113,6 +121,7 @@ class Engine:
         compile: bool = False,
         max_context: int | None = None,
         adapters=None,
+        cuda_graph: bool = False,
     ):
         cfg = model.cfg
         if slots < 1 or max_queue < 0:
@@ -124,13 +133,21 @@ class Engine:
             )
         self.context = max_context or cfg.max_seq_len  # prompt + reply, per request
         self.capacity = capacity or 2 * self.context
+        device = next(model.parameters()).device
+        dtype = model.tok_emb.weight.dtype
+        self.cuda_graph = cuda_graph
+        if cuda_graph:
+            from llm_foundry import decode_graph
+
+            if adapters is not None:
+                raise ValueError(CUDA_GRAPH_ADAPTERS)
+            decode_graph.check_static(model, decode_graph.captures(device))
+            self.capacity = decode_graph.buffer_length(self.capacity, device)
         if cfg.sliding_window is not None and cfg.sliding_window < self.capacity:
             raise ValueError(
                 f"serving a sliding-window model (window {cfg.sliding_window}) needs its window "
                 f">= the cache capacity {self.capacity}; not supported yet"
             )
-        device = next(model.parameters()).device
-        dtype = model.tok_emb.weight.dtype
         self._check_memory(cfg, slots, device, dtype, capacity is None)
         self.model, self.tok, self.slots, self.max_queue = model.eval(), tokenizer, slots, max_queue
         self.eos_ids = set(eos_ids)
@@ -138,7 +155,9 @@ class Engine:
         # one busy row decodes through the compiled step, whose fused matvec streams weights
         # faster; batches of rows are matrix products either way and run eager (measured:
         # benchmarks/README.md, bench_serve); prefill stays eager
-        if compile:
+        self.compile = compile
+        self.static: dict[int, object] = {}  # rows b -> decode_graph.StaticDecoder over them
+        if compile and not cuda_graph:
             from llm_foundry.generate import _compiled
 
             self.decode = _compiled(model)
@@ -217,8 +236,20 @@ class Engine:
     def warm_up(self) -> None:
         """Compile the one-row decode step before the first request (two cache lengths: the
         second makes the length symbolic, so it compiles once; with adapters, once for the
-        bare base and once for a row with an adapter)."""
-        if self.decode is self.model or any(r is not None for r in self.rows):
+        bare base and once for a row with an adapter). With ``cuda_graph``: capture every
+        batch size's graph (its step writes slot 0 of an empty cache)."""
+        if any(r is not None for r in self.rows):
+            return
+        if self.cuda_graph:
+            from llm_foundry.decode_graph import captures
+
+            if captures(self.device) or self.compile:
+                for b in self._sizes():
+                    self._static_step(b, torch.zeros(b, 1, dtype=torch.long), 0,
+                                      torch.zeros(b, dtype=torch.long, device=self.device))  # fmt: skip
+            self.t = 0
+            return
+        if self.decode is self.model:
             return
         for adapter in (0, 1) if self.adapters is not None else (0,):
             self._select([adapter])
@@ -294,16 +325,24 @@ class Engine:
         if self.t >= self.capacity:
             self._shift(-int(min(self.pad[r] for r in active)))
         n = active[-1] + 1  # rows past the last busy one are left out of the batch
+        if self.cuda_graph:
+            n = next(b for b in self._sizes() if b >= n)  # a size a graph was captured for
         rows = self.rows[:n]  # a free row feeds token 0 and sees only itself (pad = t)
-        last = torch.tensor([[s.tokens[-1] if s else 0] for s in rows], device=self.device)
-        pad = torch.where(torch.tensor([s is not None for s in rows], device=self.device),
-                          self.pad[:n], self.t)  # fmt: skip
-        cache = self.cache.rows(n)
-        cache.length, cache.pad = self.t, pad
+        # built on the host and sent without a wait: the step's one sync is reading its tokens
+        last = torch.tensor([[s.tokens[-1] if s else 0] for s in rows])
+        busy = torch.tensor([s is not None for s in rows]).to(self.device, non_blocking=True)
+        pad = torch.where(busy, self.pad[:n], self.t)
         try:
-            self._select([s.adapter if s else 0 for s in rows])
-            step = self.decode if n == 1 else self.model
-            logits = step(last, cache=cache, last_only=True)[0][:, -1]
+            if self.cuda_graph:
+                logits = self._static_step(n, last, self.t, pad)
+            else:
+                cache = self.cache.rows(n)
+                cache.length, cache.pad = self.t, pad
+                self._select([s.adapter if s else 0 for s in rows])
+                step = self.decode if n == 1 else self.model
+                logits = step(last.to(self.device, non_blocking=True), cache=cache, last_only=True)[
+                    0
+                ][:, -1]
         except Exception as e:  # noqa: BLE001 - every request in flight is told
             self._fail_all(e)
             return
@@ -312,6 +351,24 @@ class Engine:
         self.stats.busy_slot_steps += len(active)
         for r in active:
             self._accept(self.rows[r], logits[r : r + 1])
+
+    def _sizes(self) -> list[int]:
+        """The batch sizes a static step is built for: 1, 2, 4, ... and ``slots``."""
+        sizes = [1 << i for i in range(self.slots.bit_length()) if 1 << i < self.slots]
+        return sizes + [self.slots]
+
+    def _static_step(self, b: int, last: torch.Tensor, t: int, pad: torch.Tensor):
+        """The logits (b, V) of the static step over rows 0..b-1 (its graph replayed on CUDA),
+        feeding ``last`` (b, 1) at slot ``t`` with each row's ``pad`` (b,)."""
+        dec = self.static.get(b)
+        if dec is None:
+            from llm_foundry.decode_graph import StaticDecoder, captures
+
+            dec = StaticDecoder(self.model, b, self.capacity, cache=self.cache.rows(b),
+                                compile=self.compile and b == 1,
+                                capture=captures(self.device))  # fmt: skip
+            self.static[b] = dec
+        return dec.decode(last, t, pad)
 
     def _join(self, seq: Sequence) -> None:
         """Prefill ``seq`` alone and place its keys/values in a free row ending at slot t; what
