@@ -8,12 +8,13 @@ import signal
 from pathlib import Path
 
 import matplotlib.image as mpimg
+import numpy as np
 import pytest
 
 from llm_foundry import ablation
 from llm_foundry.ablation import Study, Variant, expand, load_study, parse_assignment, recipe_names
 from llm_foundry.cli import main as cli
-from llm_foundry.data import load_meta
+from llm_foundry.data import PreparedSplit, load_meta, split_stream
 from llm_foundry.train.trainer import Trainer
 
 TINY_MODEL = dict(dim=32, n_layers=2, n_heads=2, n_kv_heads=2, hidden_dim=64, max_seq_len=16)
@@ -504,7 +505,7 @@ def test_a_variant_too_large_for_the_machine_is_refused_before_any_variant_train
 
 
 def test_an_extrapolation_longer_than_the_validation_split_is_refused_up_front(data_dir, tmp_path):
-    val = len(ablation.runner.load_split(data_dir, "val"))
+    val = len(split_stream(data_dir, "val"))
     factor = (val // TINY_TRAIN["block_size"]) + 1
     study = tiny_study(vary={"pos_encoding": ["rope", "alibi"]}, extrapolation=[1, factor])
     with pytest.raises(
@@ -512,6 +513,32 @@ def test_an_extrapolation_longer_than_the_validation_split_is_refused_up_front(d
     ):
         ablation.run_study(study, data_dir, tmp_path / "out")
     assert not (tmp_path / "out" / "runs").exists()
+
+
+def test_a_sharded_corpus_is_studied_with_its_whole_validation_split(tmp_path):
+    """A directory of shards (as ``prepare --input`` writes): the variants train, the probe
+    reads a batch, the extrapolation evaluates every validation shard in order, and the up-front
+    check counts the tokens of all of them."""
+    from conftest import corpus_text
+    from sharded import sharded_text
+
+    data = sharded_text(tmp_path / "data", corpus_text(40_000), train_shards=3, val_shards=2)
+    shards = PreparedSplit(data, "val").tokens
+    total = sum(len(t) for t in shards)
+    assert len(shards) == 2 and len(split_stream(data, "val")) == total > len(shards[0])
+    assert (split_stream(data, "val") == np.concatenate([np.asarray(t) for t in shards])).all()
+    too_long = total // TINY_TRAIN["block_size"] + 1
+    study = tiny_study(vary={"pos_encoding": ["rope", "alibi"]}, extrapolation=[1, too_long])
+    with pytest.raises(ValueError, match=rf"has {total:,}"):
+        ablation.run_study(study, data, tmp_path / "refused")
+    study = tiny_study(vary={"pos_encoding": ["rope", "alibi"]}, extrapolation=[1, 2])
+    report = ablation.run_study(study, data, tmp_path / "out")
+    for row in report["rows"]:
+        assert [e["context"] for e in row["extrapolation"]] == [16, 32]
+        assert all(e["loss"] > 0 for e in row["extrapolation"])
+    study.model["vocab_size"] = load_meta(data)["vocab_size"]
+    norms = ablation.probe_init_grad_norms(study, expand(study)[:1], data)
+    assert all(g > 0 for v in norms.values() for g in v)
 
 
 def test_a_seed_out_of_range_and_bad_seeds_flags_are_one_line(data_dir, tmp_path, capsys):

@@ -153,7 +153,7 @@ def test_cli_table_and_json(tmp_path, capsys):
     assert "cannot run" not in capsys.readouterr().out
 
 
-def test_cli_refuses_data_from_another_tokenizer_and_a_directory(tmp_path):
+def test_cli_refuses_data_from_another_tokenizer(tmp_path):
     model = _model(vocab_size=20)
     save_checkpoint(model, tmp_path / "ck")
     data = tmp_path / "data"
@@ -164,13 +164,40 @@ def test_cli_refuses_data_from_another_tokenizer_and_a_directory(tmp_path):
     args = ["--checkpoint", str(tmp_path / "ck")]
     with pytest.raises(ValueError, match="holds token id 99, past the model's vocab_size 20"):
         main([*args, "--data", str(data / "val.bin"), "--context", "8"])
-    with pytest.raises(ValueError, match="is a directory; give a token file"):
-        main([*args, "--data", str(data)])
     with pytest.raises(ValueError, match="--rope-factor needs --rope-scaling"):
         main([*args, "--data", str(data / "val.bin"), "--rope-factor", "2"])
     CharTokenizer.train("abc").save(tmp_path / "ck" / "tokenizer.json")
     with pytest.raises(FileNotFoundError, match="--text .*nope.txt: no such file"):
         main([*args, "--text", str(tmp_path / "nope.txt")])
+
+
+def test_cli_data_directory_is_its_validation_split_every_shard_in_order(tmp_path, capsys):
+    """``--data DIR`` evaluates DIR's validation split: its shards joined in order, each read
+    alone as a token file; a directory from before shards reads its val.bin."""
+    from sharded import write_sharded
+
+    from llm_foundry.data import load_meta, open_tokens
+
+    save_checkpoint(_model(pos_encoding="rope"), tmp_path / "ck")
+    docs = [list(_tokens(300)[i : i + 50]) for i in range(0, 300, 50)]
+    data = write_sharded(tmp_path / "sharded", [docs[:2]], [docs[2:4], docs[4:]], vocab_size=23)
+    args = ["--checkpoint", str(tmp_path / "ck"), "--context", "16", "--json"]
+    shards = [data / s["file"] for s in load_meta(data)["shards"]["val"]]
+    joined = np.concatenate([open_tokens(f, "uint16") for f in shards])
+    (old := tmp_path / "legacy").mkdir()
+    joined.tofile(old / "val.bin")
+    (old / "meta.json").write_text(json.dumps(dict(dtype="uint16", vocab_size=23,
+                                                   train_tokens=0, val_tokens=len(joined))))  # fmt: skip
+    reports = []
+    for where in (data, old, old / "val.bin"):
+        assert main([*args, "--data", str(where)]) == 0
+        reports.append(json.loads(capsys.readouterr().out)["results"][0])
+    want = evaluate_tokens(_model(pos_encoding="rope"), joined, 16)
+    assert len(shards) == 2 and reports[0]["scored_tokens"] == len(joined) - 1
+    for r in reports:
+        assert r["loss"] == pytest.approx(want["loss"], abs=1e-6)
+    one = main([*args, "--data", str(shards[1])])
+    assert one == 0 and json.loads(capsys.readouterr().out)["results"][0]["scored_tokens"] == 99
 
 
 def test_cli_evaluates_an_hf_directory_as_its_source_checkpoint(tmp_path, capsys):

@@ -18,7 +18,7 @@ import llm_foundry
 from llm_foundry import lock
 from llm_foundry.ablation.report import summarise, training_seconds, write_report
 from llm_foundry.ablation.spec import Study, Variant, configs, expand, run_dir_name
-from llm_foundry.data import data_fingerprint, load_split
+from llm_foundry.data import PreparedSplit, data_fingerprint, split_stream
 from llm_foundry.models.position import position_traits
 from llm_foundry.models.transformer import Transformer
 from llm_foundry.plots import read_metrics
@@ -198,7 +198,7 @@ def run_one(study: Study, variant: Variant, seed_index: int, data: Path, run_dir
         skipped_steps=res.skipped_steps,
     )
     if study.extrapolation:
-        val = np.asarray(load_split(data, "val"))
+        val = np.asarray(split_stream(data, "val"))
         out["extrapolation"] = extrapolation(
             model, val, tc.block_size, study.extrapolation, study.eval_tokens
         )
@@ -237,7 +237,7 @@ def preflight(study: Study, variants: list[Variant], data: Path) -> None:
     from llm_foundry.train.distributed import resolve_device
     from llm_foundry.train.memory import check_training_memory
 
-    val = len(load_split(data, "val"))
+    val = sum(len(t) for t in PreparedSplit(data, "val").tokens)
     for v in variants:
         mc, tc = configs(study, v, 0)
         try:
@@ -320,7 +320,8 @@ def probe_init_grad_norms(study: Study, variants: list[Variant], data: Path) -> 
     out = {}
     for v in variants:
         mc, tc = configs(study, v, 0)
-        x, y = BatchSampler(load_split(data, "train"), tc.block_size, tc.batch_size, tc.seed).next()
+        first = PreparedSplit(data, "train").tokens[0]  # one batch: the first shard holds it
+        x, y = BatchSampler(first, tc.block_size, tc.batch_size, tc.seed).next()
         for residual in (True, False):
             torch.manual_seed(tc.seed)
             model = Transformer(mc.replace(residual=residual, vocab_size=_vocab(data)))

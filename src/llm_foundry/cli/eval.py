@@ -23,13 +23,11 @@ def _load_tokens(ns, tok, ckpt: Path) -> tuple[np.ndarray, str]:
             raise FileNotFoundError(f"--text {ns.text}: no such file")
         text = Path(ns.text).read_text(encoding="utf-8")
         return np.array(tok.encode(text), dtype=np.int64), ns.text
-    from llm_foundry.data import load_meta, open_tokens
+    from llm_foundry.data import load_meta, open_tokens, split_stream
 
     path = Path(ns.data)
-    if path.is_dir():
-        raise ValueError(
-            f"--data {path} is a directory; give a token file, e.g. {path / 'val.bin'}"
-        )
+    if path.is_dir():  # a prepared directory: its validation split, every shard in order
+        return np.asarray(split_stream(path, "val")), f"{path} (val)"
     meta = load_meta(path.parent)
     return np.asarray(open_tokens(path, meta["dtype"])), str(path)
 
@@ -62,7 +60,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--adapter", default=None, metavar="DIR", help="a LoRA adapter to merge into "
                    "the model first: a PEFT adapter directory, or a LoRA run of ours")  # fmt: skip
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--data", help="a token file written by prepare (e.g. data/x/val.bin)")
+    src.add_argument("--data", help="a directory written by prepare (its validation split, "
+                     "every shard) or one of its token files (e.g. data/x/train_00003.bin)")  # fmt: skip
     src.add_argument("--text", help="a UTF-8 text file, encoded with the checkpoint's tokenizer")
     src.add_argument(
         "--tasks",

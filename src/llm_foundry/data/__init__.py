@@ -20,7 +20,14 @@ from llm_foundry.data.batches import (
     open_tokens,
 )
 from llm_foundry.data.encode import encode_text, prepare, split_pieces, split_text, token_dtype
-from llm_foundry.data.loader import Loader, Prefetch, PreparedSplit, Source, parse_sources
+from llm_foundry.data.loader import (
+    Loader,
+    Prefetch,
+    PreparedSplit,
+    Source,
+    parse_sources,
+    split_stream,
+)
 from llm_foundry.data.sources import (
     DATASETS,
     DataError,
@@ -38,6 +45,7 @@ __all__ = [
     "Loader",
     "Prefetch",
     "PreparedSplit",
+    "split_stream",
     "Source",
     "TextSource",
     "data_fingerprint",

@@ -192,6 +192,14 @@ class PreparedSplit:
         return self._documents
 
 
+def split_stream(data_dir: str | Path, split: str) -> np.ndarray:
+    """``split``'s tokens as one stream, shard after shard: the memmap itself where there is one
+    shard (a directory from before shards too), else the shards joined in memory, a copy: for
+    evaluating a validation split, not for reading a training corpus (``Loader`` reads that)."""
+    tokens = PreparedSplit(data_dir, split).tokens
+    return tokens[0] if len(tokens) == 1 else np.concatenate(tokens)
+
+
 class Documents:
     """The documents of a corpus's shards: document i is ``length[i]`` tokens of shard
     ``shard[i]`` from ``start[i]``."""
