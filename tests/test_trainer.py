@@ -21,6 +21,7 @@ from llm_foundry.cli import main
 from llm_foundry.config import ConfigError
 from llm_foundry.train import state as train_state
 from llm_foundry.train.config import TrainConfig
+from llm_foundry.train.optim import skips_on_device, step_unless
 from llm_foundry.train.trainer import Trainer, TrainingDiverged
 
 # tiny, but with dropout so that a resume must restore torch's RNG state too
@@ -223,6 +224,44 @@ def test_nonfinite_loss_can_be_skipped_and_counted(data_dir, tmp_path):
     losses = _losses(tmp_path / "run")
     assert math.isnan(losses[3]) and all(math.isfinite(v) for s, v in losses.items() if s != 3)
     assert any(not torch.equal(weights[k], v) for k, v in t.model.state_dict().items())
+
+
+def test_a_step_skipped_on_the_device_equals_one_the_host_never_took(data_dir, tmp_path):
+    """Fused AdamW skips a non-finite step itself (its found-inf flag), so the host reads the
+    loss after queuing the step: the run (losses, weights, moments, step counts) is bit for bit
+    the one that checks the loss first and never calls the optimizer."""
+    runs = {}
+    for on_device in (True, False):
+        t = make_trainer(data_dir, tmp_path / f"run-{on_device}", on_nonfinite="skip")
+        assert t.skips_on_device and skips_on_device(t.optimizer)  # fused AdamW on the CPU too
+        t.skips_on_device = on_device
+        _poison_at(t, 3)
+        result = t.run()
+        state = t.optimizer.state_dict()["state"]
+        runs[on_device] = (_losses(tmp_path / f"run-{on_device}"), t.model.state_dict(), state)
+        assert result.skipped_steps == 1
+    (losses, weights, state), (want_losses, want_weights, want_state) = runs[True], runs[False]
+    assert str(losses) == str(want_losses)  # NaN at step 3 in both
+    assert all(torch.equal(weights[k], want_weights[k]) for k in want_weights)
+    for i, moments in want_state.items():
+        assert all(torch.equal(state[i][k], v) for k, v in moments.items()), i
+    assert int(state[0]["step"]) == 11  # 12 steps, one skipped
+
+
+def test_step_unless_leaves_every_tensor_of_a_bad_step_untouched():
+
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(5, 3))
+    opt = torch.optim.AdamW([w], lr=0.1, fused=True)
+    for bad in (False, True, False):
+        before = w.detach().clone(), {k: v.clone() for k, v in opt.state[w].items()}
+        w.grad = torch.randn(5, 3)
+        step_unless(opt, torch.tensor(bad))
+        same = torch.equal(w, before[0]) and all(
+            torch.equal(opt.state[w][k], v) for k, v in before[1].items()
+        )
+        assert same == bad and not hasattr(opt, "found_inf")
+    assert int(opt.state[w]["step"]) == 2
 
 
 def test_a_crash_during_save_never_breaks_latest(data_dir, tmp_path, monkeypatch):

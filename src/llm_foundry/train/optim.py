@@ -67,6 +67,24 @@ def build_optimizer(
     )
 
 
+def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` can skip a step on the device (``step_unless``): fused AdamW, whose
+    kernel reads a found-inf flag as PyTorch's grad scaler sets it. Read from the groups: a
+    state loaded from a sharded run's save brings its unfused groups."""
+    groups = optimizer.param_groups
+    return isinstance(optimizer, torch.optim.AdamW) and all(g.get("fused") for g in groups)
+
+
+def step_unless(optimizer: torch.optim.Optimizer, bad: torch.Tensor) -> None:
+    """``optimizer.step()``, skipped on the device where ``bad`` (a 0-d bool tensor) is true:
+    parameters, moments and step counts stay as they were, and the host waits for nothing."""
+    optimizer.found_inf = bad.to(torch.float32)
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.found_inf
+
+
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     """Every group's learning rate for the next step: ``lr`` times the group's ``lr_scale``
     (Muon's peak lr on the same schedule)."""

@@ -54,7 +54,7 @@ from llm_foundry.train.dpo import STAT_NAMES, completion_lengths, preference_los
 from llm_foundry.train.memory import check_training_memory
 from llm_foundry.train.metrics import MetricsLog, tb_write, tensorboard
 from llm_foundry.train.monitor import ExpertLoad, Monitor, layer_grad_norms, rest_grad_norm
-from llm_foundry.train.optim import build_optimizer, set_lr
+from llm_foundry.train.optim import build_optimizer, set_lr, skips_on_device, step_unless
 from llm_foundry.train.precision import choose_precision, recorded_dtype
 from llm_foundry.train.reference import (
     REFERENCE_FILE,
@@ -147,6 +147,8 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, tc, self.device, self.sharded,
                                          self.precision.ns_dtype)  # fmt: skip
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.dtype == "fp16")
+        # fused AdamW skips a non-finite step on the device: the host reads the loss after it
+        self.skips_on_device = not self.scaler.is_enabled()
         # dcp / dcp-async: every rank writes its own shards (train/dcp.py); full: rank 0 all
         self.dcp = None if tc.checkpoint_format == "full" else ShardedCheckpoints(
             self.ckpt_root, self.world, tc.checkpoint_format == "dcp-async", tc.keep_last
@@ -495,19 +497,22 @@ class Trainer:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor holding the global norm
             grad_norm = grad_norm.full_tensor()
+        on_device = self.skips_on_device and skips_on_device(self.optimizer)
+        if on_device:  # the step is queued before the host waits for its numbers
+            bad = ~(torch.isfinite(loss_sum) & torch.isfinite(grad_norm))
+            step_unless(self.optimizer, bad)
         loss_value, norm_value = loss_sum.item(), grad_norm.item()  # the one host sync per step
         if self.reference is not None:  # computed by now: no further wait
             means = D.mean(stats_sum, self.world).tolist()
             self.last_stats = dict(zip(STAT_NAMES, means, strict=True))
         # fp16's grad scaler skips overflowing steps itself; only a bad loss is fatal there
         bad_norm = not math.isfinite(norm_value) and not self.scaler.is_enabled()
-        if not math.isfinite(loss_value) or bad_norm:
-            self.optimizer.zero_grad(set_to_none=True)
-            return loss_value, norm_value, False, norms
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
+        applied = math.isfinite(loss_value) and not bad_norm
+        if applied and not on_device:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
-        return loss_value, norm_value, True, norms
+        return loss_value, norm_value, applied, norms
 
     # ------------------------------------------------------------------------------------------
     def run(self) -> RunResult:
