@@ -19,7 +19,7 @@ from llm_foundry.checkpoint import save_checkpoint
 from llm_foundry.config import ConfigError, ModelConfig
 from llm_foundry.data import DataError
 from llm_foundry.data.batches import IGNORE
-from llm_foundry.data.preference import PreferenceSampler, prepare_preference
+from llm_foundry.data.preference import FIELDS, PreferenceSampler, prepare_preference
 from llm_foundry.models import Transformer
 from llm_foundry.models.lora import adapters_disabled, add_lora, lora_layers
 from llm_foundry.tokenizer import CharTokenizer
@@ -514,11 +514,13 @@ def test_the_corpus_demo_raises_the_reward_margins(shared_data, tmp_path, capsys
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("train", [dict(), dict(lora_r=2, lora_targets="wq,wv,w2")],
-                         ids=["full", "lora"])  # fmt: skip
+@pytest.mark.parametrize("train", [dict(), dict(lora_r=2, lora_targets="wq,wv,w2"),
+                                   dict(dpo_reference="precomputed")],
+                         ids=["full", "lora", "precomputed"])  # fmt: skip
 def test_dpo_on_two_ddp_ranks_gives_the_losses_of_one_process(pref, tmp_path, train):
     """Each rank's loss is the mean over its half of the pairs; DDP averages the gradients, so
-    two ranks at B pairs each train as one process at 2B (their sampler draws the same pairs)."""
+    two ranks at B pairs each train as one process at 2B (their sampler draws the same pairs);
+    a precomputed reference is the same table (scored in batches of B, not 2B)."""
     from test_distributed import MODEL, TRAIN, _flags, losses, torchrun, val_losses
 
     from llm_foundry.presets import get_preset
@@ -539,6 +541,15 @@ def test_dpo_on_two_ddp_ranks_gives_the_losses_of_one_process(pref, tmp_path, tr
     assert one.keys() == ddp.keys() and max(abs(one[k] - ddp[k]) for k in one) < 1e-5
     one, ddp = val_losses(tmp_path / "one"), val_losses(tmp_path / "ddp")
     assert one.keys() == ddp.keys() and max(abs(one[k] - ddp[k]) for k in one) < 1e-5
+    if train.get("dpo_reference") == "precomputed":
+        from safetensors.torch import load_file
+
+        from llm_foundry.train.reference import REFERENCE_FILE
+
+        one, ddp = (load_file(str(tmp_path / run / REFERENCE_FILE)) for run in ("one", "ddp"))
+        assert one.keys() == ddp.keys() == {"train", "val"}
+        for split in one:
+            torch.testing.assert_close(ddp[split], one[split], rtol=0, atol=1e-5)
 
 
 def test_chat_rows_under_an_hf_template_target_what_trl_calls_the_completion(tmp_path):
@@ -581,3 +592,133 @@ def test_finetune_task_dpo_errors_are_one_line(pref, tmp_path, capsys):
     lm = ["finetune", "--checkpoint", init, "--data", str(data), "--out", str(tmp_path / "lm")]
     rc, err = cli_status(lm, capsys)
     assert rc == 2 and "holds preference pairs: train them with train.task=dpo" in err, err
+
+
+@pytest.mark.parametrize(
+    ("flags", "field"),
+    [
+        (["--train.dpo_beta", "-1"], "train.dpo_beta=-1"),
+        (["--train.dpo_loss", "kto"], "train.dpo_loss='kto'"),
+        (["--train.dpo_label_smoothing", "0.5"], "train.dpo_label_smoothing=0.5"),
+        (["--train.dpo_reference", "copy"], "train.dpo_reference='copy'"),
+        (["--train.fused_loss", "true"], "task='dpo' with fused_loss=true"),  # as task=dpo
+    ],
+)
+def test_bad_dpo_settings_are_refused_before_any_row_is_read(pref, tmp_path, capsys, flags, field):
+    """finetune --task dpo checks the settings as the training command will, before it reads
+    the rows (bad rows: their error would come first otherwise) or writes OUT/data (good rows:
+    they would be tokenized there first otherwise)."""
+    data, tok = pref
+    init, _ = _base(tmp_path, tok)
+    tok.save(f"{init}/tokenizer.json")
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "a"}\n{"prompt": "b"}\n')
+    _write_rows(tmp_path / "good.jsonl", _rows())
+    out = tmp_path / "run"
+    args = ["finetune", "--task", "dpo", "--checkpoint", init, "--out", str(out), *flags]
+    for rows in ("bad.jsonl", "good.jsonl"):
+        rc, err = cli_status([*args, "--data", str(tmp_path / rows)], capsys)
+        assert rc == 2 and err.count("\n") == 1 and field in err, err
+        assert not (out / "data").exists()
+
+
+def test_validation_pairs_cut_at_the_block_size_are_counted_as_the_training_ones(tmp_path, capsys):
+    """A sequence longer than block_size + 1 tokens is cut; a pair whose prompt fills the block
+    keeps no completion token and is left out. Counted from the rows' lengths (one character a
+    token, no end-of-sequence token), the notes at the start say so for both splits."""
+    block = 24
+    rng = random.Random(1)
+
+    def text(n):
+        return "".join(rng.choice("abcdefghij ") for _ in range(n - 1)) + "\n"
+
+    # (prompt, chosen, rejected) lengths; finetune holds the last 10% out: rows 18 and 19
+    sizes = [(8, 6, 4)] * 15 + [(10, 20, 20), (10, 20, 5), (30, 3, 3), (6, 30, 4), (25, 2, 2)]
+    rows = [{"prompt": text(p), "chosen": text(c), "rejected": text(r)} for p, c, r in sizes]
+    _write_rows(tmp_path / "rows.jsonl", rows)
+    tok = CharTokenizer.train("abcdefghij \n")
+    init, _ = _base(tmp_path, tok)
+    tok.save(f"{init}/tokenizer.json")
+
+    def expected(part):
+        cut = sum(len(r["prompt"]) + len(r[f]) > block + 1 for r in part for f in FIELDS[1:])
+        left_out = sum(len(r["prompt"]) > block for r in part)  # no target in the block
+        return cut, left_out, len(part)
+
+    train, val = expected(rows[:18]), expected(rows[18:])
+    assert train != val and all(train) and all(val)  # both splits cut and leave out, unalike
+    args = ["finetune", "--task", "dpo", "--checkpoint", init, "--out", str(tmp_path / "run"),
+            "--data", str(tmp_path / "rows.jsonl"), "--train.block_size", str(block),
+            "--train.max_steps", "1", "--train.batch_size", "2", "--train.eval_batches", "1",
+            "--train.sample_tokens", "0", "--train.progress", "false"]  # fmt: skip
+    from llm_foundry.cli import main
+
+    capsys.readouterr()
+    rc = main(args)
+    out_text, err = capsys.readouterr()
+    assert rc == 0, err
+    for what, (cut, left_out, n) in (("training", train), ("validation", val)):
+        note = (
+            f"note: {cut} {what} sequences are longer than block_size + 1 = {block + 1} "
+            f"tokens and are cut; {left_out} of {n} pairs keep no target and are left out"
+        )
+        assert note in out_text, out_text
+    sampler = PreferenceSampler(tmp_path / "run" / "data", "val", block, 1)
+    assert (sampler.cut, sampler.dropped, sampler.pairs) == val
+
+
+SCORE_SCRIPT = """
+import contextlib, json, sys
+from pathlib import Path
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+from llm_foundry.checkpoint import read_config
+from llm_foundry.data.preference import PreferenceSampler
+from llm_foundry.train import distributed as D
+from llm_foundry.train.reference import ModelReference, frozen_copy, score_all
+
+data, init, out, batch = sys.argv[1], sys.argv[2], Path(sys.argv[3]), int(sys.argv[4])
+world, device = D.init_world(torch.device("cpu"), "ddp")
+frozen = frozen_copy(read_config(init), init, device)
+scorer = ModelReference(frozen, frozen, contextlib.nullcontext)
+scored, logps = [], scorer.logps
+scorer.logps = lambda x, y: scored.append(len(x) // 2) or logps(x, y)  # pairs this rank scores
+samplers = {split: PreferenceSampler(data, split, 64, batch) for split in ("train", "val")}
+table = score_all(scorer, samplers, batch, device, world=world)
+(out / f"rank{world.rank}.json").write_text(json.dumps(sum(scored)))
+if world.main:
+    save_file(table, str(out / "table.safetensors"))
+if world.distributed:
+    dist.destroy_process_group()
+"""
+
+
+@pytest.mark.heavy
+def test_a_precomputed_reference_on_two_ranks_is_scored_in_halves_and_equals_one_process(
+    pref, tmp_path
+):
+    """With a distributed world each rank scores its share of the pairs (every pair once over
+    the ranks) and the gathered table is one process's, bit for bit: each batch is the one a
+    single process scores (batches of 5: the 12 training pairs end with a short one, the 4
+    held-out pairs are one, of which the second rank has no share)."""
+    from safetensors.torch import load_file
+    from test_distributed import torchrun
+
+    data, tok = pref
+    init, _ = _base(tmp_path, tok)
+    script = tmp_path / "score.py"
+    script.write_text(SCORE_SCRIPT)
+    tables, counts = {}, {}
+    for nproc in (1, 2):
+        out = tmp_path / f"ranks{nproc}"
+        out.mkdir()
+        r = torchrun([str(data), init, str(out), "5"], nproc=nproc, script=str(script))
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        tables[nproc] = load_file(str(out / "table.safetensors"))
+        counts[nproc] = [json.loads((out / f"rank{k}.json").read_text()) for k in range(nproc)]
+    pairs = sum(PreferenceSampler(data, s, 64, 1).pairs for s in ("train", "val"))
+    assert counts[1] == [pairs] and sum(counts[2]) == pairs and min(counts[2]) > 0, counts
+    assert tables[1].keys() == tables[2].keys() == {"train", "val"}
+    for split, one in tables[1].items():
+        two = tables[2][split]
+        assert one.shape == two.shape and torch.equal(one.view(torch.int32), two.view(torch.int32))

@@ -5,7 +5,10 @@ on preference pairs.
 ``--task dpo --data ROWS`` takes preference rows (a JSONL file, or a shipped task such as
 ``shakespeare_prefer_next_line``), tokenizes them with the checkpoint's tokenizer into
 ``OUT/data`` and trains with ``train.task=dpo`` (train/dpo.py); a directory already prepared
-is used as it is. At the end the rewards are plotted in ``OUT/rewards.png``.
+is used as it is. The settings are resolved and checked first, as ``train`` will (a bad
+``--train.dpo_beta`` is refused before any row is read), and the validation pairs cut at
+``block_size`` are counted as the trainer counts the training ones. At the end the rewards are
+plotted in ``OUT/rewards.png``.
 """
 
 from __future__ import annotations
@@ -48,6 +51,44 @@ def preference_rows(data: str) -> Path | None:
     return Path(data)
 
 
+def _train_args(ns, rest: list[str]) -> list[str]:
+    """The training command's arguments: the flags this command read, given back."""
+    given = [(f"--{k}", getattr(ns, k)) for k in ("data", "out", "checkpoint")]
+    args = [*rest, *[x for flag, v in given if v is not None for x in (flag, v)]]
+    return args + ["--resume"] * ns.resume + (["--train.task", ns.task] if ns.task else [])
+
+
+def _settings(args: list[str]):
+    """The training settings ``args`` resolve to, as the training command resolves them (its
+    flags, --config files, the checkpoint's architecture); a bad one is a ConfigError here,
+    before any row is read or file written."""
+    from llm_foundry.cli.options import join_negative_values, settings_from
+    from llm_foundry.cli.train import SECTIONS, _base_model, parser
+
+    tns = parser(finetune=True).parse_args(join_negative_values(args))
+    if tns.checkpoint is None:
+        raise ValueError(
+            "finetune needs --checkpoint DIR (a run, our checkpoint or an HF directory)"
+        )
+    base = _base_model(tns.checkpoint)[1]
+    extra = ("out", "resume", "data", "checkpoint")
+    return settings_from(tns, SECTIONS, base_model=base, extra_keys=extra).train
+
+
+def _say_val_cut(data: Path, block_size: int) -> None:
+    """The note the trainer gives for the training pairs (sequences cut at block_size + 1
+    tokens, pairs left with no target), for the validation pairs; rank 0 alone."""
+    import os
+
+    from llm_foundry.data.preference import PreferenceSampler
+
+    s = PreferenceSampler(data, "val", block_size, 1)
+    if (s.cut or s.dropped) and int(os.environ.get("RANK", "0")) == 0:
+        print(f"note: {s.cut} validation sequences are longer than block_size + 1 = "
+              f"{block_size + 1} tokens and are cut; {s.dropped} of {s.pairs} pairs keep no "
+              "target and are left out")  # fmt: skip
+
+
 def _prepare(ns) -> None:
     """--data's rows tokenized with the checkpoint's tokenizer into OUT/data; --data points
     there from now on."""
@@ -57,10 +98,6 @@ def _prepare(ns) -> None:
     rows = preference_rows(ns.data)
     if rows is None:
         return
-    if ns.checkpoint is None:
-        raise ValueError(
-            "finetune needs --checkpoint DIR (a run, our checkpoint or an HF directory)"
-        )
     out = Path(ns.out)
     if RunDir(out).latest() is not None:  # its data is the run's: never prepared over
         raise ValueError(f"--out {out} already holds a run with checkpoints: continue it with "
@@ -84,11 +121,11 @@ def main(argv: list[str]) -> int:
     if ns.task == "dpo" and not ns.resume:
         ns.out = ns.out or f"runs/dpo-{time.strftime('%Y%m%d-%H%M%S')}"
         if ns.data is not None:
+            block_size = _settings(_train_args(ns, rest)).block_size
             _prepare(ns)
-    given = [(f"--{k}", getattr(ns, k)) for k in ("data", "out", "checkpoint")]
-    args = [*rest, *[x for flag, v in given if v is not None for x in (flag, v)]]
-    args += ["--resume"] * ns.resume + (["--train.task", ns.task] if ns.task else [])
-    rc = train_main(args, finetune=True)
+            if Path(ns.data).is_dir():  # (else: the training command names what is wrong)
+                _say_val_cut(Path(ns.data), block_size)
+    rc = train_main(_train_args(ns, rest), finetune=True)
     out = ns.out and Path(ns.out)
     if out and (out / "metrics.jsonl").is_file() and _is_dpo(out):
         from llm_foundry.plots import plot_preference

@@ -3,7 +3,8 @@ weights give each sequence, scored batch by batch or precomputed once.
 
     model        LoRA: the policy itself with its adapters left out (its base is the start);
                  full fine-tuning: a frozen copy of ``train.init_from``'s weights
-    precomputed  the same, run once over every pair of both splits before training; the table
+    precomputed  the same, run once over every pair of both splits before training (under DDP
+                 each rank scores its share and the ranks gather the table); the table
                  (pairs, 2) of each split is kept in the run directory (REFERENCE_FILE), so a
                  resumed run reads it instead of scoring again, and the frozen copy is let go
 
@@ -80,18 +81,35 @@ def frozen_copy(model_cfg, init_from: str | Path, device: torch.device) -> Trans
     return model.eval().requires_grad_(False)
 
 
-def score_all(reference: ModelReference, samplers: dict, batch_size: int, device) -> dict:
-    """split -> (pairs, 2) fp32: every pair of each split's PreferenceSampler scored in order."""
+def score_all(reference: ModelReference, samplers: dict, batch_size: int, device,
+              world=None) -> dict:  # fmt: skip
+    """split -> (pairs, 2) fp32: every pair of each split's PreferenceSampler scored in batches
+    of ``batch_size`` in order. With a distributed ``world`` (train/distributed.py) rank r scores
+    batches r, r + W, ... and the ranks gather the table: each batch is the one a single process
+    scores, so the table is the same bit for bit."""
+    rank, size = (world.rank, world.world_size) if world is not None else (0, 1)
     table = {}
     for split, sampler in samplers.items():
         out = torch.zeros(sampler.pairs, 2)
-        for start in range(0, sampler.pairs, batch_size):
+        starts = range(0, sampler.pairs, batch_size)
+        for start in starts[rank::size]:
             pairs = np.arange(start, min(start + batch_size, sampler.pairs))
             x, y = (t.to(device) for t in sampler.rows(pairs))
             chosen, rejected = reference.logps(x, y).float().cpu().chunk(2)
             out[pairs] = torch.stack([chosen, rejected], dim=1)
-        table[split] = out
+        table[split] = out if size == 1 else _gathered(out, batch_size, size, device)
     return table
+
+
+def _gathered(mine: torch.Tensor, batch_size: int, size: int, device) -> torch.Tensor:
+    """mine (pairs, 2): this rank's batches filled in -> the table whose batch b is rank
+    (b mod size)'s (copied, never summed: a -0.0 stays -0.0)."""
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(mine, device=device) for _ in range(size)]
+    dist.all_gather(parts, mine.to(device))
+    owner = torch.arange(len(mine)) // batch_size % size  # (pairs,): the rank that scored it
+    return torch.stack([p.cpu() for p in parts])[owner, torch.arange(len(mine))]
 
 
 def table_key(data_id: dict, block_size: int, dtype: str) -> dict:
