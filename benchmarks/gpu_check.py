@@ -14,7 +14,8 @@ timeout is recorded and the next section goes on; what a budget leaves out is na
            build_model, optim.build_optimizer, precision.choose_precision, Trainer._train_step's
            order: the optimizer step queued, a non-finite one skipped on the device, then one
            host sync for the loss and gradient norm), each TrainConfig speed option this
-           checkout has (fused_loss) as its own model, and HF's GPT2LMHeadModel (sdpa, compiled;
+           checkout has (fused_loss; sdpa_backend=cudnn on a GPU; dtype=fp8 on FP8
+           cards) as its own model, and HF's GPT2LMHeadModel (sdpa, compiled;
            last, as time allows: the issue's table has it at 32). Timed rounds interleaved;
            ms/iter is the median round. MFU = FLOPs per token (the project's accounting,
            Transformer.flops_per_token: 6 per weight plus 12 * L * H * Q * T for attention;
@@ -82,7 +83,7 @@ PEAK_TFLOPS = 989.0  # H100 SXM bf16 dense (NVIDIA's datasheet; the H200 has the
 # seconds each section may take on a GPU; the total is capped by --budget as well
 BUDGETS = dict(matmul=10, train=85, loader=20, decode=90, serve=100, train32=200)
 # TrainConfig speed options timed as contenders, each where this checkout and card have it
-TRAIN_OPTIONS = (("fused_loss", True), ("dtype", "fp8"))
+TRAIN_OPTIONS = (("fused_loss", True), ("sdpa_backend", "cudnn"), ("dtype", "fp8"))
 GRACE_S = 45  # past its budget a section is interrupted (a compile that hangs, say)
 
 LLAMA_124M = dict(vocab_size=32000, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
@@ -341,7 +342,8 @@ def train_options(ctx: Ctx) -> list[tuple[str, object]]:
 
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     fp8 = ctx.cuda and torch.cuda.get_device_capability(ctx.device) >= (8, 9)
-    return [(k, v) for k, v in TRAIN_OPTIONS if k in fields and (v != "fp8" or fp8)]
+    return [(k, v) for k, v in TRAIN_OPTIONS
+            if k in fields and (v != "fp8" or fp8) and (v != "cudnn" or ctx.cuda)]  # fmt: skip
 
 
 def ours_contenders(ctx, s, autocast, options: dict | None = None) -> list[Contender]:
@@ -368,12 +370,19 @@ def ours_contenders(ctx, s, autocast, options: dict | None = None) -> list[Conte
     opt = build_optimizer(model, tc, ctx.device, False, precision.ns_dtype)
     fwd = torch.compile(model) if tc.compile else model
     count = [0]
+    kernels = contextlib.nullcontext
+    if getattr(tc, "sdpa_backend", "auto") != "auto":  # the attention kernel the trainer pins
+        from llm_foundry.models.sdpa_kernels import check_sdpa_backend, sdpa_backend
+
+        check_sdpa_backend(tc.sdpa_backend, ctx.device, precision.autocast_dtype or torch.float32,
+                           mc.n_heads, mc.kv_heads, mc.head_size, False, mc.dropout)  # fmt: skip
+        kernels = lambda: sdpa_backend(tc.sdpa_backend)  # noqa: E731
 
     def trainer_step(x, y):
         set_lr(opt, lr_at(count[0], tc))
         count[0] += 1
         loss_sum = torch.zeros((), device=ctx.device)
-        with precision.autocast(ctx.device.type):
+        with precision.autocast(ctx.device.type), kernels():
             loss = fwd(x, y, doc=None)[1]
             loss = loss / tc.grad_accum
             aux = model.aux_loss()

@@ -111,8 +111,10 @@ def shared_data() -> Path:
     return SHARED_DATA
 
 
-def make_trainer(data_dir: Path, out: Path, resume: bool = False, **train) -> Trainer:
-    """An in-process trainer of the TINY model: 12 steps of 4 x 32, eval and save every 4."""
+def make_trainer(data_dir: Path, out: Path, resume: bool = False, model: dict | None = None,
+                 **train) -> Trainer:  # fmt: skip
+    """An in-process trainer of the TINY model (``model``: fields changed): 12 steps of 4 x 32,
+    eval and save every 4."""
     cfg = dict(
         batch_size=4,
         block_size=32,
@@ -125,7 +127,8 @@ def make_trainer(data_dir: Path, out: Path, resume: bool = False, **train) -> Tr
         progress=False,
     )
     cfg.update(train)
-    return Trainer(ModelConfig(**TINY), TrainConfig(**cfg), data_dir, out, resume=resume)
+    mc = ModelConfig(**{**TINY, **(model or {})})
+    return Trainer(mc, TrainConfig(**cfg), data_dir, out, resume=resume)
 
 
 # Two float32 paths to the same logits (KV cache vs recompute, batched vs alone, compiled vs

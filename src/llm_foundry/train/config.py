@@ -14,6 +14,7 @@ from llm_foundry.data.loader import SAMPLING
 from llm_foundry.messages import shown
 from llm_foundry.models.lora import BASE_DTYPES as LORA_BASE_DTYPES
 from llm_foundry.models.lora import TARGETS as LORA_TARGETS
+from llm_foundry.models.sdpa_kernels import SDPA_BACKENDS
 from llm_foundry.train.dpo import LOSSES as DPO_LOSSES
 from llm_foundry.train.optim import OPTIMIZERS
 from llm_foundry.train.schedule import SCHEDULES
@@ -120,6 +121,9 @@ class TrainConfig:
     # the output head and cross-entropy in chunks of rows, gradients taken as it goes
     # (models/loss.py): the (tokens, vocab) logits are never held; training and validation only
     fused_loss: bool = False
+    # the kernel attention runs in training: auto (PyTorch picks) | flash | efficient | cudnn |
+    # math, for measuring which is fastest on a card (models/sdpa_kernels.py)
+    sdpa_backend: str = "auto"
     device: str = "auto"  # auto | cpu | cuda | mps
     on_nonfinite: str = "stop"  # stop (with a message) | skip the step and count it
     sample_tokens: int = 300  # characters/tokens of sample text printed at the end (0: none)
@@ -189,6 +193,7 @@ class TrainConfig:
         one_of(p, "parallel", self.parallel, PARALLEL)
         one_of(p, "checkpoint_format", self.checkpoint_format, CHECKPOINT_FORMATS)
         one_of(p, "optimizer", self.optimizer, OPTIMIZERS)
+        one_of(p, "sdpa_backend", self.sdpa_backend, tuple(SDPA_BACKENDS))
         one_of(p, "data_sampling", self.data_sampling, SAMPLING)
         if self.data_sampling == "packed" and self.sft_packing is True:
             p.append("data_sampling='packed' with sft_packing=true: data_sampling is for text "

@@ -44,6 +44,7 @@ from llm_foundry.data.loader import (
 from llm_foundry.data.preference import PreferenceSampler, is_preference
 from llm_foundry.models import Transformer
 from llm_foundry.models.lora import apply_lora_settings, lora_settings
+from llm_foundry.models.sdpa_kernels import check_sdpa_backend, sdpa_backend
 from llm_foundry.rundir import METRICS, RUN_INFO, RunDir, latest_checkpoint, read_state, step_name
 from llm_foundry.train import distributed as D
 from llm_foundry.train import tensor_parallel as TP
@@ -138,6 +139,11 @@ class Trainer:
         # RoPE tables built now, not on the first compiled step: that would trace a graph which
         # builds them and then a second that reads them, and a resumed run starts on the first
         self.model.pos.reserve(tc.block_size)
+        if tc.sdpa_backend != "auto":  # a kernel that cannot run here is refused before training
+            masked = self.model.needs_mask or (tc.data_sampling == "packed" and tc.document_mask)
+            check_sdpa_backend(tc.sdpa_backend, self.device, self.amp_dtype or torch.float32,
+                               self.mc.n_heads, self.mc.kv_heads, self.mc.head_size,
+                               masked, self.mc.dropout)  # fmt: skip
         self.wrapped = D.wrap(self.model, tc.parallel, self.world, self.device, self.dtype,
                               tc.block_size)  # fmt: skip
         self.sharded = D.is_sharded(tc.parallel, self.world)
@@ -351,8 +357,12 @@ class Trainer:
         write_json_atomic(self.out / RUN_INFO, info)
 
     # ------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
     def _autocast(self):
-        return self.precision.autocast(self.device.type)
+        """The context a forward and its backward run in: autocast, and the attention kernel
+        train.sdpa_backend pins."""
+        with self.precision.autocast(self.device.type), sdpa_backend(self.tc.sdpa_backend):
+            yield
 
     def evaluate(self) -> float:
         """Mean loss over ``eval_batches`` fixed validation batches (the same ones every time);
