@@ -250,7 +250,7 @@ class Trainer:
         if tc.dpo_reference == "model":
             return scorer
         samplers = {split: self._sampler(split, tc.seed) for split in ("train", "val")}
-        table = score_all(scorer, samplers, tc.batch_size, self.device)
+        table = score_all(scorer, samplers, tc.batch_size, self.device, world=self.world)
         if self.world.main:
             save_table(path, table, key)
         return StoredReference(table)
