@@ -722,3 +722,59 @@ def test_a_precomputed_reference_on_two_ranks_is_scored_in_halves_and_equals_one
     for split, one in tables[1].items():
         two = tables[2][split]
         assert one.shape == two.shape and torch.equal(one.view(torch.int32), two.view(torch.int32))
+
+
+def test_under_torchrun_only_rank_0_prepares_and_the_others_wait_for_these_rows(
+    tmp_path, monkeypatch
+):
+    """A rank > 0 does not tokenize the rows itself: it waits until OUT/data holds a meta.json
+    of these very rows (a stale one from other rows does not count), which rank 0 writes."""
+    import argparse
+    import threading
+    import time
+
+    from llm_foundry.cli import finetune
+
+    tok = CharTokenizer.train(ALPHABET + "abcdefghijklmnopqrstuvwxyz")
+    save_checkpoint(Transformer(ModelConfig(vocab_size=tok.vocab_size, dim=16, n_layers=1,
+                                            n_heads=2, max_seq_len=64)), tmp_path / "ck")  # fmt: skip
+    tok.save(tmp_path / "ck" / "tokenizer.json")
+    _write_rows(tmp_path / "old.jsonl", _rows(8))
+    _write_rows(tmp_path / "rows.jsonl", _rows(12))
+    out = tmp_path / "run"
+    prepare_preference(out / "data", tmp_path / "old.jsonl", tmp_path / "ck" / "tokenizer.json")
+    monkeypatch.setenv("RANK", "1")
+    ns = argparse.Namespace(data=str(tmp_path / "rows.jsonl"), out=str(out),
+                            checkpoint=str(tmp_path / "ck"))  # fmt: skip
+
+    def rank_0():
+        time.sleep(1.0)
+        prepare_preference(
+            out / "data", tmp_path / "rows.jsonl", tmp_path / "ck" / "tokenizer.json"
+        )
+
+    writer = threading.Thread(target=rank_0)
+    t = time.monotonic()
+    writer.start()
+    finetune._prepare(ns)
+    waited = time.monotonic() - t
+    writer.join()
+    assert waited >= 1.0 and ns.data == str(out / "data")
+    assert json.loads((out / "data" / "meta.json").read_text())["train_pairs"] > 6  # not old's
+
+
+@pytest.mark.parametrize("command", ["train", "finetune"])
+def test_under_torchrun_a_run_without_out_is_refused_before_anything_is_written(
+    tmp_path, monkeypatch, capsys, command
+):
+    """Ranks started a second apart would each name their own runs/NAME-TIME directory."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    _write_rows(tmp_path / "rows.jsonl", _rows(8))
+    args = {"train": ["train", "--data", str(tmp_path)],
+            "finetune": ["finetune", "--task", "dpo", "--checkpoint", str(tmp_path / "ck"),
+                         "--data", str(tmp_path / "rows.jsonl")]}[command]  # fmt: skip
+    code, err = cli_status(args, capsys)
+    assert code == 2 and err.count("\n") == 1
+    assert "under torchrun give --out RUN_DIR: every rank must name the same run" in err
+    assert not (tmp_path / "runs").exists()

@@ -14,10 +14,12 @@ plotted in ``OUT/rewards.png``.
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import sys
-import time
 from pathlib import Path
 
+from llm_foundry.cli.train import default_out, rank0_prepares
 from llm_foundry.cli.train import main as train_main
 
 TASKS = ("lm", "dpo")
@@ -105,10 +107,24 @@ def _prepare(ns) -> None:
     tok = checkpoint_dir(ns.checkpoint) / "tokenizer.json"
     if not tok.is_file():
         raise FileNotFoundError(f"--checkpoint {ns.checkpoint}: no tokenizer.json in {tok.parent}")
-    meta = prepare_preference(out / DATA_DIR, rows, tok)
-    print(f"prepared {rows}: {meta['train_pairs']:,} train + {meta['val_pairs']:,} val pairs in "
-          f"{out / DATA_DIR} (tokenizer {tok})")  # fmt: skip
+
+    def prepare():
+        meta = prepare_preference(out / DATA_DIR, rows, tok)
+        print(f"prepared {rows}: {meta['train_pairs']:,} train + {meta['val_pairs']:,} val pairs "
+              f"in {out / DATA_DIR} (tokenizer {tok})")  # fmt: skip
+
+    # under torchrun rank 0 prepares; the others wait for a meta.json of these very rows
+    digest = hashlib.sha256(rows.read_bytes()).hexdigest()
+    rank0_prepares(out / DATA_DIR, prepare, lambda: _prepared_from(out / DATA_DIR, digest))
     ns.data = str(out / DATA_DIR)
+
+
+def _prepared_from(data: Path, digest: str) -> bool:
+    """Whether ``data`` holds rows whose file has the sha256 ``digest`` (meta.json, written last)."""
+    try:
+        return json.loads((data / "meta.json").read_text()).get("sha256") == digest
+    except (OSError, ValueError):  # not there yet, or being replaced
+        return False
 
 
 def main(argv: list[str]) -> int:
@@ -119,7 +135,7 @@ def main(argv: list[str]) -> int:
         return train_main(argv, finetune=True)
     ns, rest = _pre_parser().parse_known_args(argv)
     if ns.task == "dpo" and not ns.resume:
-        ns.out = ns.out or f"runs/dpo-{time.strftime('%Y%m%d-%H%M%S')}"
+        ns.out = ns.out or default_out("dpo")
         if ns.data is not None:
             block_size = _settings(_train_args(ns, rest)).block_size
             _prepare(ns)

@@ -147,7 +147,7 @@ def _main(argv: list[str], finetune: bool, prog: str) -> int:
     if ns.out is not None and not str(ns.out).strip():
         raise ValueError("--out is empty: give a run directory")
     name = settings.preset or "custom"
-    out = Path(ns.out or f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    out = Path(ns.out or default_out(name))
     if ns.resume and saved is None:
         raise FileNotFoundError(f"--resume: no checkpoint in {out / CHECKPOINTS} to continue")
     # rank 0 owns the run directory (the ranks of one torchrun write it together)
@@ -175,19 +175,39 @@ def _main(argv: list[str], finetune: bool, prog: str) -> int:
     return 0
 
 
-def _prepare_default(data: Path, wait_s: float = 600.0) -> None:
-    """Prepare the default corpus; under torchrun rank 0 prepares and the others wait for it."""
-    if int(os.environ.get("RANK", "0")) > 0:
-        deadline = time.monotonic() + wait_s
-        while not (data / "meta.json").exists():
-            if time.monotonic() > deadline:
-                raise FileNotFoundError(f"rank 0 did not finish preparing {data} in {wait_s:.0f} s")
-            time.sleep(1.0)
+def default_out(name: str) -> str:
+    """runs/NAME-TIME, for a run started without --out; refused under torchrun, where ranks
+    started a second apart would each name another directory."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ValueError("under torchrun give --out RUN_DIR: every rank must name the same run "
+                         "directory, and a default one is named by the time each rank starts")  # fmt: skip
+    return f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def rank0_prepares(data: Path, prepare, ready=None, wait_s: float = 600.0) -> None:
+    """``prepare()`` on rank 0 (or in a plain process); under torchrun the other ranks wait until
+    ``ready()`` says rank 0's directory is there (default: ``data``/meta.json exists, written
+    last)."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        prepare()
         return
+    ready = ready or (lambda: (data / "meta.json").exists())
+    deadline = time.monotonic() + wait_s
+    while not ready():
+        if time.monotonic() > deadline:
+            raise FileNotFoundError(f"rank 0 did not finish preparing {data} in {wait_s:.0f} s")
+        time.sleep(0.5)
+
+
+def _prepare_default(data: Path) -> None:
+    """Prepare the default corpus; under torchrun rank 0 prepares and the others wait for it."""
     from llm_foundry.data import prepare
 
-    print(f"preparing the default corpus (tiny Shakespeare, characters) in {data}")
-    prepare(data, dataset="shakespeare", tokenizer="char")
+    def run():
+        print(f"preparing the default corpus (tiny Shakespeare, characters) in {data}")
+        prepare(data, dataset="shakespeare", tokenizer="char")
+
+    rank0_prepares(data, run)
 
 
 def train_and_report(model_cfg, train_cfg, data: str | Path, out: Path, resume: bool = False):
