@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import math
 import signal
 import string
 import threading
@@ -194,6 +195,57 @@ def test_bf16_compiled_training_resumes_bit_for_bit(device, char_data, tmp_path,
         differ.append(f"{len(moments)} of {2 * len(opt_a)} optimizer moments")
     ops = _nondeterministic(caught)
     assert not differ, "; ".join(differ) + f"; ops without a deterministic kernel: {ops}"
+
+
+@cuda
+def test_each_attention_kernel_trains_as_pytorchs_choice_or_is_refused(device, char_data, tmp_path):
+    """train.sdpa_backend on the card, bf16: a kernel that runs trains as PyTorch's own choice
+    does (bf16 kernels round differently: 2% of the loss); one that cannot is refused in one
+    line naming those that can, "auto" among them."""
+    from llm_foundry.models.sdpa_kernels import SDPA_BACKENDS
+
+    data, losses, refused = char_data(60_000), {}, {}
+    cfg = dict(_train_config(device), compile=False, max_steps=3)
+    for name in SDPA_BACKENDS:
+        try:
+            t = make_trainer(data, tmp_path / name, model=dict(dropout=0.0), sdpa_backend=name,
+                             **cfg)  # fmt: skip
+        except ValueError as e:
+            refused[name] = str(e)
+            continue
+        losses[name] = [t._train_step()[0] for _ in range(3)]
+        t.release()
+    assert "auto" in losses and "math" in losses, refused
+    for name, got in losses.items():
+        assert got == pytest.approx(losses["auto"], rel=2e-2), name
+    for msg in refused.values():
+        assert "\n" not in msg and msg.endswith(", ".join(losses)), msg
+
+
+@cuda
+def test_a_non_finite_step_is_skipped_on_the_device_leaving_the_weights(device, char_data,
+                                                                         tmp_path):  # fmt: skip
+    """Fused AdamW on the card skips a step whose gradient norm is not finite (its found-inf
+    flag) without the host looking first: weights, moments and step counts unchanged."""
+    t = make_trainer(char_data(60_000), tmp_path / "run", on_nonfinite="skip",
+                     **dict(_train_config(device), compile=False))  # fmt: skip
+    t._train_step()
+    before = {k: v.clone() for k, v in t.model.state_dict().items()}
+    moments = {i: {k: v.clone() for k, v in st.items()} for i, st in t.optimizer.state.items()}
+    first = next(iter(t.model.parameters()))
+    real = t.forward
+
+    def poisoned(x, y=None, **kw):
+        logits, loss = real(x, y, **kw)
+        return logits, loss * float("nan")
+
+    t.forward = poisoned
+    loss, norm, applied, _ = t._train_step()
+    t.release()
+    assert not applied and math.isnan(loss) and first.grad is None
+    assert all(torch.equal(before[k], v) for k, v in t.model.state_dict().items())
+    for p, st in t.optimizer.state.items():
+        assert all(torch.equal(moments[p][k], v) for k, v in st.items())
 
 
 # ----------------------------------------------------------------------------------------------
