@@ -183,34 +183,32 @@ def test_eight_concurrent_clients_each_get_what_they_get_alone(checkpoint, cuda_
         assert served.engine.busy() == 0
 
 
-def test_rows_that_move_in_the_cache_keep_their_tokens(checkpoint):
-    """A cache of 132 positions for 128-token rows: rows move left (compaction) and right (a
-    longer prompt joining) many times; every sequence still equals its solo run."""
-    served = load_served(checkpoint, slots=3)
-    engine = Engine(served.engine.model, served.tokenizer, slots=3, capacity=132)
+def run_moving_rows(engine, tok, lengths: list[int]):
+    """Nine prompts of 1-3 repeats with these lengths submitted at once and stepped to the end:
+    (prompts, sequences, how many steps moved the rows left)."""
     prompts = [PROMPTS[i % 8] * (1 + i % 3) for i in range(9)]
-    lengths = [60 + 7 * i for i in range(9)]
-    results = {}
-
-    def emit_for(i):
-        def emit(kind, payload):
-            if kind == "text":
-                results[i] = results.get(i, "") + payload[0]
-
-        return emit
-
-    seqs = [Sequence(served.tokenizer.encode(p), Params(max_tokens=n, temperature=0),
-                     emit_for(i)) for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))]  # fmt: skip
+    seqs = [Sequence(tok.encode(p), Params(max_tokens=n, temperature=0), lambda k, v: None)
+            for p, n in zip(prompts, lengths, strict=True)]  # fmt: skip
     engine.submit(seqs)
     moved = 0
     while any(not s.finished for s in seqs):
         before = engine.t
         engine.step()
         moved += engine.t < before
+    return prompts, seqs, moved
+
+
+def test_rows_that_move_in_the_cache_keep_their_tokens(checkpoint):
+    """A cache of 132 positions for 128-token rows: rows move left (compaction) and right (a
+    longer prompt joining) many times; every sequence still equals its solo run."""
+    served = load_served(checkpoint, slots=3)
+    engine = Engine(served.engine.model, served.tokenizer, slots=3, capacity=132)
+    lengths = [60 + 7 * i for i in range(9)]
+    prompts, seqs, moved = run_moving_rows(engine, served.tokenizer, lengths)
     assert moved >= 3
     for i, (p, n) in enumerate(zip(prompts, lengths, strict=True)):
         room = min(n, 128 - len(p))
-        assert results[i] == solo(checkpoint, p, room), i
+        assert served.tokenizer.decode(seqs[i].tokens) == solo(checkpoint, p, room), i
 
 
 class _Replays:
@@ -246,18 +244,10 @@ def test_cuda_graph_steps_keep_every_row_its_solo_tokens(checkpoint, graphs, mon
     engine.warm_up()
     if graphs == "captured":  # rounded up to whole buckets of positions, as on CUDA
         assert engine.capacity == decode_graph.BUCKET and _Replays.captured == 3
-    prompts = [PROMPTS[i % 8] * (1 + i % 3) for i in range(9)]
     lengths = [116 - 7 * i for i in range(9)]  # the first rows finish last: b shrinks
-    seqs = [Sequence(served.tokenizer.encode(p), Params(max_tokens=n, temperature=0),
-                     lambda kind, payload: None) for p, n in zip(prompts, lengths, strict=True)]  # fmt: skip
     sizes, step = [], engine._static_step
     engine._static_step = lambda b, *a: (sizes.append(b), step(b, *a))[1]
-    engine.submit(seqs)
-    moved = 0
-    while any(not s.finished for s in seqs):
-        before = engine.t
-        engine.step()
-        moved += engine.t < before
+    prompts, seqs, moved = run_moving_rows(engine, served.tokenizer, lengths)
     assert moved >= 1 and len(set(sizes)) >= 2 and len(sizes) == engine.stats.decode_steps
     if graphs == "captured":
         assert _Replays.captured == 3 and _Replays.replayed == engine.stats.decode_steps + 3
