@@ -515,6 +515,7 @@ def test_an_extrapolation_longer_than_the_validation_split_is_refused_up_front(d
     assert not (tmp_path / "out" / "runs").exists()
 
 
+@pytest.mark.heavy
 def test_a_sharded_corpus_is_studied_with_its_whole_validation_split(tmp_path):
     """A directory of shards (as ``prepare --input`` writes): the variants train, the probe
     reads a batch, the extrapolation evaluates every validation shard in order, and the up-front
