@@ -372,10 +372,10 @@ def ours_contenders(ctx, s, autocast, options: dict | None = None) -> list[Conte
     count = [0]
     kernels = contextlib.nullcontext
     if getattr(tc, "sdpa_backend", "auto") != "auto":  # the attention kernel the trainer pins
-        from llm_foundry.models.sdpa_kernels import check_sdpa_backend, sdpa_backend
+        from llm_foundry.models.sdpa_kernels import check_sdpa_backend, model_probe, sdpa_backend
 
-        check_sdpa_backend(tc.sdpa_backend, ctx.device, precision.autocast_dtype or torch.float32,
-                           mc.n_heads, mc.kv_heads, mc.head_size, False, mc.dropout)  # fmt: skip
+        probe = model_probe(model, ctx.device, lambda: precision.autocast(ctx.device.type))
+        check_sdpa_backend(tc.sdpa_backend, probe, f"on {ctx.device}")
         kernels = lambda: sdpa_backend(tc.sdpa_backend)  # noqa: E731
 
     def trainer_step(x, y):

@@ -5,17 +5,20 @@ pin one kernel for a run's forwards and backwards: ``flash`` (FlashAttention-2, 
 CPU PyTorch's own flash-style kernel), ``efficient`` (memory-efficient attention, Rabe & Staats
 2021, xFormers' kernel), ``cudnn`` (NVIDIA cuDNN's fused attention) and ``math`` (the product
 spelled out, on every device). Which one is fastest depends on the card, the head width and the
-dtype: pinning one is how a run measures it. A kernel that cannot run the run's attention on its
-device is refused before training, in one line naming the ones that can.
+dtype: pinning one is how a run measures it. Whether a kernel can run a model's attention (its
+dtype, head width, masks for windows, ALiBi or packed documents, dropout) is found by running
+the model itself on a few tokens with the kernel pinned (``model_probe``): a kernel that cannot
+is refused before training, in one line naming the ones that can.
 """
 
 from __future__ import annotations
 
 import contextlib
+import re
 import warnings
+from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 SDPA_BACKENDS = {
@@ -25,6 +28,7 @@ SDPA_BACKENDS = {
     "cudnn": SDPBackend.CUDNN_ATTENTION,
     "math": SDPBackend.MATH,
 }
+_WHERE = re.compile(r"\s*\(Triggered internally at [^)]*\)\.?")  # PyTorch's source location
 
 
 def sdpa_backend(name: str):
@@ -33,48 +37,65 @@ def sdpa_backend(name: str):
     return contextlib.nullcontext() if backend is None else sdpa_kernel([backend])
 
 
-def why_not(name: str, device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
-            masked: bool, dropout: float = 0.0) -> str | None:  # fmt: skip
-    """None when ``name``'s kernel runs a causal attention of ``heads`` query and ``kv_heads``
-    key/value heads of width ``head_dim`` in ``dtype`` on ``device``, forward and backward (with
-    an additive mask where ``masked``: sliding windows, ALiBi, packed documents; with attention
-    ``dropout``); else why not, in one line (PyTorch's own reasons where it gives them)."""
-    q = torch.randn(1, heads, 16, head_dim, device=device, dtype=dtype, requires_grad=True)
-    kv = torch.randn(1, kv_heads, 16, head_dim, device=device, dtype=dtype)
-    mask = torch.zeros(16, 16, device=device, dtype=dtype) if masked else None
-    if masked:
-        mask = mask.masked_fill(~torch.ones(16, 16, dtype=torch.bool, device=device).tril(),
-                                float("-inf"))  # fmt: skip
+def _reasons(said: list) -> list[str]:
+    """PyTorch's warnings on why a kernel was not used, each one clean line: its source
+    location dropped, and lines that only introduce the next ("... not used because:")."""
+    out = []
+    for w in said:
+        for line in _WHERE.sub("", str(w.message)).strip().splitlines():
+            line = line.strip()
+            if line and not line.endswith(":") and line not in out:
+                out.append(line)
+    return out
+
+
+def why_not(name: str, run: Callable[[], None], where: str = "here") -> str | None:
+    """None when ``run()`` (work that calls SDPA, e.g. ``model_probe``'s) runs with SDPA pinned
+    to ``name``'s kernel; else why not, in one line (PyTorch's own reasons where it gives them)."""
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
         try:
             with sdpa_backend(name):
-                out = F.scaled_dot_product_attention(q, kv, kv, attn_mask=mask,
-                                                     dropout_p=dropout, is_causal=mask is None,
-                                                     enable_gqa=heads != kv_heads)  # fmt: skip
-                out.sum().backward()
+                run()
         except RuntimeError as e:
-            reasons = [str(w.message).strip().splitlines()[0] for w in said if str(w.message)]
-            if reasons:
+            if reasons := _reasons(said):
                 return "; ".join(reasons[:2])
-            if str(e).startswith("No viable backend"):  # PyTorch gives no reason of its own
-                return f"PyTorch has no {name} kernel for these inputs on {q.device.type}"
+            if str(e).startswith(("No viable backend", "No available kernel")):
+                return f"PyTorch has no {name} kernel for this attention {where}"
             return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     return None
 
 
-def check_sdpa_backend(name: str, device, dtype: torch.dtype, heads: int, kv_heads: int,
-                       head_dim: int, masked: bool, dropout: float = 0.0) -> None:  # fmt: skip
-    """Raise ValueError, in one line, when ``name``'s kernel cannot run the attention ``why_not``
-    describes, naming the kernels that can."""
-    shape = (device, dtype, heads, kv_heads, head_dim, masked, dropout)
-    why = why_not(name, *shape)
+def model_probe(model, device, autocast: Callable, doc: bool = False,
+                tokens: int = 16) -> Callable[[], None]:  # fmt: skip
+    """A forward and backward of ``model`` (in its mode: dropout as in training) on ``tokens``
+    random ids of one row, in ``autocast()``, with document ids where ``doc`` (packed rows: their
+    mask); its gradients are dropped and the random number generators left as they were."""
+    vocab, T = model.cfg.vocab_size, min(tokens, model.cfg.max_seq_len)
+
+    def run():
+        devices = [device] if torch.device(device).type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            x = torch.randint(0, vocab, (1, T), device=device)
+            ids = torch.zeros_like(x) if doc else None
+            try:
+                with autocast():
+                    loss = model(x, x, doc=ids)[1]
+                loss.backward()
+            finally:
+                model.zero_grad(set_to_none=True)
+
+    return run
+
+
+def check_sdpa_backend(name: str, run: Callable[[], None], where: str) -> None:
+    """Raise ValueError, in one line, when ``name``'s kernel cannot ``run()`` (``where``: the
+    device and model, for the message), naming the kernels that can."""
+    why = why_not(name, run, where)
     if why is None:
         return
-    runs = [n for n in SDPA_BACKENDS if why_not(n, *shape) is None]
-    what = f"{torch.device(device).type}, {str(dtype).removeprefix('torch.')}, {heads} heads of {head_dim}"
+    runs = [n for n in SDPA_BACKENDS if why_not(n, run, where) is None]
     raise ValueError(
-        f"train.sdpa_backend={name!r} cannot run this model's attention here ({what}"
-        f"{', masked' if masked else ''}{f', dropout {dropout}' if dropout else ''}): {why}; "
+        f"train.sdpa_backend={name!r} cannot run this model's attention {where}: {why}; "
         f"valid here: {', '.join(runs)}"
     )

@@ -44,7 +44,7 @@ from llm_foundry.data.loader import (
 from llm_foundry.data.preference import PreferenceSampler, is_preference
 from llm_foundry.models import Transformer
 from llm_foundry.models.lora import apply_lora_settings, lora_settings
-from llm_foundry.models.sdpa_kernels import check_sdpa_backend, sdpa_backend
+from llm_foundry.models.sdpa_kernels import check_sdpa_backend, model_probe, sdpa_backend
 from llm_foundry.rundir import METRICS, RUN_INFO, RunDir, latest_checkpoint, read_state, step_name
 from llm_foundry.train import distributed as D
 from llm_foundry.train import tensor_parallel as TP
@@ -140,10 +140,7 @@ class Trainer:
         # builds them and then a second that reads them, and a resumed run starts on the first
         self.model.pos.reserve(tc.block_size)
         if tc.sdpa_backend != "auto":  # a kernel that cannot run here is refused before training
-            masked = self.model.needs_mask or (tc.data_sampling == "packed" and tc.document_mask)
-            check_sdpa_backend(tc.sdpa_backend, self.device, self.amp_dtype or torch.float32,
-                               self.mc.n_heads, self.mc.kv_heads, self.mc.head_size,
-                               masked, self.mc.dropout)  # fmt: skip
+            self._check_sdpa_backend()
         self.wrapped = D.wrap(self.model, tc.parallel, self.world, self.device, self.dtype,
                               tc.block_size)  # fmt: skip
         self.sharded = D.is_sharded(tc.parallel, self.world)
@@ -357,6 +354,21 @@ class Trainer:
         write_json_atomic(self.out / RUN_INFO, info)
 
     # ------------------------------------------------------------------------------------------
+    def _check_sdpa_backend(self) -> None:
+        """Refuse, in one line, a train.sdpa_backend the model's attention does not call or that
+        kernel cannot run here (found by running the model on a few tokens with it pinned)."""
+        tc, mc = self.tc, self.mc
+        if mc.attn_impl != "sdpa":
+            raise ValueError(f"train.sdpa_backend={tc.sdpa_backend!r} pins a kernel of SDPA, which "
+                             f"model.attn_impl={mc.attn_impl!r} does not call; use attn_impl=sdpa, "
+                             "or leave sdpa_backend at auto")  # fmt: skip
+        packed = tc.data_sampling == "packed" and tc.document_mask
+        autocast = lambda: self.precision.autocast(self.device.type)  # noqa: E731
+        dtype = str(self.amp_dtype or torch.float32).removeprefix("torch.")
+        where = f"on {self.device.type} in {dtype}"
+        check_sdpa_backend(tc.sdpa_backend, model_probe(self.model, self.device, autocast, packed),
+                           where)  # fmt: skip
+
     @contextlib.contextmanager
     def _autocast(self):
         """The context a forward and its backward run in: autocast, and the attention kernel
