@@ -231,3 +231,33 @@ def test_a_forked_child_letting_go_does_not_drop_its_parents_read_lock(tmp_path)
     finally:
         lock.unshare(d)
     assert not list(d.iterdir())
+
+
+def test_a_directory_made_for_a_command_that_wrote_nothing_is_removed(tmp_path):
+    """A refused command (its output directory made by its lock, nothing written) leaves no
+    directory behind, nor the parents made for it; one that wrote something, or that was there
+    before, stays."""
+    made = tmp_path / "runs" / "a" / "b"
+    with lock.hold(made, "run directory"):
+        assert made.is_dir()
+    assert not (tmp_path / "runs").exists()
+    with lock.hold(made, "run directory"):
+        (made / "run.json").write_text("{}")
+    assert (made / "run.json").is_file() and not (made / lock.LOCK_FILE).exists()
+    (there := tmp_path / "there").mkdir()
+    with lock.hold(there), lock.hold(there):  # nested: the outermost release decides
+        pass
+    assert there.is_dir()
+
+
+@pytest.mark.parametrize("flags", [["--data", "nope"], ["--train.sdpa_backend", "cudnn"]])
+def test_a_refused_train_leaves_no_run_directory(char_data, tmp_path, monkeypatch, flags):
+    import torch
+
+    if flags[1] == "cudnn" and torch.cuda.is_available():
+        pytest.skip("cudnn runs on this machine")
+    monkeypatch.chdir(tmp_path)
+    data = char_data(20_000)
+    args = ["train", "--data", str(data), "--out", "runs/x", "--train.max_steps", "1", *flags]
+    assert cli(args) == 2
+    assert not (tmp_path / "runs").exists()

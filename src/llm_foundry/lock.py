@@ -42,7 +42,8 @@ class DirectoryBusy(RuntimeError):
     """Another live process holds the directory's lock."""
 
 
-_held: dict[Path, list] = {}  # resolved directory -> [open lock file, depth, readers file]
+# resolved directory -> [open lock file, depth, readers file, the first directory it created]
+_held: dict[Path, list] = {}
 _shared: dict[Path, list] = {}  # resolved directory -> [open readers file, count, pid]
 
 
@@ -78,6 +79,7 @@ def acquire(
             f"{what} {directory} exists and is not a directory (a file or a device); give a "
             "directory to write"
         )
+    created = _first_missing(directory.resolve())
     directory.mkdir(parents=True, exist_ok=True)
     key = directory.resolve()
     if key in _held:
@@ -120,7 +122,7 @@ def acquire(
     started = time.strftime("%Y-%m-%dT%H:%M:%S")
     f.write(f"pid={os.getpid()} host={socket.gethostname()} started={started}\n")
     f.flush()
-    _held[key] = [f, 1, None]
+    _held[key] = [f, 1, None, created]
     if readers:
         try:
             _held[key][2] = _exclude_readers(key, directory, what)
@@ -144,6 +146,28 @@ def release(directory: str | Path) -> None:
         _readmit(key, entry[2])
     (key / LOCK_FILE).unlink(missing_ok=True)  # gone: released cleanly, nothing to take over
     f.close()  # closing the file drops the flock
+    if entry[3] is not None:  # made for a command that wrote nothing (refused): leave no trace
+        _remove_empty(key, entry[3])
+
+
+def _first_missing(path: Path) -> Path | None:
+    """The outermost of ``path`` and its parents that does not exist (None: ``path`` does)."""
+    missing = None
+    while not path.exists():
+        missing, path = path, path.parent
+    return missing
+
+
+def _remove_empty(path: Path, top: Path) -> None:
+    """Remove ``path`` and its parents up to ``top`` while they are empty."""
+    while True:
+        try:
+            path.rmdir()
+        except OSError:  # not empty (or gone): a command's output stays
+            return
+        if path == top:
+            return
+        path = path.parent
 
 
 @contextmanager
