@@ -709,6 +709,44 @@ def test_unsupported_openai_fields_are_refused_by_name(small_server, endpoint, f
     assert error["param"] == field and f"'{field}'" in error["message"]
 
 
+CHAT_REFUSED = [{"role": "wizard", "content": "Hi"}, {"role": "tool", "content": "a"},
+                {"content": "a"}, {"role": "user", "content": None},
+                {"role": "user", "content": [{"type": "text", "text": "a"}]}]  # fmt: skip
+
+
+def test_a_chat_message_fine_tuning_refuses_is_refused_by_the_server(checkpoint, tmp_path):
+    """A message the SFT loader refuses (a role outside its list, content that is not a
+    string) is a 400 naming 'messages' with the loader's own reason, through the official
+    client too; each role the loader takes is served."""
+    import json
+
+    from llm_foundry.data.sft import ROLES, read_rows
+    from llm_foundry.data.sources import DataError
+
+    rows = tmp_path / "rows.jsonl"
+    with running(checkpoint, slots=2) as (url, _):
+        for message in CHAT_REFUSED:
+            rows.write_text(json.dumps({"messages": [message, {"role": "assistant",
+                                                               "content": "a"}]}))  # fmt: skip
+            with pytest.raises(DataError) as refused:
+                read_rows(rows)
+            reason = str(refused.value).removeprefix(f"{rows}, line 1: ")
+            body = {"model": "tiny", "messages": [message], "max_tokens": 4}
+            error = assert_openai_error(ask(url, CH, body), 400)
+            assert error["param"] == "messages" and error["message"].endswith(reason), error
+            if isinstance(message.get("content"), str):  # the role is named, and the valid ones
+                assert shown(message) in error["message"]
+                assert all(role in error["message"] for role in ROLES)
+            with pytest.raises(openai.BadRequestError) as e:
+                client(url).chat.completions.create(model="tiny", messages=[message],
+                                                    max_tokens=4)  # fmt: skip
+            assert e.value.status_code == 400 and e.value.param == "messages"
+        for role in ROLES:
+            r = ask(url, CH, {"model": "tiny", "messages": [{"role": role, "content": "Hi"}],
+                              "max_tokens": 4})  # fmt: skip
+            assert r.status_code == 200, r.text[:300]
+
+
 def test_fields_unknown_to_openai_are_refused(small_server):
     url, _, _ = small_server
     for endpoint, fields in ((C, {"top_k": 5}), (CH, {"prompt": "a"}), (C, {"messages": []}),

@@ -20,6 +20,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from llm_foundry.data.sft import check_messages
+from llm_foundry.data.sources import DataError
 from llm_foundry.messages import one_line, shown
 from llm_foundry.serve.engine import Engine, Params, QueueFull, Sequence
 from llm_foundry.serve.page import add_page
@@ -186,14 +188,15 @@ def _prompt_ids(served: Served, body: dict, chat: bool) -> list[int]:
         from llm_foundry.chat import render_chat
 
         messages = body.get("messages")
-        if not isinstance(messages, list) or not messages or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str)
-            and isinstance(m.get("content"), str) for m in messages
-        ):  # fmt: skip
+        if not isinstance(messages, list) or not messages:
             raise BadRequest(
                 "'messages' must be a non-empty list of {role, content} objects with string "
                 "values", "messages",
             )  # fmt: skip
+        try:  # the roles and contents fine-tuning takes, so a served model sees no others
+            check_messages(messages, "messages", "the request")
+        except DataError as e:
+            raise BadRequest(str(e), "messages") from None
         messages = [{"role": m["role"], "content": m["content"]} for m in messages]
         try:
             text = render_chat(served.template, messages, add_generation_prompt=True,
