@@ -270,8 +270,8 @@ def test_a_late_request_gets_its_first_token_before_the_long_ones_finish(checkpo
         ends = []
 
         def long(i):
-            r = c.completions.create(model="tiny", prompt=PROMPTS[i], max_tokens=118,
-                                     temperature=0)  # fmt: skip
+            r = c.completions.create(model="tiny", prompt=PROMPTS[i],
+                                     max_tokens=128 - len(PROMPTS[i]), temperature=0)  # fmt: skip
             ends.append(time.monotonic())
             return r
 
@@ -558,8 +558,8 @@ EXTREMES = [  # (endpoint, fields over the base request, the answer)
     (C, {"temperature": 1.0, "seed": -(2**63)}, 200),
     *[(C, {"seed": s}, 400) for s in (2**63, -(2**63) - 1, 10**30, 1.5, "7", True)],
     (C, {"max_tokens": 1}, 200),
-    (C, {"max_tokens": 64}, 200),  # the context bounds the reply: no refusal
-    *[(C, {"max_tokens": m}, 400) for m in (0, -1, 65, 10**30, 1.0, NAN, "8")],
+    (C, {"max_tokens": 57}, 200),  # the prompt's 7 tokens and 57 fill the 64 of the context
+    *[(C, {"max_tokens": m}, 400) for m in (0, -1, 58, 65, 10**30, 1.0, NAN, "8")],
     *[(CH, {"max_completion_tokens": m}, 400) for m in (0, 10**30)],
     *[(C, {"logprobs": k}, 200) for k in (0, 5)],
     *[(C, {"logprobs": k}, 400) for k in (6, -1, True, 10**20)],
@@ -745,6 +745,45 @@ def test_a_chat_message_fine_tuning_refuses_is_refused_by_the_server(checkpoint,
             r = ask(url, CH, {"model": "tiny", "messages": [{"role": role, "content": "Hi"}],
                               "max_tokens": 4})  # fmt: skip
             assert r.status_code == 200, r.text[:300]
+
+
+def test_a_max_tokens_past_the_context_left_is_refused_as_openai_does(checkpoint):
+    """Prompt + max_tokens past the context (128) is OpenAI's 400 context_length_exceeded naming
+    the numbers and the field, for any size of max_tokens; what fits is served in full; with
+    max_tokens left out a chat reply runs to the end of the context (generate's, cut at the
+    template's end of turn)."""
+    from llm_foundry.chat import BUILTIN_TEMPLATE, render_chat
+
+    with running(checkpoint) as (url, served):
+        c = client(url)
+        r = c.completions.create(model="tiny", prompt="ROMEO:", max_tokens=122, temperature=0)
+        assert r.usage.completion_tokens == 122 and r.choices[0].finish_reason == "length"
+        for asked in (123, 128, 10**6):
+            with pytest.raises(openai.BadRequestError) as e:
+                c.completions.create(model="tiny", prompt="ROMEO:", max_tokens=asked)
+            assert e.value.code == "context_length_exceeded" and e.value.param == "max_tokens"
+            said = (f"maximum context length is 128 tokens; you requested {6 + asked} tokens: "
+                    f"6 in the prompt and {asked} for the completion")  # fmt: skip
+            assert said in e.value.message
+            assert "at most 122" in e.value.message
+        messages = [{"role": "user", "content": "Who speaks?"}]
+        prompt = render_chat(BUILTIN_TEMPLATE, messages, add_generation_prompt=True)
+        room = 128 - len(prompt)
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model="tiny", messages=messages,
+                                      max_completion_tokens=room + 1)  # fmt: skip
+        assert e.value.code == "context_length_exceeded"
+        assert e.value.param == "max_completion_tokens"
+        r = c.chat.completions.create(model="tiny", messages=messages, temperature=0)
+        full = solo(checkpoint, prompt, room)
+        cut = full.split(served.chat_stop[0])[0] if served.chat_stop else full
+        assert r.choices[0].message.content == cut
+        if cut == full:
+            assert r.usage.completion_tokens == room and r.choices[0].finish_reason == "length"
+        # a prompt that fills the context is refused by the same code, naming the prompt
+        with pytest.raises(openai.BadRequestError) as e:
+            c.completions.create(model="tiny", prompt="ab" * 64)
+        assert (e.value.code, e.value.param) == ("context_length_exceeded", "prompt")
 
 
 def test_fields_unknown_to_openai_are_refused(small_server):

@@ -36,6 +36,7 @@ except ImportError as e:  # the optional [serve] extra
     raise ImportError(f"serving needs FastAPI and uvicorn: {install_line('serve')}; {e}") from None
 
 MAX_LOGPROBS = 5  # OpenAI's bound for completions
+COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for completions
 MAX_REQUEST_BYTES = 4 * 2**20  # default bound on a request body (--max-request-bytes)
 
 # the request fields each endpoint implements (besides those in OFF)
@@ -136,17 +137,47 @@ def _check_fields(body: dict, chat: bool) -> None:
 
 
 def _number(body, key, default, lo, hi, integer=False):
+    """``body[key]`` (``default`` when absent or null) checked to be a number in [lo, hi] (no
+    upper bound when ``hi`` is None)."""
     value = body.get(key, default)
     if value is None:
         return default
     ok = isinstance(value, int) if integer else isinstance(value, int | float)
-    if isinstance(value, bool) or not ok or not lo <= value <= hi:
+    if isinstance(value, bool) or not ok or not lo <= value <= (value if hi is None else hi):
         kind = "an integer" if integer else "a number"
-        raise BadRequest(f"'{key}' must be {kind} in [{lo}, {hi}], got {shown(value)}", key)
+        bounds = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise BadRequest(f"'{key}' must be {kind} {bounds}, got {shown(value)}", key)
     return value
 
 
+def _limit_field(body: dict, chat: bool) -> str | None:
+    """The field that bounds the reply's tokens in ``body`` (None: not given)."""
+    keys = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
+    return next((k for k in keys if body.get(k) is not None), None)
+
+
+def _fit_context(prompt: int, max_tokens: int, key: str | None, context: int, chat: bool) -> int:
+    """The reply's bound for a prompt of ``prompt`` tokens: ``max_tokens`` asked by the field
+    ``key`` must fit in the context after the prompt (OpenAI's context_length_exceeded error
+    otherwise); not asked (``key`` None), it is cut to the context left."""
+    if prompt >= context:
+        raise BadRequest(
+            f"the prompt is {prompt} tokens; the model's context is {context}, leaving no room "
+            "for a reply", "messages" if chat else "prompt", code="context_length_exceeded",
+        )  # fmt: skip
+    if key is not None and prompt + max_tokens > context:
+        raise BadRequest(
+            f"This model's maximum context length is {context} tokens; you requested "
+            f"{prompt + max_tokens} tokens: {prompt} in the prompt and {max_tokens} for the "
+            f"completion; set '{key}' to at most {context - prompt}, or leave it out for a "
+            "reply up to the end of the context", key, code="context_length_exceeded",
+        )  # fmt: skip
+    return min(max_tokens, context - prompt)
+
+
 def _params(body: dict, chat: bool, context: int) -> tuple[Params, int]:
+    """The request's generation settings and its number of choices; ``max_tokens`` is checked
+    against ``context`` once the prompt is known (``_fit_context``)."""
     stop = body.get("stop")
     if isinstance(stop, str):
         stop = [stop]
@@ -162,11 +193,11 @@ def _params(body: dict, chat: bool, context: int) -> tuple[Params, int]:
             raise BadRequest(f"'logprobs' must be true or false, got {shown(want)}", "logprobs")
         top = _number(body, "top_logprobs", 0, 0, 20, integer=True)
         logprobs = top if want else None
-        limit = body.get("max_completion_tokens", body.get("max_tokens"))
     else:
         logprobs = _number(body, "logprobs", None, 0, MAX_LOGPROBS, integer=True)
-        limit = body.get("max_tokens", 16)
-    max_tokens = _number({"max_tokens": limit}, "max_tokens", context, 1, context, integer=True)
+    key = _limit_field(body, chat)
+    default = context if chat else COMPLETION_TOKENS
+    max_tokens = default if key is None else _number(body, key, None, 1, None, integer=True)
     params = Params(
         max_tokens=max_tokens,
         temperature=float(_number(body, "temperature", 1.0, 0.0, 2.0)),
@@ -403,13 +434,8 @@ def create_app(served: Served, max_request_bytes: int = MAX_REQUEST_BYTES) -> Fa
                 params.stop = tuple(dict.fromkeys(params.stop + served.chat_stop))
             # encoding a long prompt takes a while: in a worker thread, not the event loop
             prompt = await asyncio.to_thread(_prompt_ids, served, body, chat)
-            if len(prompt) >= engine.context:
-                raise BadRequest(
-                    f"the prompt is {len(prompt)} tokens; the model's context is "
-                    f"{engine.context}, leaving no room for a reply", "prompt",
-                    code="context_length_exceeded",
-                )  # fmt: skip
-            params.max_tokens = min(params.max_tokens, engine.context - len(prompt))
+            params.max_tokens = _fit_context(len(prompt), params.max_tokens,
+                                             _limit_field(body, chat), engine.context, chat)  # fmt: skip
             stream = body.get("stream", False)
             if not isinstance(stream, bool):
                 raise BadRequest(f"'stream' must be true or false, got {shown(stream)}", "stream")
