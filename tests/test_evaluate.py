@@ -221,3 +221,103 @@ def test_cli_evaluates_an_hf_directory_as_its_source_checkpoint(tmp_path, capsys
     ours, hf = ([r["loss"] for r in rep["results"]] for rep in reports)
     assert reports[1]["checkpoint"] == str(tmp_path / "hf")
     assert hf == pytest.approx(ours, abs=1e-5) and len(ours) == 2
+
+
+def _legacy_data(where, tokens: np.ndarray) -> None:
+    """A prepared directory from before shards: val.bin and a meta.json without a tokenizer."""
+    where.mkdir()
+    tokens.astype(np.uint16).tofile(where / "val.bin")
+    meta = dict(dtype="uint16", vocab_size=23, train_tokens=0, val_tokens=len(tokens))
+    (where / "meta.json").write_text(json.dumps(meta))
+
+
+def test_cli_refuses_data_of_another_tokenizer_naming_both(tmp_path, capsys):
+    """``--data`` tokenized with another tokenizer than the checkpoint's is refused in one line
+    naming both, its token files too; the model's own tokenizer re-saved in another format (by
+    transformers) is the same tokenizer, and a checkpoint without one gets a note, not a refusal."""
+    import shutil
+
+    from transformers import PreTrainedTokenizerFast
+
+    from llm_foundry.data import prepare
+    from llm_foundry.tokenizer import load_tokenizer
+
+    text = tmp_path / "t.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog, said Jo. " * 60)
+    char = prepare(tmp_path / "char", text_files=[text], tokenizer="char", progress=False)
+    prepare(tmp_path / "bpe", text_files=[text], tokenizer="bpe", vocab_size=270, progress=False)
+    bpe = load_tokenizer(tmp_path / "bpe" / "tokenizer.json")
+    ck = tmp_path / "ck"
+    save_checkpoint(_model(vocab_size=bpe.vocab_size, pos_encoding="rope"), ck)
+    args = ["--checkpoint", str(ck), "--context", "8", "--json"]
+    # no tokenizer in the checkpoint: nothing to compare, said in a note; the loss is given
+    assert main([*args, "--data", str(tmp_path / "char")]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert "loss" in rep["results"][0] and len(rep["notes"]) == 1
+    assert f"{ck / 'tokenizer.json'} does not exist" in rep["notes"][0]
+    shutil.copyfile(tmp_path / "bpe" / "tokenizer.json", ck / "tokenizer.json")  # as training does
+    # character ids (all < the BPE vocabulary): only the tokenizers tell the data is not the model's
+    assert char["vocab_size"] < bpe.vocab_size
+    for where in (tmp_path / "char", tmp_path / "char" / "val.bin"):
+        want = (rf"^--data {where}: tokenized with {tmp_path / 'char' / 'tokenizer.json'} "
+                rf"\(char, {char['vocab_size']} tokens\), not the model's {ck / 'tokenizer.json'} "
+                rf"\(bpe, {bpe.vocab_size} tokens\); ")  # fmt: skip
+        with pytest.raises(ValueError, match=want) as refused:
+            main([*args, "--data", str(where)])
+        assert "\n" not in str(refused.value)
+    # another BPE of the same size, trained on other text: same kind and size, other ids
+    other = tmp_path / "other.txt"
+    other.write_text("Pack my box with five dozen liquor jugs; how vexingly quick! " * 60)
+    prepare(tmp_path / "bpe2", text_files=[other], tokenizer="bpe", vocab_size=270, progress=False)
+    with pytest.raises(ValueError, match=rf"\(bpe, {bpe.vocab_size} tokens\), not the model's"):
+        main([*args, "--data", str(tmp_path / "bpe2")])
+    assert main([*args, "--data", str(tmp_path / "bpe")]) == 0  # its own data
+    ours = json.loads(capsys.readouterr().out)
+    assert ours["notes"] == [] and ours["results"][0]["scored_tokens"] > 8
+    # the same tokenizer in transformers' format: other bytes, the same vocabulary and encoding
+    PreTrainedTokenizerFast(tokenizer_file=str(ck / "tokenizer.json")).save_pretrained(tmp_path)
+    resaved = (tmp_path / "tokenizer.json").read_bytes()
+    assert resaved != (ck / "tokenizer.json").read_bytes()
+    (ck / "tokenizer.json").write_bytes(resaved)
+    assert main([*args, "--data", str(tmp_path / "bpe")]) == 0
+    assert json.loads(capsys.readouterr().out)["results"] == ours["results"]
+
+
+def test_cli_default_context_is_the_models_max_seq_len(tmp_path, capsys):
+    """Without --context the model is evaluated at its max_seq_len, as the header says; a context
+    given past it still runs (relative positions extrapolate)."""
+    save_checkpoint(_model(pos_encoding="rope"), tmp_path / "ck")  # max_seq_len 16
+    _legacy_data(tmp_path / "data", _tokens(400))
+    args = ["--checkpoint", str(tmp_path / "ck"), "--data", str(tmp_path / "data")]
+    assert main([*args, "--json"]) == 0
+    default = json.loads(capsys.readouterr().out)
+    assert main([*args, "--json", "--context", "16,32"]) == 0
+    given = json.loads(capsys.readouterr().out)
+    assert [r["context"] for r in default["results"]] == [16]
+    assert default["results"][0] == given["results"][0]
+    assert default["trained_context"] == 16 and default["context_default"] is True
+    assert given["context_default"] is False
+    assert given["results"][1]["context"] == 32 and "loss" in given["results"][1]
+    assert main(args) == 0
+    assert "context 16 by default (the model's max_seq_len)" in capsys.readouterr().out
+
+
+def test_cli_data_path_errors_name_the_path_given(tmp_path, capsys):
+    """A --data path that does not exist, or is not prepared data, is named as given."""
+    from llm_foundry.cli import main as cli
+
+    save_checkpoint(_model(), tmp_path / "ck")
+    args = ["--checkpoint", str(tmp_path / "ck"), "--data"]
+    nope = tmp_path / "nope"
+    with pytest.raises(FileNotFoundError, match=rf"^--data {nope}: no such file or directory$"):
+        main([*args, str(nope)])
+    (plain := tmp_path / "plain").mkdir()
+    np.zeros(50, np.uint16).tofile(plain / "val.bin")
+    for given in (plain, plain / "val.bin"):
+        want = rf"^--data {given}: no {plain / 'meta.json'}: .*`llm-foundry prepare`"
+        with pytest.raises(ValueError, match=want):
+            main([*args, str(given)])
+    assert cli(["eval", *args, str(nope)]) == 2  # one line on stderr
+    assert capsys.readouterr().err == (
+        f"llm-foundry eval: error: --data {nope}: no such file or directory\n"
+    )

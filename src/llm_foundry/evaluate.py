@@ -9,11 +9,15 @@ history: closer to what the model does at its full context, at context/S times t
 
 ``with_rope_scaling`` rebuilds a RoPE model with position interpolation or NTK-aware scaling
 (same weights, no retraining), to evaluate past the trained context.
+
+``check_data_tokenizer`` refuses prepared data whose tokenizer is not the checkpoint's: its ids
+would be scored as other tokens, a loss that means nothing but looks like one.
 """
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -116,3 +120,67 @@ def with_rope_scaling(model: Transformer, scaling: str, factor: float) -> Transf
     scaled = Transformer(cfg).to(next(model.parameters()).device)
     scaled.load_state_dict(model.state_dict())
     return scaled.eval()
+
+
+# what BPE tokenizers may split differently: spaces, a tab, newlines, digits, 2- to 4-byte UTF-8
+PROBE_TEXT = (
+    "Hello, world!  12 + 34\n\tTabs\n\nand  spaces; cafe\u0301 \u00e9 \u6771\u4eac \U0001f642 ok."
+)
+
+
+def _vocabulary(tok) -> dict[str, int]:
+    """token -> id of a loaded tokenizer: a Hugging Face one's (ours: BPE) or a character one's."""
+    hf = getattr(tok, "hf", None)
+    return hf.get_vocab() if hf is not None else {c: i for i, c in enumerate(tok.chars)}
+
+
+def same_ids(a, b) -> bool:
+    """Whether two loaded tokenizers give text the same ids, whatever their files' format: the
+    same vocabulary and, for BPE ones (merges, pre-tokenizer), the same ids for ``PROBE_TEXT``."""
+    if _vocabulary(a) != _vocabulary(b):
+        return False
+    ha, hb = getattr(a, "hf", None), getattr(b, "hf", None)
+    if (ha is None) != (hb is None):
+        return False
+    if ha is None:  # character tokenizers: the vocabulary is the whole of the encoding
+        return True
+    return (
+        ha.encode(PROBE_TEXT, add_special_tokens=False).ids
+        == hb.encode(PROBE_TEXT, add_special_tokens=False).ids
+    )
+
+
+def check_data_tokenizer(
+    label: str, data_dir: str | Path, meta: dict, checkpoint: str | Path, tok, vocab_size: int
+) -> str | None:
+    """Refuse (ValueError, naming ``label``) the prepared directory ``data_dir`` (its ``meta``)
+    when its tokenizer is not ``tok``, the one read from ``checkpoint/tokenizer.json`` (None: it
+    has none) for a model of ``vocab_size``. The same file (the sha256 training compares on
+    resume) passes; files that differ are loaded and compared (``same_ids``): a tokenizer
+    re-saved in another format passes. Returns a note when one side has no tokenizer, so nothing
+    can be compared; else None."""
+    from llm_foundry.data.batches import tokenizer_sha256
+    from llm_foundry.tokenizer import load_any_tokenizer
+
+    data_dir, checkpoint = Path(data_dir), Path(checkpoint)
+    data_file = data_dir / meta.get("tokenizer_file", "tokenizer.json")
+    model_file = checkpoint / "tokenizer.json"
+    data_sha = tokenizer_sha256(data_dir, meta)
+    if data_sha is None or tok is None:
+        missing = model_file if tok is None else data_file
+        return (
+            f"note: {missing} does not exist: cannot check that {label} was tokenized with the "
+            f"model's tokenizer (vocab_size: the data's {meta['vocab_size']:,}, the model's "
+            f"{vocab_size:,})"
+        )
+    if data_sha == tokenizer_sha256(checkpoint, {}):
+        return None
+    data_tok = load_any_tokenizer(data_file)
+    if same_ids(data_tok, tok):
+        return None
+    raise ValueError(
+        f"{label}: tokenized with {data_file} ({data_tok.kind}, {data_tok.vocab_size:,} tokens), "
+        f"not the model's {model_file} ({tok.kind}, {tok.vocab_size:,} tokens); its ids would be "
+        "scored as other tokens: evaluate data prepared with the model's tokenizer, or the text "
+        "itself with --text FILE"
+    )

@@ -10,10 +10,25 @@ from pathlib import Path
 
 import numpy as np
 
-from llm_foundry.evaluate import evaluate_tokens, with_rope_scaling
+from llm_foundry.evaluate import check_data_tokenizer, evaluate_tokens, with_rope_scaling
 
 
-def _load_tokens(ns, tok, ckpt: Path) -> tuple[np.ndarray, str]:
+def _prepared(given: str) -> tuple[Path, Path, dict]:
+    """--data ``given``: (its path, the prepared directory it is or is in, that one's meta.json)."""
+    from llm_foundry.data import DataError, load_meta
+
+    path = Path(given)
+    where = path if path.is_dir() else path.parent
+    if not (where / "meta.json").is_file():
+        raise DataError(
+            f"--data {given}: no {where / 'meta.json'}: not data written by `llm-foundry "
+            "prepare`; make it with `llm-foundry prepare --text FILE --out DIR` (or give a text "
+            "file as --text)"
+        )
+    return path, where, load_meta(where)
+
+
+def _load_tokens(ns, tok, ckpt: Path, data: tuple | None) -> tuple[np.ndarray, str]:
     if ns.text:
         if tok is None:
             raise FileNotFoundError(
@@ -23,12 +38,11 @@ def _load_tokens(ns, tok, ckpt: Path) -> tuple[np.ndarray, str]:
             raise FileNotFoundError(f"--text {ns.text}: no such file")
         text = Path(ns.text).read_text(encoding="utf-8")
         return np.array(tok.encode(text), dtype=np.int64), ns.text
-    from llm_foundry.data import load_meta, open_tokens, split_stream
+    from llm_foundry.data import open_tokens, split_stream
 
-    path = Path(ns.data)
+    path, _, meta = data
     if path.is_dir():  # a prepared directory: its validation split, every shard in order
         return np.asarray(split_stream(path, "val")), f"{path} (val)"
-    meta = load_meta(path.parent)
     return np.asarray(open_tokens(path, meta["dtype"])), str(path)
 
 
@@ -74,7 +88,8 @@ def main(argv: list[str]) -> int:
     harness.add_argument("--num-fewshot", type=int, default=None)
     harness.add_argument("--include-path", default=None, help="a directory of more task YAMLs")
     harness.add_argument("--out", default=None, help="write the harness's results JSON here")
-    p.add_argument("--context", default="256", help="comma-separated context lengths")
+    p.add_argument("--context", default=None, help="comma-separated context lengths (default: "
+                   "the model's max_seq_len, the context it was built for)")  # fmt: skip
     p.add_argument("--stride", type=int, default=None, help="sliding windows with this stride")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--max-windows", type=int, default=None, help="evaluate at most N windows")
@@ -85,20 +100,34 @@ def main(argv: list[str]) -> int:
     if ns.tasks is not None:
         return run_tasks(ns)
     try:
-        contexts = [int(c) for c in ns.context.split(",")]
+        contexts = [int(c) for c in ns.context.split(",")] if ns.context is not None else None
     except ValueError:
         raise ValueError(f"--context takes integers like 256,512; got {ns.context!r}") from None
     if ns.rope_factor is not None and not ns.rope_scaling:
         raise ValueError("--rope-factor needs --rope-scaling linear|ntk (it scales nothing alone)")
+    if ns.data and not Path(ns.data).exists():  # before the model loads: a mistyped path
+        raise FileNotFoundError(f"--data {ns.data}: no such file or directory")
     model, tok, info = load_any(ns.checkpoint, adapter=ns.adapter)
+    data = _prepared(ns.data) if ns.data else None
+    vocab = model.cfg.vocab_size
     ckpt = info.checkpoint
-    if info.merged_note() and not ns.json:
-        print(info.merged_note())
+    # refused here, before any window is scored; a note when nothing can be compared
+    checked = (
+        check_data_tokenizer(f"--data {ns.data}", *data[1:], ckpt, tok, vocab) if data else None
+    )
+    notes = [checked] if checked else []
+    for note in [info.merged_note(), *notes]:
+        if note and not ns.json:
+            print(note)
+    trained = model.cfg.max_seq_len
+    context_default = contexts is None
+    if context_default:  # the context the model was built for
+        contexts = [trained]
     if ns.rope_scaling:
         if ns.rope_factor is None:
             raise ValueError("--rope-scaling needs --rope-factor F (e.g. 2 for twice the context)")
         model = with_rope_scaling(model, ns.rope_scaling, ns.rope_factor)
-    tokens, source = _load_tokens(ns, tok, ckpt)
+    tokens, source = _load_tokens(ns, tok, ckpt, data)
     top = int(tokens.max()) if len(tokens) else 0
     if top >= model.cfg.vocab_size:
         raise ValueError(
@@ -116,13 +145,19 @@ def main(argv: list[str]) -> int:
         source=source,
         rope_scaling=ns.rope_scaling,
         rope_factor=ns.rope_factor,
-        trained_context=model.cfg.max_seq_len,
+        trained_context=trained,
+        context_default=context_default,
+        notes=notes,
         results=rows,
     )
     if ns.json:
         print(json.dumps(report, indent=2))
     else:
-        print(f"{ckpt} on {source} (max_seq_len {model.cfg.max_seq_len})")
+        print(f"{ckpt} on {source} (max_seq_len {trained})")
+        if context_default:
+            print(
+                f"context {trained} by default (the model's max_seq_len); --context N,M for others"
+            )
         print(format_table(rows))
     return 0
 
