@@ -617,6 +617,48 @@ def test_no_request_value_ends_the_server(small_server, endpoint, fields, want):
     assert_still_serves(url, greedy)
 
 
+@pytest.fixture(scope="module")
+def bpe_checkpoint(tmp_path_factory):
+    """A random model over a byte-level BPE (Hugging Face ``tokenizers``) of ASCII pieces only:
+    its tokens are 1 to several whole characters each."""
+    tokenizers = pytest.importorskip("tokenizers")
+    path = tmp_path_factory.mktemp("serve-bpe") / "ckpt"
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=160, show_progress=False)
+    tok.train_from_iterator([" ".join(PROMPTS)] * 20, trainer)  # no byte outside the text
+    torch.manual_seed(3)
+    cfg = get_preset("llama-shakespeare-char", vocab_size=tok.get_vocab_size(), n_layers=2,
+                     dim=64, n_heads=4, n_kv_heads=2, max_seq_len=128)  # fmt: skip
+    save_checkpoint(Transformer(cfg), path)
+    tok.save(str(path / "tokenizer.json"))
+    return path
+
+
+def test_completion_text_offsets_locate_each_token_in_the_text(bpe_checkpoint):
+    """``logprobs.text_offset``: where each returned token begins in the completion's text (from
+    0, as vLLM without echo), through the official client, whole and streamed (each chunk's
+    offsets go on from the tokens sent before, also while a stop string holds text back)."""
+    with running(bpe_checkpoint) as (url, _):
+        c = client(url)
+        ask = dict(model="tiny", prompt="ROMEO:", max_tokens=24, temperature=0, logprobs=2)
+        r = c.completions.create(**ask)
+        text, lp = r.choices[0].text, r.choices[0].logprobs
+        assert len(lp.tokens) == len(lp.text_offset) == r.usage.completion_tokens == 24
+        assert any(len(t) > 1 for t in lp.tokens)  # multi-character tokens
+        assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+        for token, at in zip(lp.tokens, lp.text_offset, strict=True):
+            assert text[at : at + len(token)] == token
+        for stop in ([], ["QQQQ"]):
+            chunks = list(c.completions.create(**ask, stream=True, stop=stop))
+            assert "".join(ch.choices[0].text for ch in chunks) == text
+            streamed = [ch.choices[0].logprobs for ch in chunks if ch.choices[0].logprobs]
+            assert len(streamed) > 1
+            assert [t for b in streamed for t in b.tokens] == lp.tokens
+            assert [o for b in streamed for o in b.text_offset] == lp.text_offset
+
+
 def test_completion_logprobs_past_a_tiny_vocabulary_list_all_of_it(tmp_path):
     """logprobs=5 over a 3-token vocabulary: the 3 alternatives of each token, a distribution
     (their probabilities add up to 1), the chosen one among them."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import json
 import time
 import uuid
@@ -261,7 +262,14 @@ def _prompt_ids(served: Served, body: dict, chat: bool) -> list[int]:
 
 
 # ---- responses ----------------------------------------------------------------------------------
-def _logprobs_block(served: Served, records: list, chat: bool):
+def text_offsets(pieces: list[str], start: int = 0) -> list[int]:
+    """Where each of ``pieces`` begins in the text they make, the first at ``start``."""
+    return list(itertools.accumulate(map(len, pieces[:-1]), initial=start)) if pieces else []
+
+
+def _logprobs_block(served: Served, records: list, chat: bool, start: int = 0):
+    """The logprobs of ``records`` ((token, logprob, top) each); a completion's ``text_offset``
+    counts from ``start``, the characters of the completion's tokens sent before these."""
     decode = served.tokenizer.decode
     if chat:
 
@@ -275,11 +283,12 @@ def _logprobs_block(served: Served, records: list, chat: bool):
                 for t, lp, top in records
             ]
         }
+    tokens = [decode([t]) for t, _, _ in records]
     return {
-        "tokens": [decode([t]) for t, _, _ in records],
+        "tokens": tokens,
         "token_logprobs": [lp for _, lp, _ in records],
         "top_logprobs": [{decode([i]): v for i, v in top} for _, _, top in records],
-        "text_offset": [],
+        "text_offset": text_offsets(tokens, start),
     }
 
 
@@ -485,6 +494,7 @@ def create_app(served: Served, max_request_bytes: int = MAX_REQUEST_BYTES) -> Fa
 
             async def sse():
                 done = 0
+                offset = [0] * n  # characters of each choice's tokens sent so far
                 try:
                     if chat:
                         for i in range(n):
@@ -506,7 +516,10 @@ def create_app(served: Served, max_request_bytes: int = MAX_REQUEST_BYTES) -> Fa
                                 choice = _choice(chat, i, "", None, _finish_reason(payload))
                             else:
                                 piece, records = payload
-                                lp = _logprobs_block(served, records, chat) if records else None
+                                lp = None
+                                if records:
+                                    lp = _logprobs_block(served, records, chat, offset[i])
+                                    offset[i] += 0 if chat else sum(map(len, lp["tokens"]))
                                 choice = _choice(chat, i, piece, lp, None)
                             out.append(_sse(rid, chunk_obj, created, model, [choice]))
                         yield "".join(out)
