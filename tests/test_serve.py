@@ -913,6 +913,25 @@ def test_every_error_the_app_answers_is_openai_shaped(small_server, monkeypatch)
     assert_still_serves(url, greedy)
 
 
+def test_head_answers_as_get_does_without_a_body(small_server):
+    """What health checkers send: HEAD on /, /health, /v1/models and /metrics gets GET's status
+    and headers and no body, with httpx and with ``curl -I``."""
+    import shutil
+
+    url, _, _ = small_server
+    for path in ("/", "/health", "/v1/models", "/metrics"):
+        get, head = httpx.get(url + path, timeout=10), httpx.head(url + path, timeout=10)
+        assert head.status_code == get.status_code == 200, (path, head.status_code)
+        assert head.content == b""
+        for name in ("content-type", "content-length", "content-security-policy"):
+            assert head.headers.get(name) == get.headers.get(name), (path, name)
+        if shutil.which("curl"):
+            out = subprocess.run(["curl", "-sSI", "--max-time", "10", url + path],
+                                 capture_output=True, text=True, check=True).stdout  # fmt: skip
+            assert out.startswith("HTTP/1.1 200 "), out
+    assert httpx.head(url + "/v1/completions", timeout=10).status_code == 405  # a POST route
+
+
 def test_serve_refuses_a_kv_cache_larger_than_memory_before_allocating(tmp_path, capsys):
     """A config with a 10^9-token context: `serve` says in one line what the cache would take
     and which flag to use; with --max-context the same model serves (its greedy text is

@@ -39,6 +39,7 @@ except ImportError as e:  # the optional [serve] extra
 MAX_LOGPROBS = 5  # OpenAI's bound for completions
 COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for completions
 MAX_REQUEST_BYTES = 4 * 2**20  # default bound on a request body (--max-request-bytes)
+READ = ["GET", "HEAD"]  # HEAD as GET without the body: what health checkers send
 
 # the request fields each endpoint implements (besides those in OFF)
 COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop",
@@ -379,19 +380,19 @@ def create_app(served: Served, max_request_bytes: int = MAX_REQUEST_BYTES) -> Fa
         kind = "server_overloaded" if e.status == 503 else "invalid_request_error"
         return JSONResponse(error_body(str(e), e.param, e.code, kind), e.status, headers=headers)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=READ)
     async def health():
         return {"status": "ok", "slots": engine.slots, "busy": engine.busy(),
                 "waiting": engine.queue_length()}  # fmt: skip
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=READ)
     async def models():
         model = {"id": served.name, "object": "model", "created": served.created,
                  "owned_by": "llm-foundry"}  # fmt: skip
         adapters = [{**model, "id": name, "parent": served.name} for name in served.adapters]
         return {"object": "list", "data": [model, *adapters]}
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=READ)
     async def metrics():
         s = engine.stats
         lines = [

@@ -18,12 +18,13 @@ def page_html() -> str:
 
 
 def add_page(app) -> None:
-    """Answer ``GET /`` on ``app`` (a FastAPI app) with the chat page."""
+    """Answer ``GET /`` on ``app`` (a FastAPI app) with the chat page (and ``HEAD /`` with its
+    headers: health checkers send HEAD)."""
     from fastapi.responses import HTMLResponse
 
     html = page_html()
 
-    @app.get("/", include_in_schema=False)
+    @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
     async def page():
         return HTMLResponse(html, headers={"Content-Security-Policy": CSP,
                                            "Cache-Control": "no-store"})  # fmt: skip
