@@ -100,11 +100,14 @@ def main(argv: list[str]) -> int:
                          ns.compile, scheme, group, ns.max_context, adapters,
                          ns.cuda_graph)  # fmt: skip
     app = create_app(served, ns.max_request_bytes or MAX_REQUEST_BYTES)
-    if ns.cuda_graph and not served.engine.device.type == "cuda":
+    from llm_foundry.decode_graph import captures
+
+    graphs = ns.cuda_graph and captures(served.engine.device)
+    if ns.cuda_graph and not graphs:
         print(f"note: --cuda-graph: no CUDA graphs on {served.engine.device.type}; the static "
               "decode step runs eagerly (the same tokens, no faster)", file=sys.stderr)  # fmt: skip
-    if ns.compile or ns.cuda_graph:
-        what = "capturing the decode steps' CUDA graphs" if ns.cuda_graph else "compiling"
+    if ns.compile or graphs:  # else there is nothing to wait for
+        what = "capturing the decode steps' CUDA graphs" if graphs else "compiling"
         print(f"{what} ...", flush=True)
         t = time.perf_counter()
         served.engine.warm_up()
