@@ -208,3 +208,29 @@ def test_a_config_file_holding_a_huge_value_is_named_with_the_value_cut(tmp_path
         resolve(overrides={"model": {"dim": list(range(10_000))}})
     assert "model.dim=[0, 1, 2" in str(e.value) and "(10,000 items)" in str(e.value)
     assert len(str(e.value)) < 250
+
+
+def test_every_setting_has_its_comment_as_help(capsys):
+    """``train --help`` shows each field's comment: the one after it, or the lines above it (a
+    section heading such as ``# --- training-time`` is not a field's help)."""
+    import dataclasses
+
+    from llm_foundry.cli import main
+    from llm_foundry.cli.options import field_comments
+    from llm_foundry.config import ModelConfig
+    from llm_foundry.train.config import TrainConfig
+
+    train, model = field_comments(TrainConfig), field_comments(ModelConfig)
+    assert train["sdpa_backend"].startswith("the kernel attention runs in training: auto")
+    assert train["dtype"].startswith("fp32 | bf16 (autocast)")  # the lines above it
+    assert train["lr"] == "peak learning rate"  # the one after it
+    assert "nf4" in train["lora_base_dtype"]
+    assert not any(v.startswith("---") for v in (*train.values(), *model.values()))
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert (
+        "--train.sdpa_backend V the kernel attention runs in training: auto (PyTorch picks)" in out
+    )
+    documented = sum(f.name in train for f in dataclasses.fields(TrainConfig))
+    assert documented >= len(dataclasses.fields(TrainConfig)) - 8, documented

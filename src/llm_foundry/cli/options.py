@@ -29,12 +29,19 @@ class SettingsParser(argparse.ArgumentParser):
 
 @cache
 def field_comments(cls: type) -> dict[str, str]:
-    """The ``# comment`` after each field of a config dataclass: its help text."""
-    comments = {}
+    """Each field's help text in a config dataclass: the ``# comment`` after it, else the
+    comment lines right above it (joined)."""
+    comments, above = {}, []
     for line in inspect.getsource(cls).splitlines():
-        m = re.match(r"\s+(\w+): [^=]+=.*?#\s*(.+)$", line)
-        if m:
-            comments[m.group(1)] = m.group(2).strip()
+        if m := re.match(r"\s+#\s?(.*)$", line):
+            if not m.group(1).startswith("---"):  # a section's heading, not a field's help
+                above.append(m.group(1).strip())
+            continue
+        if m := re.match(r"\s+(\w+): [^=]+=.*?(?:#\s*(.+))?$", line):
+            text = m.group(2) or " ".join(above)
+            if text:
+                comments[m.group(1)] = text.strip()
+        above = []
     return comments
 
 

@@ -146,9 +146,9 @@ class TrainConfig:
     lora_dropout: float = 0.0  # dropout on the adapters' input
     lora_targets: str = "wq,wv"  # comma list of projections: wq, wk, wv, wo, w1, w2, w3, lm_head
     lora_rslora: bool = False  # rank-stabilised scale (Kalajdzievski 2023)
-    lora_base_dtype: str = (
-        "fp32"  # adapted projections' frozen weights (models/lora.py BASE_DTYPES)
-    )
+    # the adapted projections' frozen weights: fp32 | bf16 | int8 | int4 | nf4 (QLoRA's 4-bit
+    # NormalFloat, models/nf4.py); models/lora.py BASE_DTYPES
+    lora_base_dtype: str = "fp32"
     sft_packing: bool = False  # SFT data: fill rows with whole examples, attention kept in each
     # text data (llm_foundry.data.loader): random windows of the shards, or rows packed with
     # whole documents in a seeded order (the row's last one cut; needs the shards' .idx indexes)
