@@ -174,6 +174,7 @@ def test_a_signal_saves_a_checkpoint_and_exits_with_the_signals_status(data_dir,
             proc.communicate()
     assert proc.returncode == 128 + sig.value, (out, err)
     assert f"{sig.name}: saved" in out and "--resume" in out
+    assert "done:" not in out and "\nstopped: step " in out
     step = _latest_step(run)
     assert step is not None and step == max(_losses(run))
     assert (run / "checkpoints" / f"step_{step:06d}" / "model.safetensors").exists()
@@ -435,8 +436,16 @@ def test_resume_with_only_out_uses_the_saved_model_settings_and_data(data_dir, t
     err = capsys.readouterr().err
     assert "dim: saved 32, now 64" in err and "architecture it was started with" in err
     assert main(["train", "--out", str(cut), "--resume", "--train.max_steps=14"]) == 0
-    assert "changed training settings: max_steps 12 -> 14" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "changed training settings: max_steps 12 -> 14" in out and "nothing to train" not in out
     assert max(_losses(cut)) == 14
+    assert main(["train", "--out", str(cut), "--resume"]) == 0  # finished: said so, not redone
+    out = capsys.readouterr().out
+    assert (
+        f"nothing to train: {cut} reached max_steps=14 already (give --train.max_steps N > 14"
+        in out
+    )
+    assert "done: step 14" in out and max(_losses(cut)) == 14
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])

@@ -259,6 +259,9 @@ def train_and_report(model_cfg, train_cfg, data: str | Path, out: Path, resume: 
             + (f" | parallel {train_cfg.parallel}" if w.distributed else "")
             + (f" ({w.tp}-way tensor parallel in each group)" if w.tp > 1 else "")
         )
+    if resume and trainer.step >= train_cfg.max_steps and w.main:
+        print(f"nothing to train: {out} reached max_steps={train_cfg.max_steps} already "
+              f"(give --train.max_steps N > {trainer.step} to train it further)")  # fmt: skip
     result = trainer.run()
     if not w.main:  # rank 0 alone plots, samples and summarises
         return result
@@ -279,5 +282,6 @@ def train_and_report(model_cfg, train_cfg, data: str | Path, out: Path, resume: 
         print("\n--- sample (temperature 0.8, top-k 50) ---" + text + "\n---")
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     best = f"{result.best_val_loss:.4f}" if result.best_val_loss is not None else "n/a"
-    print(f"done: step {result.step}, best val loss {best}; curves in {out / 'loss.png'}")
+    ended = "stopped" if result.interrupted else "done"  # the caller says how to go on
+    print(f"{ended}: step {result.step}, best val loss {best}; curves in {out / 'loss.png'}")
     return result
