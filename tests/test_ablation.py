@@ -287,7 +287,7 @@ def test_extrapolation_reports_cannot_run_for_learned_positions(data_dir, tmp_pa
 
 def test_cli_runs_a_grid_and_prints_the_table(data_dir, tmp_path, capsys):
     sets = [f"--set=train.{k}={v}" for k, v in TINY_TRAIN.items()]
-    sets += [f"--set={k}={v}" for k, v in TINY_MODEL.items()]
+    sets += [x for k, v in TINY_MODEL.items() for x in (f"--model.{k}", str(v))]  # train's way
     code = cli(
         ["ablate", "--vary", "mlp=gelu,swiglu", "--data", str(data_dir), "--out", str(tmp_path)]
         + sets
@@ -295,8 +295,22 @@ def test_cli_runs_a_grid_and_prints_the_table(data_dir, tmp_path, capsys):
     assert code == 0
     out = capsys.readouterr().out
     assert "| mlp=gelu |" in out and "| mlp=swiglu |" in out
+    study = json.loads((tmp_path / "results.json").read_text())["study"]
+    assert {k: study["model"][k] for k in TINY_MODEL} == TINY_MODEL  # --model.F V took
     assert cli(["ablate", "--data", str(data_dir), "--out", str(tmp_path / "x")]) == 2
     assert "nothing to compare" in capsys.readouterr().err
+
+
+def test_trains_spelling_of_an_override_is_read_as_set():
+    from llm_foundry.cli.ablate import as_set_flags
+
+    argv = ["--vary", "mlp=gelu,swiglu", "--model.dim", "64", "--train.lr=3e-3",
+            "--train.max_steps", "10", "--model.norm=layernorm", "--data", "d"]  # fmt: skip
+    assert as_set_flags(argv) == ["--vary", "mlp=gelu,swiglu", "--set", "dim=64", "--set",
+                                  "train.lr=3e-3", "--set", "train.max_steps=10", "--set",
+                                  "norm=layernorm", "--data", "d"]  # fmt: skip
+    with pytest.raises(ValueError, match=r"--model.dim needs a value \(--model.dim V, or"):
+        as_set_flags(["--model.dim"])
 
 
 def test_cli_lists_recipes(capsys):

@@ -28,6 +28,26 @@ def main(argv: list[str]) -> int:
         return stopped("llm-foundry ablate", name, what)
 
 
+def as_set_flags(argv: list[str]) -> list[str]:
+    """``train``'s spelling of an override, ``--model.F V`` / ``--train.F V`` (or with ``=``),
+    read as ``--set F=V`` / ``--set train.F=V``: what works for one run works for a study."""
+    out, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        section, dot, rest = arg.partition(".")
+        if dot and section in ("--model", "--train") and rest:
+            field, eq, value = rest.partition("=")
+            if not eq:
+                if i + 1 >= len(argv):
+                    raise ValueError(f"{arg} needs a value ({arg} V, or {arg}=V)")
+                value, i = argv[i + 1], i + 1
+            out += ["--set", f"{'train.' if section == '--train' else ''}{field}={value}"]
+        else:
+            out.append(arg)
+        i += 1
+    return out
+
+
 def _main(argv: list[str]) -> int:
     p = SettingsParser(
         prog="llm-foundry ablate",
@@ -46,7 +66,11 @@ def _main(argv: list[str]) -> int:
         help="grid axis; model field by default, train.FIELD for training (repeatable)",
     )
     p.add_argument(
-        "--set", action="append", default=[], metavar="FIELD=V", help="override for every variant"
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=V",
+        help="override for every variant (train's --model.FIELD V and --train.FIELD V work too)",
     )
     p.add_argument("--seeds", type=int, help="seeds per variant (mean ± std)")
     p.add_argument("--data", default="data/shakespeare_char", help="directory written by prepare")
@@ -55,7 +79,7 @@ def _main(argv: list[str]) -> int:
     p.add_argument(
         "--report", metavar="DIR", help="rebuild DIR's table and plots from its results.json"
     )
-    ns = p.parse_args(argv)
+    ns = p.parse_args(as_set_flags(argv))
     if ns.report:
         report = json.loads((Path(ns.report) / "results.json").read_text())
         write_report(report, Path(ns.report))
