@@ -380,6 +380,7 @@ def test_sampler_argument_errors():
 
 
 def _fake_prepared(tmp_path, tokens: int) -> Path:
+    tmp_path.mkdir(parents=True, exist_ok=True)
     np.arange(tokens, dtype=np.uint16).tofile(tmp_path / "train.bin")
     meta = {"dtype": "uint16", "vocab_size": 65, "train_tokens": tokens}
     (tmp_path / "meta.json").write_text(json.dumps(meta))
@@ -421,6 +422,50 @@ def test_missing_data_dir_says_run_prepare(tmp_path):
         load_meta(tmp_path / "nowhere")
     with pytest.raises(DataError, match="does not exist"):
         load_split(tmp_path / "nowhere", "train")
+
+
+def test_a_file_given_as_a_data_directory_says_how_to_prepare_one(tmp_path, capsys):
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text('{"text": "a document"}\n')
+    with pytest.raises(DataError) as e:
+        load_meta(corpus)
+    assert str(e.value) == (
+        f"data directory {corpus} is a file, not a directory `llm-foundry prepare` wrote; make "
+        f"one from it with `llm-foundry prepare --input {corpus} --out DIR`"
+    )
+    # through the command that names it
+    rc, err = cli_status(["train", "--data", str(corpus), "--out", str(tmp_path / "run")], capsys)
+    assert rc == 2 and err == f"llm-foundry train: error: {e.value}\n"
+    # a token file of a prepared directory: that directory
+    data = _fake_prepared(tmp_path / "data", 100)
+    with pytest.raises(DataError) as e:
+        load_meta(data / "train.bin")
+    assert str(e.value) == (
+        f"data directory {data / 'train.bin'} is one of the token files of {data}: give that "
+        "directory"
+    )
+    (tmp_path / "notes.md").write_text("text")
+    with pytest.raises(DataError, match=r"notes.md is a file, not a directory `llm-foundry prepar"):
+        load_meta(tmp_path / "notes.md")
+
+
+def test_a_token_file_path_that_is_not_one_is_named_not_its_directory(tmp_path):
+    nope = tmp_path / "data" / "nope"
+    nope.parent.mkdir()
+    with pytest.raises(DataError) as e:
+        BatchSampler(nope, 4, 1)  # not "data/meta.json is missing: data was not written by ..."
+    assert str(e.value) == (
+        f"{nope} does not exist: give a directory `llm-foundry prepare` wrote, or one of its "
+        "token files (.bin)"
+    )
+    from llm_foundry.data.batches import open_token_file
+
+    with pytest.raises(DataError, match=f"^{nope} does not exist: give a directory"):
+        open_token_file(nope)
+    data = _fake_prepared(tmp_path / "data", 100)
+    assert len(open_token_file(data / "train.bin")) == 100
+    with pytest.raises(DataError, match=r"data is a directory: give one of its token files"):
+        open_token_file(data)
 
 
 def test_missing_meta_or_split_file(tmp_path):

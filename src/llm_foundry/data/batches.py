@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shlex
 import weakref
 from pathlib import Path
 
@@ -28,6 +29,8 @@ IGNORE = -100  # the target of positions that do not count (the model's ignore_i
 def load_meta(data_dir: str | Path) -> dict:
     """``data_dir/meta.json``, with errors that say how to create it."""
     data_dir = Path(data_dir)
+    if data_dir.is_file():
+        raise DataError(f"data directory {data_dir} {not_prepared(data_dir)}")
     if not data_dir.is_dir():
         raise DataError(
             f"data directory {data_dir} does not exist; create it with `llm-foundry prepare`"
@@ -52,6 +55,20 @@ def load_meta(data_dir: str | Path) -> dict:
     if missing:
         raise DataError(f"{path} lacks {missing}; run `llm-foundry prepare` again")
     return meta
+
+
+def not_prepared(path: Path) -> str:
+    """What to say of a file given where a directory ``prepare`` wrote was expected."""
+    from llm_foundry.data.corpus import file_format
+
+    if path.suffix == ".bin" and (path.parent / "meta.json").is_file():
+        return f"is one of the token files of {path.parent}: give that directory"
+    if file_format(path) is None:
+        return "is a file, not a directory `llm-foundry prepare` wrote (one holding meta.json)"
+    return (
+        "is a file, not a directory `llm-foundry prepare` wrote; make one from it with "
+        f"`llm-foundry prepare --input {shlex.quote(str(path))} --out DIR`"
+    )
 
 
 def tokenizer_sha256(data_dir: str | Path, meta: dict) -> str | None:
@@ -326,14 +343,29 @@ class BatchSampler:
         self.batches = int(state.get("batches", 0))
 
 
+def open_token_file(path: str | Path) -> np.memmap:
+    """A token file of a prepared directory (``DIR/val.bin``, ``DIR/train_00003.bin``) mapped
+    read-only with its meta.json's dtype; a path that is not one is named in a one-line error."""
+    path = Path(path)
+    if not path.exists():
+        raise DataError(
+            f"{path} does not exist: give a directory `llm-foundry prepare` wrote, or one of its "
+            "token files (.bin)"
+        )
+    if path.is_dir():
+        raise DataError(f"{path} is a directory: give one of its token files (.bin)")
+    if path.suffix != ".bin":
+        raise DataError(f"{path} {not_prepared(path)}")
+    meta = load_meta(path.parent)
+    split = path.stem if path.stem in SPLITS else None
+    expected = meta.get(f"{split}_tokens") if split else None
+    return open_tokens(path, meta["dtype"], expected)
+
+
 def _as_tokens(data: np.ndarray | str | Path) -> tuple[np.ndarray, str]:
     """(1-D token array, a name for error messages) from an array or a ``.bin`` path."""
     if isinstance(data, (str, Path)):
-        path = Path(data)
-        meta = load_meta(path.parent)
-        split = path.stem if path.stem in SPLITS else None
-        expected = meta.get(f"{split}_tokens") if split else None
-        return open_tokens(path, meta["dtype"], expected), f"token file {path}"
+        return open_token_file(data), f"token file {data}"
     array = np.asarray(data)
     filename = getattr(data, "filename", None)
     name = f"token file {filename}" if filename else "the token array"
