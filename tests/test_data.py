@@ -468,6 +468,23 @@ def test_a_token_file_path_that_is_not_one_is_named_not_its_directory(tmp_path):
         open_token_file(data)
 
 
+def test_preference_batches_of_another_kind_of_data_name_its_kind(tmp_path):
+    from llm_foundry.data.preference import PreferenceSampler
+
+    kinds = {"sft": "fine-tuning rows (kind 'sft')", None: "a text stream (train.bin/val.bin, "
+             "no kind)", "documents": "a document corpus (kind 'documents')"}  # fmt: skip
+    for kind, said in kinds.items():
+        data = _fake_prepared(tmp_path / str(kind), 100)
+        meta = json.loads((data / "meta.json").read_text())
+        (data / "meta.json").write_text(json.dumps({**meta, "kind": kind}))
+        with pytest.raises(DataError) as e:
+            PreferenceSampler(data, "train", 8, 2)
+        assert str(e.value) == (
+            f"{data} holds {said}, not preference pairs (kind 'preference'); `finetune --task dpo "
+            "--data ROWS.jsonl` prepares them"
+        )
+
+
 def test_missing_meta_or_split_file(tmp_path):
     with pytest.raises(DataError, match=r"meta.json is missing: .*run `llm-foundry prepare` again"):
         load_meta(tmp_path)

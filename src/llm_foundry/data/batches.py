@@ -20,6 +20,7 @@ import torch
 
 from llm_foundry import lock
 from llm_foundry.data.sources import DataError
+from llm_foundry.messages import shown
 from llm_foundry.tokenizer import json_type
 
 SPLITS = ("train", "val")
@@ -69,6 +70,23 @@ def not_prepared(path: Path) -> str:
         "is a file, not a directory `llm-foundry prepare` wrote; make one from it with "
         f"`llm-foundry prepare --input {shlex.quote(str(path))} --out DIR`"
     )
+
+
+# what a prepared directory holds, by meta.json's "kind" (a text stream has none)
+PREPARED_KINDS = {
+    None: "a text stream (train.bin/val.bin, no kind)",
+    "documents": "a document corpus (kind 'documents')",
+    "sft": "fine-tuning rows (kind 'sft')",
+    "preference": "preference pairs (kind 'preference')",
+}
+
+
+def prepared_kind(meta: dict) -> str:
+    """What a prepared directory holds, in words, from its meta.json."""
+    kind = meta.get("kind")
+    if isinstance(kind, str | None) and kind in PREPARED_KINDS:
+        return PREPARED_KINDS[kind]
+    return f"data of kind {shown(kind)}"
 
 
 def tokenizer_sha256(data_dir: str | Path, meta: dict) -> str | None:

@@ -37,6 +37,7 @@ from llm_foundry.data.batches import (
     check_files,
     load_meta,
     open_tokens,
+    prepared_kind,
 )
 from llm_foundry.data.encode import token_dtype
 from llm_foundry.data.sft import (
@@ -227,10 +228,14 @@ class PreferenceSampler(BatchSampler):
         data_dir = Path(data_dir)
         with lock.sharing(data_dir):  # meta.json and the files it names: of one prepare
             meta = load_meta(data_dir)
-            if not is_preference(meta) or not isinstance(meta.get(f"{split}_pairs"), int):
-                raise DataError(f"{data_dir / 'meta.json'} is not preference data (kind "
-                                f"'{KIND}'); `finetune --task dpo --data ROWS.jsonl` prepares "
-                                "it")  # fmt: skip
+            if not is_preference(meta):
+                raise DataError(f"{data_dir} holds {prepared_kind(meta)}, not preference pairs "
+                                f"(kind '{KIND}'); `finetune --task dpo --data ROWS.jsonl` "
+                                "prepares them")  # fmt: skip
+            if not isinstance(meta.get(f"{split}_pairs"), int):
+                raise DataError(f"{data_dir / 'meta.json'} holds preference pairs without an "
+                                f"integer '{split}_pairs' ({shown(meta.get(f'{split}_pairs'))}); "
+                                "prepare them again")  # fmt: skip
             names = [f"{split}.bin", f"{split}.mask.bin", f"{split}.offsets.bin", "tokenizer.json"]
             check_files(data_dir, meta, names)
             n_tokens, self.pairs = meta[f"{split}_tokens"], meta[f"{split}_pairs"]
