@@ -371,6 +371,33 @@ def test_a_changed_input_or_setting_refuses_to_resume_until_restart(tmp_path, co
     assert not meta["timing"]["resumed"] and meta["sources"][0]["documents"] == 251
 
 
+def test_a_text_flag_for_none_of_the_inputs_formats_is_refused(tmp_path, capsys):
+    docs = make_docs(30, seed=3)
+    write(tmp_path / "a.jsonl", docs, "jsonl", field="body")
+    write(tmp_path / "b.parquet", docs, "parquet", field="body")
+    write(tmp_path / "t", docs, "txt")
+    out = tmp_path / "d"
+    cases = [
+        ([tmp_path / "a.jsonl"], "--text-column", "--text-column 'body' applies to parquet and "
+         "datasets inputs, and the inputs are jsonl: choose their text with --text-field"),
+        ([tmp_path / "b.parquet"], "--text-field", "--text-field 'body' applies to JSONL inputs, "
+         "and the inputs are parquet: choose their text with --text-column"),
+        ([tmp_path / "t"], "--text-field", "--text-field 'body' applies to JSONL inputs, and the "
+         "inputs are txt: a text file is one whole document, with no field or column to choose"),
+    ]  # fmt: skip
+    for inputs, flag, message in cases:
+        argv = ["prepare", "--input", *map(str, inputs), flag, "body", "--out", str(out)]
+        rc, err = cli_status(argv, capsys)
+        assert rc == 2 and err == f"llm-foundry prepare: error: {message}\n"
+        assert not out.exists()
+    with pytest.raises(DataError, match="--text-column 'body' applies to parquet and datasets"):
+        prepare_documents(out, [tmp_path / "a.jsonl"], text_column="body", **KW)
+    # each flag applies to the inputs of its format among others
+    meta = prepare_documents(out, [tmp_path / "a.jsonl", tmp_path / "b.parquet"],
+                             text_field="body", text_column="body", **KW)  # fmt: skip
+    assert meta["train_documents"] + meta["val_documents"] == 60
+
+
 @pytest.mark.heavy
 def test_a_killed_prepare_resumes_to_the_same_bytes(tmp_path):
     """SIGKILL (nothing runs after it) once the first shard is recorded, then the same command."""

@@ -127,11 +127,11 @@ def main(argv: list[str]) -> int:
         "--split", default=None, help="the split of a dataset or DatasetDict (default train)"
     )
     d.add_argument(
-        "--text-field", default="text", help="JSONL: the field holding the text (default text)"
+        "--text-field", default=None, help="JSONL: the field holding the text (default text)"
     )
     d.add_argument(
         "--text-column",
-        default="text",
+        default=None,
         help="parquet and datasets: the column holding the text (default text)",
     )
     d.add_argument(

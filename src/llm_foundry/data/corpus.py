@@ -123,20 +123,23 @@ def resolve_inputs(
     hf_datasets: Sequence[str] = (),
     val_sources: Sequence[str | Path] = (),
     split: str | None = None,
-    text_column: str = "text",
+    text_column: str | None = None,
+    text_field: str | None = None,
 ) -> list[Group]:
     """The groups of files that ``inputs``, ``hf_datasets`` and ``val_sources`` name, in that
-    order. A name that matches nothing, a file of another type, a file named twice: one-line
-    DataErrors."""
+    order. A name that matches nothing, a file of another type, a file named twice, a
+    ``split``, ``text_column`` or ``text_field`` given (not None) for none of the files'
+    formats: one-line DataErrors. ``text_column`` None: "text"."""
+    column = "text" if text_column is None else text_column
     groups: list[Group] = []
     for arg in inputs:
-        groups.append(_group(str(arg), "train", len(groups), split, text_column, "--input"))
+        groups.append(_group(str(arg), "train", len(groups), split, column, "--input"))
     for name in hf_datasets:
         group = Group(str(name), "train")
-        group.files.append(_dataset(str(name), len(groups), split, text_column, "--hf-dataset"))
+        group.files.append(_dataset(str(name), len(groups), split, column, "--hf-dataset"))
         groups.append(group)
     for arg in val_sources:
-        groups.append(_group(str(arg), "val", len(groups), split, text_column, "--val-source"))
+        groups.append(_group(str(arg), "val", len(groups), split, column, "--val-source"))
     seen: dict[str, str] = {}
     for g in groups:
         for f in g.files:
@@ -154,7 +157,33 @@ def resolve_inputs(
             f"--split {split} is for Hugging Face datasets (a saved DatasetDict or "
             "--hf-dataset); none of the inputs is one"
         )
+    _check_text_flags(groups, text_column, text_field)
+    for f in (f for g in groups for f in g.files if f.format == "parquet"):
+        _parquet_column(f, column)  # a missing column is named before anything is read
     return groups
+
+
+# the flags that choose where a row's text is: the inputs each is for, and their formats
+TEXT_FLAGS = {
+    "--text-field": ("JSONL", ("jsonl", "jsonl.gz", "jsonl.zst")),
+    "--text-column": ("parquet and datasets", ("parquet", HF_DISK, HF_HUB)),
+}
+
+
+def _check_text_flags(groups: list[Group], text_column: str | None, text_field: str | None):
+    """Refuse --text-field or --text-column given for none of the inputs' formats, naming the
+    flag that applies to them (a text file is one whole document: neither does)."""
+    formats = sorted({f.format for g in groups for f in g.files})
+    for flag, value in (("--text-field", text_field), ("--text-column", text_column)):
+        if value is None or any(f in TEXT_FLAGS[flag][1] for f in formats):
+            continue
+        other = next((k for k, (_, fmts) in TEXT_FLAGS.items() if set(fmts) & set(formats)), None)
+        use = (f"choose their text with {other}" if other else
+               "a text file is one whole document, with no field or column to choose")  # fmt: skip
+        raise DataError(
+            f"{flag} {shown(value)} applies to {TEXT_FLAGS[flag][0]} inputs, and the inputs "
+            f"are {', '.join(formats)}: {use}"
+        )
 
 
 def _group(arg: str, split: str, number: int, hf_split, column, flag: str) -> Group:
@@ -179,7 +208,7 @@ def _group(arg: str, split: str, number: int, hf_split, column, flag: str) -> Gr
                 and file_format(p)
                 and not any(part.startswith(".") for part in p.relative_to(path).parts)
             ]
-            group.files += [_file(p, number, column) for p in found]
+            group.files += [_file(p, number) for p in found]
         elif path.is_file():
             if file_format(path) is None:
                 raise DataError(
@@ -187,7 +216,7 @@ def _group(arg: str, split: str, number: int, hf_split, column, flag: str) -> Gr
                     f"{', '.join(SUFFIXES)} files, directories of them, or a saved datasets "
                     "directory"
                 )
-            group.files.append(_file(path, number, column))
+            group.files.append(_file(path, number))
     if not group.files:
         raise DataError(
             f"{flag} {arg}: no {', '.join(SUFFIXES)} file there (nor a saved datasets directory)"
@@ -195,14 +224,12 @@ def _group(arg: str, split: str, number: int, hf_split, column, flag: str) -> Gr
     return group
 
 
-def _file(path: Path, group: int, column: str) -> InputFile:
+def _file(path: Path, group: int) -> InputFile:
     st = path.stat()
     fmt = file_format(path)
     f = InputFile(str(path.resolve()), fmt, group, st.st_size, [st.st_size, st.st_mtime_ns])
     if st.st_size == 0:
         raise DataError(f"{f.path} is empty (0 bytes): it holds no document; remove it")
-    if fmt == "parquet":
-        _parquet_column(f, column)  # a missing column is named before anything is read
     return f
 
 

@@ -265,8 +265,8 @@ def prepare_documents(
     hf_datasets: Sequence[str] = (),
     val_sources: Sequence[str | Path] = (),
     split: str | None = None,
-    text_field: str = "text",
-    text_column: str = "text",
+    text_field: str | None = None,
+    text_column: str | None = None,
     vocab_size: int | None = None,
     tokenizer_from: str | Path | None = None,
     tokenizer_sample: int = DEFAULT_TOKENIZER_SAMPLE,
@@ -283,8 +283,10 @@ def prepare_documents(
 
     Validation: the documents of ``val_sources``, else the fraction ``val_fraction`` (default
     0.1) of the documents, spread evenly. An interrupted call resumes when called again with the
-    same inputs and settings (``restart``: start over instead). Errors the user can fix are
-    one-line DataErrors (or ValueErrors for the arguments)."""
+    same inputs and settings (``restart``: start over instead). ``text_field`` (JSONL) and
+    ``text_column`` (parquet, datasets) default to "text"; one given for none of the inputs'
+    formats is refused. Errors the user can fix are one-line DataErrors (or ValueErrors for the
+    arguments)."""
     _check_arguments(locals())
     if val_sources and val_fraction is not None:
         raise ValueError("give --val-fraction or --val-source, not both")
@@ -292,7 +294,7 @@ def prepare_documents(
         raise ValueError("no input: give --input PATH... or --hf-dataset NAME")
     fraction = None if val_sources else (0.1 if val_fraction is None else float(val_fraction))
     out = Path(out_dir)
-    groups = resolve_inputs(inputs, hf_datasets, val_sources, split, text_column)
+    groups = resolve_inputs(inputs, hf_datasets, val_sources, split, text_column, text_field)
     settings = {
         "tokenizer": "from" if tokenizer_from else "bpe",
         "vocab_size": None if tokenizer_from else (vocab_size or DEFAULT_BPE_VOCAB),
@@ -301,8 +303,8 @@ def prepare_documents(
         "val_fraction": fraction,
         "shard_tokens": shard_tokens,
         "dtype": dtype,
-        "text_field": text_field,
-        "text_column": text_column,
+        "text_field": "text" if text_field is None else text_field,
+        "text_column": "text" if text_column is None else text_column,
         "split": split,
         "on_bad_utf8": on_bad_utf8,
         "piece_chars": PIECE_CHARS,
