@@ -398,6 +398,25 @@ def test_a_text_flag_for_none_of_the_inputs_formats_is_refused(tmp_path, capsys)
     assert meta["train_documents"] + meta["val_documents"] == 60
 
 
+def test_training_the_bpe_shows_a_bar_and_json_stays_json(tmp_path, corpus, monkeypatch, capsys):
+    from llm_foundry.cli import main
+
+    monkeypatch.setattr(documents_mod, "PROGRESS_MIN_CHARS", 0)  # a bar for this small corpus
+    argv = ["prepare", "--input", *map(str, corpus), "--vocab-size", "400", "--out",
+            str(tmp_path / "d"), "--json"]  # fmt: skip
+    capsys.readouterr()
+    assert main(argv) == 0
+    printed = capsys.readouterr()
+    assert json.loads(printed.out)["kind"] == "documents"  # nothing else on stdout
+    bars = printed.err.replace("\r", "\n")
+    sample = json.loads(printed.out)["tokenizer_sample_bytes"]
+    train = [line for line in bars.splitlines() if line.startswith("train BPE: 100%")]
+    assert train, printed.err
+    assert "merging pairs" in train[-1]  # still running after it read the sample
+    assert f"{sample / 1e3:.1f}k/{sample / 1e3:.1f}k" in train[-1]  # the sample's size
+    assert bars.index("read sample") < bars.index("train BPE") < bars.index("tokenize")
+
+
 @pytest.mark.heavy
 def test_a_killed_prepare_resumes_to_the_same_bytes(tmp_path):
     """SIGKILL (nothing runs after it) once the first shard is recorded, then the same command."""

@@ -468,6 +468,23 @@ def test_a_token_file_path_that_is_not_one_is_named_not_its_directory(tmp_path):
         open_token_file(data)
 
 
+def test_training_a_bpe_on_a_text_stream_shows_a_bar_until_its_merges_end(
+    tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setattr(encode, "PROGRESS_MIN_CHARS", 0)  # a bar for this small text
+    src = tmp_path / "a.txt"
+    src.write_text("hello world, hello data pipeline\n" * 50)
+    capsys.readouterr()
+    prepare(tmp_path / "d", text_files=[src], tokenizer="bpe", vocab_size=300)
+    bars = capsys.readouterr().err.replace("\r", "\n").splitlines()
+    train = [line for line in bars if line.startswith("train BPE: 100%")]
+    assert train and "merging pairs" in train[-1] and "1.65k/1.65k" in train[-1], bars
+    assert not any(line.startswith("read") for line in bars)  # the reading is the training's
+    prepare(tmp_path / "c", text_files=[src])  # a char tokenizer reads, no more
+    bars = capsys.readouterr().err.replace("\r", "\n").splitlines()
+    assert any(line.startswith("read: 100%") for line in bars) and "train BPE" not in str(bars)
+
+
 def test_preference_batches_of_another_kind_of_data_name_its_kind(tmp_path):
     from llm_foundry.data.preference import PreferenceSampler
 

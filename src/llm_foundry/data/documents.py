@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import multiprocessing
 import os
 import shutil
@@ -56,7 +55,14 @@ from llm_foundry.data.corpus import (
     read_records,
     resolve_inputs,
 )
-from llm_foundry.data.encode import PROGRESS_MIN_CHARS, split_pieces, split_text, token_dtype
+from llm_foundry.data.encode import (
+    MERGING,
+    PROGRESS_MIN_CHARS,
+    bytes_counted,
+    split_pieces,
+    split_text,
+    token_dtype,
+)
 from llm_foundry.data.shard_writer import (
     PROGRESS_FILE,
     PROGRESS_VERSION,
@@ -82,8 +88,6 @@ from llm_foundry.tokenizer import (
     encode_in_worker,
     start_encoding_worker,
 )
-
-log = logging.getLogger(__name__)
 
 DEFAULT_SHARD_TOKENS = 100_000_000
 DEFAULT_TOKENIZER_SAMPLE = 200_000_000  # bytes of text the BPE is trained on, at most
@@ -482,9 +486,12 @@ class _Job:
 
             sample, kept, seen = draw_sample(texts(), self.settings["tokenizer_sample"])
         self._check_counts(counts["train"], counts["val"])
-        if self.progress and seen >= PROGRESS_MIN_CHARS:
-            log.info(f"training BPE on {kept:,} of {seen:,} bytes of text")
-        tok = BPETokenizer.train(sample, self.settings["vocab_size"], chat_tokens=True)
+        # the trainer reads the sample as it goes; the bar runs until the merges are done too
+        show = self.progress and seen >= PROGRESS_MIN_CHARS
+        with tqdm(total=kept, unit="B", unit_scale=True, desc="train BPE",
+                  disable=not show) as bar:  # fmt: skip
+            pieces = bytes_counted(sample, bar, MERGING)
+            tok = BPETokenizer.train(pieces, self.settings["vocab_size"], chat_tokens=True)
         return tok, kept, seen
 
     def _check_counts(self, train: int, val: int) -> None:

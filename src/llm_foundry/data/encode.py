@@ -123,10 +123,17 @@ def _bar(source: TextSource, desc: str, progress: bool) -> tqdm:
     return tqdm(total=source.n_bytes, unit="B", unit_scale=True, desc=desc, disable=not show)
 
 
-def _bytes_counted(pieces: Iterable[str], bar: tqdm) -> Iterator[str]:
+def bytes_counted(pieces: Iterable[str], bar: tqdm, then: str | None = None) -> Iterator[str]:
+    """``pieces``, counted on ``bar`` in UTF-8 bytes; ``then``: what the bar says once they are
+    all read (what its reader does next, e.g. a BPE trainer merging pairs)."""
     for piece in pieces:
-        bar.update(len(piece.encode("utf-8")))
+        bar.update(len(piece) if piece.isascii() else len(piece.encode("utf-8")))
         yield piece
+    if then:
+        bar.set_postfix_str(then)
+
+
+MERGING = "merging pairs"  # what a BPE trainer does once it has read its text
 
 
 def prepare(
@@ -186,8 +193,11 @@ def prepare(
 def _prepare_locked(
     source, out, dataset, text_files, tokenizer, vocab_size, val_fraction, progress
 ) -> dict:
-    with _bar(source, "read", progress) as bar:
-        chunks = split_pieces(_bytes_counted(source.pieces(), bar), CHUNK_CHARS)
+    # a BPE trainer reads the text as it goes (its bar runs until the merges are done too)
+    bpe = tokenizer == "bpe"
+    with _bar(source, "train BPE" if bpe else "read", progress) as bar:
+        pieces = bytes_counted(source.pieces(), bar, MERGING if bpe else None)
+        chunks = split_pieces(pieces, CHUNK_CHARS)
         try:
             tok = build_tokenizer(tokenizer, chunks, vocab_size)
         except ValueError:
@@ -205,7 +215,7 @@ def _prepare_locked(
     n = 0
     try:
         with open(tokens, "wb") as f, _bar(source, "encode", progress) as bar:
-            pieces = _bytes_counted(source.pieces(), bar)
+            pieces = bytes_counted(source.pieces(), bar)
             for ids, _ in encode_chunks(tok, split_pieces(pieces, CHUNK_CHARS)):
                 ids.astype(dtype).tofile(f)
                 n += len(ids)
