@@ -26,6 +26,7 @@ from llm_foundry.data import documents as documents_mod
 from llm_foundry.data.batches import load_meta
 from llm_foundry.data.corpus import draw_sample, read_records, resolve_inputs
 from llm_foundry.data.documents import prepare_documents
+from llm_foundry.data.shard_writer import AlreadyPrepared
 from llm_foundry.data.shards import document_starts, open_shard, split_shards
 from llm_foundry.tokenizer import CHAT_TOKENS, BPETokenizer, load_tokenizer
 
@@ -369,6 +370,110 @@ def test_a_changed_input_or_setting_refuses_to_resume_until_restart(tmp_path, co
     )
     meta = prepare_documents(out, corpus, restart=True, **KW)
     assert not meta["timing"]["resumed"] and meta["sources"][0]["documents"] == 251
+
+
+def stamps(out: Path) -> dict[str, int]:
+    """Every file of ``out`` (hidden ones too, but for the locks' files) and its modification
+    time in nanoseconds."""
+    from llm_foundry import lock
+
+    locks = (lock.LOCK_FILE, lock.READERS_FILE)  # a reader killed in a test leaves its file
+    return {p.name: p.stat().st_mtime_ns for p in sorted(out.iterdir()) if p.name not in locks}
+
+
+def test_a_complete_directory_prepared_again_from_the_same_inputs_is_left_as_it_is(
+    tmp_path, corpus, capsys
+):
+    from llm_foundry.cli import main
+
+    out = tmp_path / "d"
+    argv = ["prepare", "--input", *map(str, corpus), "--vocab-size", "400", "--shard-tokens",
+            "3000", "--out", str(out)]  # fmt: skip
+    rc, err = cli_status(argv, capsys)
+    assert rc == 0, err
+    before = stamps(out)
+    assert len([n for n in before if n.startswith("train_")]) > 2  # several shards
+    time.sleep(0.01)  # a file written again would get a later mtime
+    capsys.readouterr()
+    rc = main(argv)
+    printed = capsys.readouterr()
+    assert rc == 0 and printed.err == ""
+    assert printed.out == (
+        f"{out} is already prepared from these inputs with these settings: nothing to do\n"
+    )
+    assert stamps(out) == before
+    # --json: meta.json as it is on stdout, the line on stderr
+    assert main([*argv, "--json"]) == 0
+    printed = capsys.readouterr()
+    assert json.loads(printed.out) == json.loads((out / "meta.json").read_text())
+    assert printed.err.endswith("nothing to do\n") and stamps(out) == before
+    # the library says so with the directory's meta.json, while a training reads it too
+    from test_lock import SHARE
+
+    reader = subprocess.Popen([sys.executable, "-c", SHARE, str(out)], stdout=subprocess.PIPE,
+                              text=True)  # fmt: skip
+    try:
+        assert reader.stdout.readline().strip() == "reading"
+        with pytest.raises(AlreadyPrepared) as e:
+            prepare_documents(out, corpus, **KW)
+    finally:
+        reader.kill()
+        reader.wait()
+    assert e.value.meta == json.loads((out / "meta.json").read_text())
+    assert stamps(out) == before
+
+
+def test_a_complete_directory_with_other_inputs_or_settings_is_refused_until_restart(
+    tmp_path, corpus, capsys
+):
+    out = tmp_path / "d"
+    prepare_documents(out, corpus, **KW)
+    before = stamps(out)
+    argv = ["prepare", "--input", *map(str, corpus), "--out", str(out)]
+    # no --shard-tokens (nor --vocab-size): the defaults differ from what prepared it
+    rc, err = cli_status(argv, capsys)
+    assert rc == 2 and err == (
+        f"llm-foundry prepare: error: {out} is already prepared from other inputs or settings "
+        "(settings.vocab_size: 400 then, 4096 now; settings.shard_tokens: 3000 then, 100000000 "
+        "now); add --restart to prepare it again from scratch, or write to another --out\n"
+    )
+    # a changed input comes first, then settings: three differences at most
+    size = corpus[0].stat().st_size
+    with corpus[0].open("a") as f:
+        f.write(json.dumps({"text": "a late addition"}) + "\n")
+    rc, err = cli_status([*argv, "--val-fraction", "0.2"], capsys)
+    assert rc == 2 and err.count("\n") == 1
+    assert (
+        f"({corpus[0]} changed ({size:,} bytes then, {size + 28:,} now); settings.vocab_size: 400 "
+        "then, 4096 now; settings.val_fraction: 0.1 then, 0.2 now); add --restart" in err
+    )
+    assert stamps(out) == before
+    # a directory holding another kind of prepared data is refused all the same
+    text = tmp_path / "stream"
+    (tmp_path / "t.txt").write_text("a small text stream " * 50)
+    from llm_foundry.data import prepare
+
+    prepare(text, text_files=[tmp_path / "t.txt"], progress=False)
+    with pytest.raises(DataError) as e:
+        prepare_documents(text, corpus, **KW)
+    assert str(e.value) == (
+        f"{text} already holds a text stream (train.bin/val.bin, no kind); add --restart to "
+        "prepare it again from scratch, or write to another --out"
+    )
+    # --restart prepares it again
+    rc, err = cli_status([*argv, "--restart"], capsys)
+    assert rc == 0, err
+    meta = load_meta(out)
+    assert meta["settings"]["shard_tokens"] == 100_000_000 and len(meta["shards"]["train"]) == 1
+    assert meta["sources"][0]["documents"] == 251
+
+
+def test_a_complete_directory_whose_files_no_longer_match_is_prepared_again(tmp_path, corpus):
+    out = tmp_path / "d"
+    first = prepare_documents(out, corpus, **KW)
+    (out / "train_00001.bin").unlink()
+    again = prepare_documents(out, corpus, **KW)
+    assert again["shards"] == first["shards"] and (out / "train_00001.bin").is_file()
 
 
 def test_a_text_flag_for_none_of_the_inputs_formats_is_refused(tmp_path, capsys):

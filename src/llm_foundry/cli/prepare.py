@@ -8,7 +8,9 @@ Three kinds of input, one per call:
 - a document corpus (``--input`` and/or ``--hf-dataset``; any of their flags): many files of text,
   JSONL, parquet or ``datasets``, one document each (a text file) or per row, tokenized in
   ``--workers`` processes into shards with document indexes (``data/shards.py``'s layout),
-  whole documents held out for validation; an interrupted run resumes when run again;
+  whole documents held out for validation; an interrupted run resumes when run again, a complete
+  one run again does nothing (the same inputs and settings) or is refused (others; ``--restart``
+  prepares it again);
 - fine-tuning rows (``--sft``): prompt/completion or chat rows, the loss on the answers.
 
 Ctrl-C stops it with one line and exit status 130; what it leaves is either complete (meta.json
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 from pathlib import Path
 
 DEMO_ROWS = 2000
@@ -172,7 +175,9 @@ def main(argv: list[str]) -> int:
     d.add_argument(
         "--restart",
         action="store_true",
-        help="discard an interrupted prepare in --out instead of resuming it",
+        help="prepare --out from scratch, discarding what a prepare left there (without it, an "
+        "interrupted prepare resumes, and a complete one is kept: nothing to do with the same "
+        "inputs and settings, refused with others)",
     )
     # the document flags left unset stay absent, so that what was given is known (a default
     # value typed out counts as given), then take their defaults
@@ -229,25 +234,32 @@ def main(argv: list[str]) -> int:
 
 def _prepare_documents(ns) -> int:
     from llm_foundry.data.documents import prepare_documents
+    from llm_foundry.data.shard_writer import AlreadyPrepared
 
-    meta = prepare_documents(
-        ns.out,
-        ns.input or (),
-        hf_datasets=ns.hf_dataset or (),
-        val_sources=ns.val_source or (),
-        split=ns.split,
-        text_field=ns.text_field,
-        text_column=ns.text_column,
-        vocab_size=ns.vocab_size,
-        tokenizer_from=ns.tokenizer_from,
-        tokenizer_sample=ns.tokenizer_sample,
-        val_fraction=ns.val_fraction,
-        shard_tokens=ns.shard_tokens,
-        dtype=ns.dtype,
-        workers=ns.workers,
-        on_bad_utf8=ns.on_bad_utf8,
-        restart=ns.restart,
-    )
+    try:
+        meta = prepare_documents(
+            ns.out,
+            ns.input or (),
+            hf_datasets=ns.hf_dataset or (),
+            val_sources=ns.val_source or (),
+            split=ns.split,
+            text_field=ns.text_field,
+            text_column=ns.text_column,
+            vocab_size=ns.vocab_size,
+            tokenizer_from=ns.tokenizer_from,
+            tokenizer_sample=ns.tokenizer_sample,
+            val_fraction=ns.val_fraction,
+            shard_tokens=ns.shard_tokens,
+            dtype=ns.dtype,
+            workers=ns.workers,
+            on_bad_utf8=ns.on_bad_utf8,
+            restart=ns.restart,
+        )
+    except AlreadyPrepared as done:
+        if ns.json:  # the directory's meta.json on stdout, the line beside it on stderr
+            print(json.dumps(done.meta, indent=2))
+        print(done, file=sys.stderr if ns.json else sys.stdout)
+        return 0
     if ns.json:
         print(json.dumps(meta, indent=2))
         return 0

@@ -22,7 +22,10 @@ whatever the corpus size.
 
 An interrupted prepare (Ctrl-C, a crash, a kill) leaves no meta.json and a progress record;
 calling it again with the same inputs and settings goes on from the last closed shard
-(``shard_writer``). meta.json, written last, lists every shard and every file's size and check.
+(``shard_writer``). meta.json, written last, lists every shard and every file's size and check,
+with the inputs and settings (``"inputs"``, ``"settings"``): called again on a complete
+directory, it does nothing with the same ones (``shard_writer.AlreadyPrepared``) and is refused
+with others, as a resume is (``restart`` prepares it again from scratch).
 """
 
 from __future__ import annotations
@@ -67,6 +70,7 @@ from llm_foundry.data.shard_writer import (
     PROGRESS_FILE,
     PROGRESS_VERSION,
     SplitWriter,
+    check_prepared,
     check_resumable,
     clear_outputs,
     load_progress,
@@ -287,10 +291,12 @@ def prepare_documents(
 
     Validation: the documents of ``val_sources``, else the fraction ``val_fraction`` (default
     0.1) of the documents, spread evenly. An interrupted call resumes when called again with the
-    same inputs and settings (``restart``: start over instead). ``text_field`` (JSONL) and
-    ``text_column`` (parquet, datasets) default to "text"; one given for none of the inputs'
-    formats is refused. Errors the user can fix are one-line DataErrors (or ValueErrors for the
-    arguments)."""
+    same inputs and settings (``restart``: start over instead). On a directory it prepared
+    completely, it raises ``shard_writer.AlreadyPrepared`` (carrying its meta.json; nothing is
+    written) with the same inputs and settings, a DataError naming what differs with others
+    (``restart``: prepare it again). ``text_field`` (JSONL) and ``text_column`` (parquet,
+    datasets) default to "text"; one given for none of the inputs' formats is refused. Errors
+    the user can fix are one-line DataErrors (or ValueErrors for the arguments)."""
     _check_arguments(locals())
     if val_sources and val_fraction is not None:
         raise ValueError("give --val-fraction or --val-source, not both")
@@ -327,6 +333,9 @@ def prepare_documents(
         "settings": settings,
     }
     job = _Job(out, groups, settings, identity, model, workers, progress)
+    if not restart and (out / "meta.json").is_file():
+        with lock.sharing(out):  # as a reader: a training reading it may go on meanwhile
+            check_prepared(out, identity)
     created = not out.exists()
     with lock.hold(out, "data directory", readers=True):
         try:
@@ -389,6 +398,8 @@ class _Job:
 
     def run(self, restart: bool) -> dict:
         out = self.out
+        if not restart:  # again under the lock: one may have completed since
+            check_prepared(out, self.identity)
         remove_temporaries(out, ["meta.json", PROGRESS_FILE])
         record = load_progress(out)
         if record is not None and restart:
@@ -598,6 +609,7 @@ class _Job:
             "dataset": None,
             "source": one_line(", ".join(g.input for g in self.groups), 300),
             "sources": sources,
+            "inputs": self.identity["inputs"],  # what a later prepare of this directory compares
             "sha256": digest.hexdigest(),
             "tokenizer": info["kind"],
             "tokenizer_file": "tokenizer.json",

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from llm_foundry.data.batches import file_entry
+from llm_foundry.data.batches import file_entry, prepared_kind
 from llm_foundry.data.shards import INDEX_DTYPE, SHARD_FILE, index_name, shard_name
 from llm_foundry.data.sources import DataError, write_atomic
 from llm_foundry.messages import shown
@@ -197,9 +197,7 @@ def check_resumable(out: Path, record: dict, identity: dict) -> None:
     """Refuse (one line) a record of other inputs or settings than ``identity``, or whose closed
     shards are not the files it recorded."""
     where = Path(out) / PROGRESS_FILE
-    differs = changed_inputs(record.get("identity") or {}, identity) or first_difference(
-        record.get("identity"), identity
-    )
+    differs = what_differs(record.get("identity") or {}, identity)
     if differs:
         raise DataError(
             f"{where}: an interrupted prepare of other inputs or settings is there ({differs}); "
@@ -213,6 +211,71 @@ def check_resumable(out: Path, record: dict, identity: dict) -> None:
                     f"cannot resume: {path} is not the shard the interrupted prepare wrote "
                     f"(missing or changed); {RESTART}"
                 )
+
+
+class AlreadyPrepared(Exception):
+    """``out`` holds a complete prepare of these very inputs and settings: nothing to do.
+    ``meta``: its meta.json."""
+
+    def __init__(self, out: Path, meta: dict):
+        super().__init__(
+            f"{out} is already prepared from these inputs with these settings: nothing to do"
+        )
+        self.meta = meta
+
+
+def check_prepared(out: Path, identity: dict) -> None:
+    """Before a document corpus is prepared in ``out``: ``AlreadyPrepared`` when ``out`` holds a
+    complete prepare of ``identity`` (inputs and settings, as meta.json records them), a
+    one-line DataError when it holds another complete prepare (naming what differs, and
+    --restart); nothing when it holds none (or one whose files no longer match its meta.json,
+    which is prepared again)."""
+    meta = complete_meta(out)
+    if meta is None:
+        return
+    again = "add --restart to prepare it again from scratch, or write to another --out"
+    if meta.get("kind") != "documents":
+        raise DataError(f"{out} already holds {prepared_kind(meta)}; {again}")
+    if "inputs" not in meta:
+        raise DataError(
+            f"{out} is already prepared, but its meta.json does not record its inputs' files (an "
+            f"earlier version wrote it), so these cannot be compared with them; {again}"
+        )
+    differs = what_differs({"inputs": meta["inputs"], "settings": meta.get("settings")}, identity)
+    if differs:
+        raise DataError(f"{out} is already prepared from other inputs or settings ({differs}); "
+                        f"{again}")  # fmt: skip
+    raise AlreadyPrepared(out, meta)
+
+
+def complete_meta(out: Path) -> dict | None:
+    """``out``'s meta.json when it is complete: readable, and every file it lists there with the
+    size it records (the size alone: a check that reads no file); else None."""
+    path = Path(out) / "meta.json"
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    files = meta.get("files") if isinstance(meta, dict) else None
+    if not isinstance(files, dict):
+        return None
+    for name, entry in files.items():
+        p = Path(out) / name
+        if not p.is_file() or not isinstance(entry, dict) or p.stat().st_size != entry.get("bytes"):
+            return None
+    return meta
+
+
+SHOWN_DIFFERENCES = 3  # what a refusal names of how two identities differ, at most
+
+
+def what_differs(old: dict, new: dict) -> str | None:
+    """How two identities (inputs and settings) differ, in words: the first change of the
+    inputs, then the first settings that differ, ``SHOWN_DIFFERENCES`` in all (None: the same)."""
+    found = [d for d in [changed_inputs(old, new)] if d]
+    rest = ({k: v for k, v in x.items() if k != "inputs"} for x in (old, new))
+    found += differences(*rest, SHOWN_DIFFERENCES - len(found))
+    return "; ".join(found) or None
 
 
 def changed_inputs(old: dict, new: dict) -> str | None:
@@ -243,23 +306,25 @@ def changed_inputs(old: dict, new: dict) -> str | None:
     return None
 
 
-def first_difference(old, new, where: str = "") -> str | None:
-    """The first place two JSON values differ, said in words (None: equal)."""
+def differences(old, new, limit: int = 1, where: str = "") -> list[str]:
+    """The first ``limit`` places where two JSON values differ, each said in words (none:
+    equal)."""
+    if limit < 1:
+        return []
     if isinstance(old, dict) and isinstance(new, dict):
+        found: list[str] = []
         for key in list(old) + [k for k in new if k not in old]:
-            found = first_difference(old.get(key), new.get(key), f"{where}.{key}".strip("."))
-            if found:
-                return found
-        return None
+            here = f"{where}.{key}".strip(".")
+            found += differences(old.get(key), new.get(key), limit - len(found), here)
+        return found
     if isinstance(old, list) and isinstance(new, list) and len(old) == len(new):
+        found = []
         for i, (a, b) in enumerate(zip(old, new, strict=True)):
-            found = first_difference(a, b, f"{where}[{i}]")
-            if found:
-                return found
-        return None
+            found += differences(a, b, limit - len(found), f"{where}[{i}]")
+        return found
     if old == new:
-        return None
-    return f"{where or 'the record'}: {shown(old)} then, {shown(new)} now"
+        return []
+    return [f"{where or 'the record'}: {shown(old)} then, {shown(new)} now"]
 
 
 def _stamp(path: Path) -> list:
