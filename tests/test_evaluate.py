@@ -317,6 +317,10 @@ def test_cli_data_path_errors_name_the_path_given(tmp_path, capsys):
         want = rf"^--data {given}: no {plain / 'meta.json'}: .*`llm-foundry prepare`"
         with pytest.raises(ValueError, match=want):
             main([*args, str(given)])
+    (corpus := tmp_path / "corpus.jsonl").write_text('{"text": "abc"}\n')
+    want = rf"^--data {corpus} is a file, .*`llm-foundry prepare --input {corpus} --out DIR`"
+    with pytest.raises(ValueError, match=want):
+        main([*args, str(corpus)])
     assert cli(["eval", *args, str(nope)]) == 2  # one line on stderr
     assert capsys.readouterr().err == (
         f"llm-foundry eval: error: --data {nope}: no such file or directory\n"

@@ -17,13 +17,18 @@ def _prepared(given: str) -> tuple[Path, Path, dict]:
     """--data ``given``: (its path, the prepared directory it is or is in, that one's meta.json)."""
     from llm_foundry.data import DataError, load_meta
 
+    from llm_foundry.data.batches import not_prepared
+    from llm_foundry.data.corpus import file_format
+
     path = Path(given)
     where = path if path.is_dir() else path.parent
     if not (where / "meta.json").is_file():
+        if path.is_file() and file_format(path) is not None:  # a corpus file: how to prepare it
+            raise DataError(f"--data {given} {not_prepared(path)} (or give a text file as --text)")
         raise DataError(
             f"--data {given}: no {where / 'meta.json'}: not data written by `llm-foundry "
-            "prepare`; make it with `llm-foundry prepare --text FILE --out DIR` (or give a text "
-            "file as --text)"
+            "prepare`; make it with `llm-foundry prepare --input FILES --out DIR` (or give a "
+            "text file as --text)"
         )
     return path, where, load_meta(where)
 
