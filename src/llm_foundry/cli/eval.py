@@ -16,7 +16,6 @@ from llm_foundry.evaluate import check_data_tokenizer, evaluate_tokens, with_rop
 def _prepared(given: str) -> tuple[Path, Path, dict]:
     """--data ``given``: (its path, the prepared directory it is or is in, that one's meta.json)."""
     from llm_foundry.data import DataError, load_meta
-
     from llm_foundry.data.batches import not_prepared
     from llm_foundry.data.corpus import file_format
 
