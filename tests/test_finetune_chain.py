@@ -81,6 +81,17 @@ def test_a_lora_fine_tune_through_every_export(tmp_path, capsys):
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     assert _rel(_theirs(hf, ids), want) <= 1e-5
     assert transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")(PROMPT)["input_ids"] == ids
+    # its config names the tokenizer's specials: transformers' generate stops where ours does
+    hf_config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (hf_config["bos_token_id"], hf_config["eos_token_id"]) == (tok.bos_id, tok.eos_id)
+    assert tok.eos_id is not None and hf.generation_config.eos_token_id == tok.eos_id
+    argv = ["generate", "--checkpoint", str(tuned), "--prompt", PROMPT, "--temperature", "0",
+            "--max-new-tokens", "40", "--json"]  # fmt: skip
+    rec = json.loads(_cli(capsys, *argv).strip().splitlines()[-1])
+    theirs_ids = hf.generate(torch.tensor([ids]), max_new_tokens=40, do_sample=False)[0].tolist()
+    assert theirs_ids[: len(rec["tokens"])] == rec["tokens"]
+    stopped = rec["new_tokens"] < 40  # reached eos: HF ends there too (its eos kept)
+    assert len(theirs_ids) == len(rec["tokens"]) + stopped
 
     # convert --to-peft: the adapter alone; peft on the HF base equals --adapter on ours
     out = _cli(capsys, "convert", "--to-peft", str(tuned), "--out", str(tmp_path / "adapter"))

@@ -89,6 +89,20 @@ def copy_tokenizer(src: Path, dst: Path) -> None:
     shutil.copyfile(file, dst / TOKENIZER_FILE)
 
 
+def special_token_ids(src: Path) -> dict[str, int]:
+    """The bos/eos/pad ids of ``src``'s tokenizer.json as HF config fields (``eos_token_id``: where
+    ``generate`` stops); none where there is no readable tokenizer, or it has no such token."""
+    from llm_foundry.tokenizer import load_tokenizer
+
+    file = src / TOKENIZER_FILE
+    try:
+        tok = load_tokenizer(file) if file.exists() else None
+    except ValueError:
+        return {}
+    ids = {name: getattr(tok, f"{name}_id", None) for name in ("bos", "eos", "pad")}
+    return {f"{name}_token_id": i for name, i in ids.items() if i is not None}
+
+
 def name_special_tokens(out: Path) -> None:
     """Our BPE tokenizer exported: tokenizer_config.json names its specials, so AutoTokenizer
     (and tools built on it, such as lm-eval's hf backend) knows BOS, EOS and padding."""
