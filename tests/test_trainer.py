@@ -696,3 +696,29 @@ def test_a_record_holding_a_unicode_line_separator_is_one_record(tmp_path):
     assert "\u2028" in text and len(text.splitlines()) > 2
     (tmp_path / "metrics.jsonl").write_text(text, encoding="utf-8")
     assert read_records(tmp_path / "metrics.jsonl") == records
+
+
+@pytest.mark.parametrize("saved_batch, note", [
+    (4, "note: the run trained on 2 data-parallel rank(s), this one has 1: a step now takes 4 "
+        "sequences, not 8 (--train.grad_accum 2 keeps it)"),
+    (2, None),  # 2 ranks x 2 = 1 process x 4: the same global batch, nothing to say
+])  # fmt: skip
+def test_a_resume_on_fewer_ranks_says_what_it_does_to_the_global_batch(
+    data_dir, tmp_path, caplog, saved_batch, note
+):
+    """A checkpoint records how many data-parallel ranks shared its global batch; resumed on
+    another number, the run says when a step's sequences changed and how to keep them."""
+    import logging
+
+    run = tmp_path / "run"
+    make_trainer(data_dir, run, max_steps=4).run()
+    ckpt = run / "checkpoints" / "step_000004"
+    state = json.loads((ckpt / "state.json").read_text())
+    assert state["data_parallel"] == 1
+    state["data_parallel"], state["train_config"]["batch_size"] = 2, saved_batch  # as 2 ranks
+    (ckpt / "state.json").write_text(json.dumps(state))
+    with caplog.at_level(logging.INFO, logger="llm_foundry.train.trainer"):
+        t = make_trainer(data_dir, run, resume=True, max_steps=6)
+    t.release()
+    said = [r.getMessage() for r in caplog.records if "data-parallel" in r.getMessage()]
+    assert said == ([note] if note else [])

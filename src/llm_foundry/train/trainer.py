@@ -273,6 +273,9 @@ class Trainer:
                            self.tc.init_from, path)  # fmt: skip
         if changed and self.world.main:
             log.info("resuming with changed training settings: " + ", ".join(changed))
+        note = self._batch_note(state)
+        if note and self.world.main:
+            log.info(note)
         if is_dcp(path):  # each rank reads what its shards hold, in whatever layout it runs
             load_sharded(path, self.wrapped, self.optimizer, state["optimizer"])
             set_rng_state(state["rng"])
@@ -354,6 +357,25 @@ class Trainer:
         write_json_atomic(self.out / RUN_INFO, info)
 
     # ------------------------------------------------------------------------------------------
+    def _batch_note(self, state: dict) -> str | None:
+        """What resuming on another number of data-parallel ranks than the checkpoint's did to
+        the global batch, and how to keep it; None where the global batch is the same."""
+        tc, now, was = self.tc, self.world.dp_size, state.get("data_parallel")
+        saved = state.get("train_config") or {}
+        if not was or "batch_size" not in saved:
+            return None
+        before = saved["batch_size"] * saved.get("grad_accum", 1) * was
+        after = tc.batch_size * tc.grad_accum * now
+        if before == after:
+            return None
+        keep = before / (tc.batch_size * now)
+        how = (f"--train.grad_accum {int(keep)} keeps it" if keep == int(keep)
+               else "set batch_size x grad_accum x ranks to keep it")  # fmt: skip
+        return (
+            f"note: the run trained on {was} data-parallel rank(s), this one has {now}: a "
+            f"step now takes {after} sequences, not {before} ({how})"
+        )
+
     def _check_sdpa_backend(self) -> None:
         """Refuse, in one line, a train.sdpa_backend the model's attention does not call or that
         kernel cannot run here (found by running the model on a few tokens with it pinned)."""
@@ -446,6 +468,7 @@ class Trainer:
             data=self.data_id,
             expert_counts=self.experts.state_dict() if self.experts.layers else None,
             reference_weights=self.reference_weights,  # DPO's frozen copy: checked on resume
+            data_parallel=self.world.dp_size,  # ranks sharing the global batch (said on resume)
         )
         tok = self.data_dir / "tokenizer.json"
         if self.dcp is not None:
