@@ -285,7 +285,13 @@ def test_past_max_seq_len(tmp_path, capsys):
     assert main(["generate", *args, "--max-new-tokens", "10"]) == 0
     cap = capsys.readouterr()
     assert "(70) exceed the model's max_seq_len (64)" in cap.err and "last 64 tokens" in cap.err
+    assert "--compile" not in cap.err
     ref = generate(learned, torch.tensor([tok.encode(prompt)]), 10, temperature=0, context=64)
+    assert cap.out == tok.decode(ref[0].tolist()) + "\n"
+    # --compile compiles the cached step, which cropped decoding does not take: said, not silent
+    assert main(["generate", *args, "--max-new-tokens", "10", "--compile"]) == 0
+    cap = capsys.readouterr()
+    assert "note: --compile compiles the cached decode step; cropped decoding" in cap.err
     assert cap.out == tok.decode(ref[0].tolist()) + "\n"
     for mode in ([], ["--stream"]):  # --context 0: the whole sequence, which cannot fit
         err = _fails(capsys, *args, "--max-new-tokens", "5", "--context", "0", *mode)

@@ -53,6 +53,10 @@ def _context(model, n_prompt: int, ns) -> int | None:
             what = (f"prompt + new tokens ({longest}) past max_seq_len ({limit}), which feed each "
                     f"step the last {limit} tokens without a cache")  # fmt: skip
         raise ValueError(f"--cuda-graph decodes over a KV cache: it does not take {what}")
+    if getattr(ns, "compile", False):  # what it compiles is the cached step
+        print("note: --compile compiles the cached decode step; cropped decoding (each step "
+              "recomputed over the last tokens) runs eager (--context 0: cached, compiled)",
+              file=sys.stderr)  # fmt: skip
     if ns.context is None:
         print(
             f"note: prompt + new tokens ({longest}) exceed the model's max_seq_len ({limit}): "
