@@ -325,3 +325,22 @@ def test_cli_data_path_errors_name_the_path_given(tmp_path, capsys):
     assert capsys.readouterr().err == (
         f"llm-foundry eval: error: --data {nope}: no such file or directory\n"
     )
+
+
+def test_progress_is_told_every_batch_and_a_context_past_max_seq_len_gets_a_note(tmp_path,
+                                                                                 capsys):  # fmt: skip
+    model, seen = _model(pos_encoding="rope"), []
+    out = evaluate_tokens(model, _tokens(200), 16, batch_size=4,
+                          progress=lambda done, total: seen.append((done, total)))  # fmt: skip
+    total = out["windows"]
+    assert seen == [(min(i + 4, total), total) for i in range(0, total, 4)]
+    save_checkpoint(model, tmp_path / "ck")
+    CharTokenizer.train("abcdefghijklmnopqrstuvw").save(tmp_path / "ck" / "tokenizer.json")
+    (tmp_path / "t.txt").write_text("abcdefghijklmnopqrstuvw" * 20)
+    args = ["--checkpoint", str(tmp_path / "ck"), "--text", str(tmp_path / "t.txt")]
+    assert main([*args, "--context", "16,32", "--json"]) == 0
+    notes = json.loads(capsys.readouterr().out)["notes"]
+    assert notes == ["note: context 32 is past the model's max_seq_len 16: positions it was never "
+                     "trained at (extrapolation)"]  # fmt: skip
+    assert main([*args, "--context", "16"]) == 0
+    assert "past the model's max_seq_len" not in capsys.readouterr().out

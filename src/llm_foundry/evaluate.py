@@ -17,6 +17,7 @@ would be scored as other tokens, a loss that means nothing but looks like one.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -49,8 +50,10 @@ def evaluate_tokens(
     stride: int | None = None,
     batch_size: int = 8,
     max_windows: int | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> dict:
-    """Mean next-token loss and perplexity of ``model`` on ``tokens`` (1-D) at ``context``.
+    """Mean next-token loss and perplexity of ``model`` on ``tokens`` (1-D) at ``context``;
+    ``progress(done, total)`` is told the windows scored after each batch.
 
     Returns {"context", "stride", "loss", "ppl", "scored_tokens", "windows"}, or, when the model
     cannot run at this length (learned positions past their table), {"status": "cannot run",
@@ -101,6 +104,8 @@ def evaluate_tokens(
         )
         total += losses.item()
         count += int((y != IGNORE_INDEX).sum())
+        if progress is not None:
+            progress(i + len(chunk), len(spans))
     model.train(was_training)
     loss = total / count
     return dict(

@@ -32,6 +32,23 @@ def _prepared(given: str) -> tuple[Path, Path, dict]:
     return path, where, load_meta(where)
 
 
+def _bar(what: str):
+    """A progress callback drawing a bar of windows scored (on a terminal only)."""
+    from tqdm import tqdm
+
+    bar = None
+
+    def update(done: int, total: int) -> None:
+        nonlocal bar
+        if bar is None:
+            bar = tqdm(total=total, desc=f"eval {what}", unit="window", disable=None, leave=False)
+        bar.update(done - bar.n)
+        if done >= total:
+            bar.close()
+
+    return update
+
+
 def _load_tokens(ns, tok, ckpt: Path, data: tuple | None) -> tuple[np.ndarray, str]:
     if ns.text:
         if tok is None:
@@ -138,8 +155,22 @@ def main(argv: list[str]) -> int:
             f"{source} holds token id {top}, past the model's vocab_size {model.cfg.vocab_size}: "
             "it was tokenized with another tokenizer than the one the model was trained with"
         )
+    past = [f"note: context {c} is past the model's max_seq_len {trained}: positions it was "
+            "never trained at (extrapolation)" for c in contexts
+            if c > trained and not ns.rope_scaling]  # fmt: skip
+    notes += past
+    for note in past if not ns.json else ():
+        print(note)
     rows = [
-        evaluate_tokens(model, tokens, c, ns.stride, ns.batch_size, ns.max_windows)
+        evaluate_tokens(
+            model,
+            tokens,
+            c,
+            ns.stride,
+            ns.batch_size,
+            ns.max_windows,
+            progress=_bar(f"context {c}"),
+        )  # fmt: skip
         for c in contexts
     ]
     report = dict(
