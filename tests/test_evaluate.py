@@ -318,9 +318,13 @@ def test_cli_data_path_errors_name_the_path_given(tmp_path, capsys):
         with pytest.raises(ValueError, match=want):
             main([*args, str(given)])
     (corpus := tmp_path / "corpus.jsonl").write_text('{"text": "abc"}\n')
-    want = rf"^--data {corpus} is a file, .*`llm-foundry prepare --input {corpus} --out DIR`"
+    want = (rf"^--data {corpus} is a file of documents, .*`llm-foundry prepare --input {corpus} "
+            r"--tokenizer-from CHECKPOINT --out DIR`$")  # fmt: skip
     with pytest.raises(ValueError, match=want):
         main([*args, str(corpus)])
+    (text := tmp_path / "held-out.txt").write_text("abc")
+    with pytest.raises(ValueError, match=rf"^--data {text} is a text file, .*give it as --text"):
+        main([*args, str(text)])
     assert cli(["eval", *args, str(nope)]) == 2  # one line on stderr
     assert capsys.readouterr().err == (
         f"llm-foundry eval: error: --data {nope}: no such file or directory\n"

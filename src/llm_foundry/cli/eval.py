@@ -16,14 +16,19 @@ from llm_foundry.evaluate import check_data_tokenizer, evaluate_tokens, with_rop
 def _prepared(given: str) -> tuple[Path, Path, dict]:
     """--data ``given``: (its path, the prepared directory it is or is in, that one's meta.json)."""
     from llm_foundry.data import DataError, load_meta
-    from llm_foundry.data.batches import not_prepared
     from llm_foundry.data.corpus import file_format
 
     path = Path(given)
     where = path if path.is_dir() else path.parent
     if not (where / "meta.json").is_file():
-        if path.is_file() and file_format(path) is not None:  # a corpus file: how to prepare it
-            raise DataError(f"--data {given} {not_prepared(path)} (or give a text file as --text)")
+        if path.is_file() and file_format(path) == "txt":  # scored as it is, by the model's own
+            raise DataError(f"--data {given} is a text file, not a directory `llm-foundry prepare` "
+                            f"wrote: give it as --text {given} (encoded with the model's "
+                            "tokenizer)")  # fmt: skip
+        if path.is_file() and file_format(path) is not None:  # documents: tokenized as trained
+            raise DataError(f"--data {given} is a file of documents, not a directory `llm-foundry "
+                            f"prepare` wrote; make one with the model's tokenizer: `llm-foundry "
+                            f"prepare --input {given} --tokenizer-from CHECKPOINT --out DIR`")  # fmt: skip
         raise DataError(
             f"--data {given}: no {where / 'meta.json'}: not data written by `llm-foundry "
             "prepare`; make it with `llm-foundry prepare --input FILES --out DIR` (or give a "
