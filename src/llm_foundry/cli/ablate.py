@@ -120,10 +120,9 @@ def _main(argv: list[str]) -> int:
             raise FileNotFoundError(
                 f"{data / 'meta.json'} not found: run llm-foundry prepare first"
             )
-        from llm_foundry.data import prepare
+        from llm_foundry.cli.train import _prepare_default
 
-        print(f"preparing the default corpus (tiny Shakespeare, characters) in {data}")
-        prepare(data, dataset="shakespeare", tokenizer="char")
+        _prepare_default(data)
     out = Path(ns.out or f"runs/ablate-{study.name}")  # the name is a plain name: checked
     report = run_study(study, data, out)
     print(f"wrote {out / 'results.md'}, {out / 'results.json'} and plots")

@@ -204,8 +204,10 @@ def _prepare_default(data: Path) -> None:
     from llm_foundry.data import prepare
 
     def run():
-        print(f"preparing the default corpus (tiny Shakespeare, characters) in {data}")
-        prepare(data, dataset="shakespeare", tokenizer="char")
+        print(f"preparing the default corpus (Shakespeare, characters) in {data}")
+        meta = prepare(data, dataset="shakespeare", tokenizer="char")
+        print(f"  from {meta['source']}: {meta['n_chars']:,} characters, {meta['vocab_size']} "
+              "symbols")  # fmt: skip
 
     rank0_prepares(data, run)
 
