@@ -731,3 +731,10 @@ def test_the_best_evaluation_is_tabled_when_a_run_overfits():
     md = ablation.markdown(dict(study=study, rows=ablation.summarise(vs, steady, {}, 768),
                                 machine=machine))  # fmt: skip
     assert "Best validation loss" not in md
+
+
+def test_report_of_a_directory_without_results_names_what_to_give(tmp_path, capsys):
+    assert cli(["ablate", "--report", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"--report {tmp_path}: no {tmp_path / 'results.json'}; give the directory" in err
+    assert "Errno" not in err

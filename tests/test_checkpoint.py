@@ -203,3 +203,13 @@ def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused(ckpt, capsys):
     assert "vocab_size is 64" in capsys.readouterr().err
     CharTokenizer.train("abc").save(ckpt / "tokenizer.json")  # smaller is fine: ids all fit
     assert load_any(ckpt).tokenizer.vocab_size == 3
+
+
+def test_a_file_given_as_a_checkpoint_is_named_a_file(tmp_path, capsys):
+    from llm_foundry.cli import main
+
+    (f := tmp_path / "held-out.txt").write_text("text")
+    assert main(["convert", "--to-hf", str(f), "--out", str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert f"--to-hf {f} is a file: give a run or checkpoint directory" in err
+    assert err.count("\n") == 1 and not (tmp_path / "hf").exists()

@@ -459,3 +459,9 @@ def test_cli_params_memory_table_and_json(capsys):
     assert f"{'total':<18}{total}" in out and "2x4" in out
     assert main([*argv, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["memory"] == rep
+
+
+@pytest.mark.parametrize("devices", ["0", "-2"])
+def test_cli_memory_on_no_devices_is_refused_not_ignored(devices, capsys):
+    assert main(["params", "--preset", "gpt2", "--memory", devices]) == 2
+    assert f"devices must be at least 1, got {devices}" in capsys.readouterr().err

@@ -160,6 +160,9 @@ def checkpoint_dir(path: str | Path, flag: str = "--checkpoint") -> Path:
     config.json), or for a training run directory (or its ``checkpoints/`` folder) the step
     directory that ``latest.json`` points at."""
     path = Path(path)
+    if path.is_file():
+        raise NotADirectoryError(f"{flag} {path} is a file: give a run or checkpoint directory "
+                                 "(a run, one of our checkpoints or an HF model directory)")  # fmt: skip
     if not path.is_dir():
         raise FileNotFoundError(f"{flag} {path}: no such directory")
     if (path / "config.json").exists():

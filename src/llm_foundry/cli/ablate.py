@@ -81,7 +81,11 @@ def _main(argv: list[str]) -> int:
     )
     ns = p.parse_args(as_set_flags(argv))
     if ns.report:
-        report = json.loads((Path(ns.report) / "results.json").read_text())
+        results = Path(ns.report) / "results.json"
+        if not results.is_file():
+            raise FileNotFoundError(f"--report {ns.report}: no {results}; give the directory an "
+                                    "ablate run wrote (its --out)")  # fmt: skip
+        report = json.loads(results.read_text())
         write_report(report, Path(ns.report))
         print(
             f"wrote {Path(ns.report) / 'results.md'}, {Path(ns.report) / 'results.json'} and plots"

@@ -38,7 +38,7 @@ def main(argv: list[str]) -> int:
     p.add_argument(
         "--memory",
         type=int,
-        default=0,
+        default=None,
         metavar="DEVICES",
         help="add training memory per device on DEVICES devices: ddp, fsdp, tp (all DEVICES in "
         "one TP group) and fsdp+tp",
@@ -64,7 +64,7 @@ def main(argv: list[str]) -> int:
     rep = param_report(settings.model)
     if ns.lora_r:
         rep["lora"] = lora_report(settings.model, ns.lora_r, ns.lora_targets.split(","))
-    if ns.memory:
+    if ns.memory is not None:
         tp = ns.tp if ns.tp is not None else default_tp(settings.model, ns.memory)
         rep["memory"] = memory_report(
             settings.model,
@@ -85,6 +85,6 @@ def main(argv: list[str]) -> int:
         print(format_report(rep, title=title))
         if ns.lora_r:
             print("\n" + format_lora(rep["lora"]))
-        if ns.memory:
+        if ns.memory is not None:
             print("\n" + format_memory(rep["memory"]))
     return 0

@@ -11,6 +11,7 @@ The other pieces of a run have their own builders, in the module that owns each 
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -41,10 +42,11 @@ def model_config_for_data(mc: ModelConfig, tc: TrainConfig, meta: dict, data_dir
             "context the model is built for): lower train.block_size or raise model.max_seq_len"
         )
     if mc.vocab_size != meta["vocab_size"]:
-        log.info(
-            f"note: model.vocab_size set to {meta['vocab_size']} "
-            f"(the tokenizer in {data_dir}; the config said {mc.vocab_size})"
-        )
+        if int(os.environ.get("RANK", "0")) == 0:  # said once, not by every torchrun rank
+            log.info(
+                f"note: model.vocab_size set to {meta['vocab_size']} "
+                f"(the tokenizer in {data_dir}; the config said {mc.vocab_size})"
+            )
         mc = mc.replace(vocab_size=meta["vocab_size"])
     if tc.sft_packing and not is_sft(meta):
         raise ValueError(
