@@ -728,8 +728,8 @@ def test_a_warmup_as_long_as_the_run_gets_a_note(data_dir, tmp_path, caplog):
     import logging
 
     with caplog.at_level(logging.INFO, logger="llm_foundry.train.trainer"):
-        make_trainer(data_dir, tmp_path / "a", max_steps=4, warmup_steps=4).release()
-        make_trainer(data_dir, tmp_path / "b", max_steps=4, warmup_steps=3).release()
+        make_trainer(data_dir, tmp_path / "a", max_steps=4, warmup_steps=4).run()
+        make_trainer(data_dir, tmp_path / "b", max_steps=4, warmup_steps=3).run()
     said = [r.getMessage() for r in caplog.records if "warmup_steps" in r.getMessage()]
     assert said == ["note: warmup_steps=4 >= max_steps=4: the learning rate rises all run and "
                     "never decays (lower --train.warmup_steps)"]  # fmt: skip

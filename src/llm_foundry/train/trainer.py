@@ -136,10 +136,6 @@ class Trainer:
         self.amp_dtype = self.precision.autocast_dtype
         if tc.dtype == "auto" and self.world.main:
             log.info(self.dtype_reason)
-        if tc.warmup_steps >= tc.max_steps > 0 and self.world.main:  # likely a shortened run
-            log.warning(f"note: warmup_steps={tc.warmup_steps} >= max_steps={tc.max_steps}: the "
-                        f"learning rate rises all run and never decays (lower "
-                        f"--train.warmup_steps)")  # fmt: skip
         # RoPE tables built now, not on the first compiled step: that would trace a graph which
         # builds them and then a second that reads them, and a resumed run starts on the first
         self.model.pos.reserve(tc.block_size)
@@ -567,6 +563,10 @@ class Trainer:
     def run(self) -> RunResult:
         tc = self.tc
         main = self.world.main
+        if tc.warmup_steps >= tc.max_steps > self.step and main:  # likely a shortened run
+            log.warning(f"note: warmup_steps={tc.warmup_steps} >= max_steps={tc.max_steps}: the "
+                        f"learning rate rises all run and never decays (lower "
+                        f"--train.warmup_steps)")  # fmt: skip
         metrics = MetricsLog(
             self.out / METRICS, self.step if self.resumed_from else None, enabled=main
         )
