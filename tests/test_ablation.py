@@ -698,7 +698,14 @@ def test_seeds_full_size_shrunk_by_set_flags_trains_on_cpu(data_dir, tmp_path):
         assert row["best_val_loss"] == min(v for _, v in curve)
         assert row["best_val_steps"] == [min(curve, key=lambda p: p[1])[0]]
         assert row["ms_per_iter_source"] == "training"  # speed_rounds 0: no CPU timing
-    assert "(speed_rounds 0: no round-robin timing)" in (out / "results.md").read_text()
+    md = (out / "results.md").read_text()
+    assert "(speed_rounds 0: no round-robin timing)" in md
+    # what ran, beside what the recipe says: the command line's changes
+    assert "Run with changes to the recipe: --set train.device=cpu, " in md
+    assert (
+        "--set n_layers=1, --set n_heads=2, --set hidden_dim=32, --set max_seq_len=16, --seeds 1."
+        in md
+    )
     assert (out / "val_loss.png").exists()
 
 

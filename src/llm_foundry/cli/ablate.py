@@ -111,6 +111,11 @@ def _main(argv: list[str]) -> int:
     for item in ns.vary:
         section, name, values = parse_assignment(item)
         study.vary[name if section == "model" else f"train.{name}"] = values
+    changed = ([f"--preset {ns.preset}"] * bool(ns.preset) + [f"--set {x}" for x in ns.set]
+               + [f"--seeds {ns.seeds}"] * (ns.seeds is not None))  # fmt: skip
+    if ns.recipe and changed:  # results.md says what ran, not only what the recipe says
+        study.description = (f"{study.description.strip()}\n\nRun with changes to the recipe: "
+                             f"{', '.join(changed)}.").strip()  # fmt: skip
     if not study.variants and not study.vary:
         raise ValueError("nothing to compare: give --recipe NAME or at least one --vary FIELD=A,B")
     try:  # every field and variant, before anything trains
