@@ -6,9 +6,8 @@ on preference pairs.
 ``shakespeare_prefer_next_line``), tokenizes them with the checkpoint's tokenizer into
 ``OUT/data`` and trains with ``train.task=dpo`` (train/dpo.py); a directory already prepared
 is used as it is. The settings are resolved and checked first, as ``train`` will (a bad
-``--train.dpo_beta`` is refused before any row is read), and the validation pairs cut at
-``block_size`` are counted as the trainer counts the training ones. At the end the rewards are
-plotted in ``OUT/rewards.png``.
+``--train.dpo_beta`` is refused before any row is read). At the end the rewards are plotted in
+``OUT/rewards.png``.
 """
 
 from __future__ import annotations
@@ -60,10 +59,10 @@ def _train_args(ns, rest: list[str]) -> list[str]:
     return args + ["--resume"] * ns.resume + (["--train.task", ns.task] if ns.task else [])
 
 
-def _settings(args: list[str]):
-    """The training settings ``args`` resolve to, as the training command resolves them (its
-    flags, --config files, the checkpoint's architecture); a bad one is a ConfigError here,
-    before any row is read or file written."""
+def _check_settings(args: list[str]) -> None:
+    """Resolve the settings ``args`` give as the training command will (its flags, --config
+    files, the checkpoint's architecture): a bad one is a ConfigError here, before any row is
+    read or file written."""
     from llm_foundry.cli.options import join_negative_values, settings_from
     from llm_foundry.cli.train import SECTIONS, _base_model, parser
 
@@ -74,21 +73,7 @@ def _settings(args: list[str]):
         )
     base = _base_model(tns.checkpoint)[1]
     extra = ("out", "resume", "data", "checkpoint")
-    return settings_from(tns, SECTIONS, base_model=base, extra_keys=extra).train
-
-
-def _say_val_cut(data: Path, block_size: int) -> None:
-    """The note the trainer gives for the training pairs (sequences cut at block_size + 1
-    tokens, pairs left with no target), for the validation pairs; rank 0 alone."""
-    import os
-
-    from llm_foundry.data.preference import PreferenceSampler
-
-    s = PreferenceSampler(data, "val", block_size, 1)
-    if (s.cut or s.dropped) and int(os.environ.get("RANK", "0")) == 0:
-        print(f"note: {s.cut} validation sequences are longer than block_size + 1 = "
-              f"{block_size + 1} tokens and are cut; {s.dropped} of {s.pairs} pairs keep no "
-              "target and are left out")  # fmt: skip
+    settings_from(tns, SECTIONS, base_model=base, extra_keys=extra)
 
 
 def _prepare(ns) -> None:
@@ -137,10 +122,8 @@ def main(argv: list[str]) -> int:
     if ns.task == "dpo" and not ns.resume:
         ns.out = ns.out or default_out("dpo")
         if ns.data is not None:
-            block_size = _settings(_train_args(ns, rest)).block_size
+            _check_settings(_train_args(ns, rest))
             _prepare(ns)
-            if Path(ns.data).is_dir():  # (else: the training command names what is wrong)
-                _say_val_cut(Path(ns.data), block_size)
     rc = train_main(_train_args(ns, rest), finetune=True)
     out = ns.out and Path(ns.out)
     if out and (out / "metrics.jsonl").is_file() and _is_dpo(out):

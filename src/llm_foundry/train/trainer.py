@@ -167,11 +167,11 @@ class Trainer:
         )
         self.sampler = self._sampler("train", tc.seed)
         self.feed = self.sampler  # run() reads through a Prefetch of it
-        if (self.sft or self.preference) and self.world.main:
-            self._say_cut()
         # the validation split must hold a window too: fail now, not at the first evaluation
-        for k in range(len(self.sources)):
-            self._sampler("val", tc.seed + 1, k)
+        val = [self._sampler("val", tc.seed + 1, k) for k in range(len(self.sources))]
+        if (self.sft or self.preference) and self.world.main:
+            self._say_cut(self.sampler, "training")
+            self._say_cut(val[0], "validation")
         self.val_by_source: dict[str, float] = {}  # a mixture's last validation, per source
         if tc.monitor_interval and self.sharded:
             raise ValueError("train.monitor_interval needs whole weights: use parallel=ddp or none")
@@ -222,12 +222,14 @@ class Trainer:
             raise ValueError("train.task=dpo needs the model to start from (and to stay near): "
                              "finetune --checkpoint DIR (train.init_from)")  # fmt: skip
 
-    def _say_cut(self) -> None:
-        s, kind = self.sampler, "pairs" if self.preference else "examples"
+    def _say_cut(self, s, split: str) -> None:
+        """How many of the ``split`` sampler ``s``'s sequences are cut at block_size + 1 tokens,
+        and how many examples or pairs that leaves with no target."""
+        kind = "pairs" if self.preference else "examples"
         if s.cut or s.dropped:
             total = s.pairs if self.preference else len(s.offsets) - 1
             log.info(
-                f"note: {s.cut} training sequences are longer than block_size + 1 = "
+                f"note: {s.cut} {split} sequences are longer than block_size + 1 = "
                 f"{self.tc.block_size + 1} tokens and are cut; {s.dropped} of {total} {kind} keep "
                 "no target and are left out"
             )
