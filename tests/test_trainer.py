@@ -234,8 +234,8 @@ def test_a_step_skipped_on_the_device_equals_one_the_host_never_took(data_dir, t
     runs = {}
     for on_device in (True, False):
         t = make_trainer(data_dir, tmp_path / f"run-{on_device}", on_nonfinite="skip")
-        assert t.skips_on_device and skips_on_device(t.optimizer)  # fused AdamW on the CPU too
-        t.skips_on_device = on_device
+        assert t.device_skip and skips_on_device(t.optimizer)  # fused AdamW on the CPU too
+        t.device_skip = on_device
         _poison_at(t, 3)
         result = t.run()
         state = t.optimizer.state_dict()["state"]
@@ -740,12 +740,12 @@ def test_the_default_corpus_says_where_it_came_from(tmp_path, monkeypatch, capsy
     environment names): said after preparing, with its size."""
     from conftest import corpus_text
 
-    from llm_foundry.cli.train import _prepare_default
+    from llm_foundry.cli.train import prepare_default
 
     text = corpus_text(20_000)
     (tmp_path / "plays.txt").write_text(text)
     monkeypatch.setenv("LLM_FOUNDRY_SHAKESPEARE", str(tmp_path / "plays.txt"))
-    _prepare_default(tmp_path / "data")
+    prepare_default(tmp_path / "data")
     out = capsys.readouterr().out.splitlines()
     assert out == [f"preparing the default corpus (Shakespeare, characters) in {tmp_path / 'data'}",
                    f"  from {tmp_path / 'plays.txt'}: 20,000 characters, {len(set(text))} "

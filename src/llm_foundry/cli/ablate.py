@@ -129,9 +129,9 @@ def _main(argv: list[str]) -> int:
             raise FileNotFoundError(
                 f"{data / 'meta.json'} not found: run llm-foundry prepare first"
             )
-        from llm_foundry.cli.train import _prepare_default
+        from llm_foundry.cli.train import prepare_default
 
-        _prepare_default(data)
+        prepare_default(data)
     out = Path(ns.out or f"runs/ablate-{study.name}")  # the name is a plain name: checked
     report = run_study(study, data, out)
     print(f"wrote {out / 'results.md'}, {out / 'results.json'} and plots")

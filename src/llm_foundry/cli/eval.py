@@ -31,8 +31,8 @@ def _prepared(given: str) -> tuple[Path, Path, dict]:
                             f"prepare --input {given} --tokenizer-from CHECKPOINT --out DIR`")  # fmt: skip
         raise DataError(
             f"--data {given}: no {where / 'meta.json'}: not data written by `llm-foundry "
-            "prepare`; make it with `llm-foundry prepare --input FILES --out DIR` (or give a "
-            "text file as --text)"
+            "prepare`; make it with the model's tokenizer: `llm-foundry prepare --input FILES "
+            "--tokenizer-from CHECKPOINT --out DIR` (or give a text file as --text)"
         )
     return path, where, load_meta(where)
 

@@ -159,7 +159,7 @@ def _main(argv: list[str], finetune: bool, prog: str) -> int:
                 "or pass another --out"
             )
         if data_dir == DEFAULT_DATA and not (Path(data_dir) / "meta.json").exists():
-            _prepare_default(Path(data_dir))
+            prepare_default(Path(data_dir))
         import torch.distributed as dist
 
         try:
@@ -199,7 +199,7 @@ def rank0_prepares(data: Path, prepare, ready=None, wait_s: float = 600.0) -> No
         time.sleep(0.5)
 
 
-def _prepare_default(data: Path) -> None:
+def prepare_default(data: Path) -> None:
     """Prepare the default corpus; under torchrun rank 0 prepares and the others wait for it."""
     from llm_foundry.data import prepare
 

@@ -157,6 +157,8 @@ class Engine:
         # benchmarks/README.md, bench_serve); prefill stays eager
         self.compile = compile
         self.static: dict[int, object] = {}  # rows b -> decode_graph.StaticDecoder over them
+        # the batch sizes a static step is built for: 1, 2, 4, ... and slots
+        self.sizes = [1 << i for i in range(slots.bit_length()) if 1 << i < slots] + [slots]
         if compile and not cuda_graph:
             from llm_foundry.generate import _compiled
 
@@ -244,7 +246,7 @@ class Engine:
             from llm_foundry.decode_graph import captures
 
             if captures(self.device) or self.compile:
-                for b in self._sizes():
+                for b in self.sizes:
                     self._static_step(b, torch.zeros(b, 1, dtype=torch.long), 0,
                                       torch.zeros(b, dtype=torch.long, device=self.device))  # fmt: skip
             self.t = 0
@@ -326,7 +328,7 @@ class Engine:
             self._shift(-int(min(self.pad[r] for r in active)))
         n = active[-1] + 1  # rows past the last busy one are left out of the batch
         if self.cuda_graph:
-            n = next(b for b in self._sizes() if b >= n)  # a size a graph was captured for
+            n = next(b for b in self.sizes if b >= n)  # a size a graph was captured for
         rows = self.rows[:n]  # a free row feeds token 0 and sees only itself (pad = t)
         # built on the host and sent without a wait: the step's one sync is reading its tokens
         last = torch.tensor([[s.tokens[-1] if s else 0] for s in rows])
@@ -340,9 +342,8 @@ class Engine:
                 cache.length, cache.pad = self.t, pad
                 self._select([s.adapter if s else 0 for s in rows])
                 step = self.decode if n == 1 else self.model
-                logits = step(last.to(self.device, non_blocking=True), cache=cache, last_only=True)[
-                    0
-                ][:, -1]
+                idx = last.to(self.device, non_blocking=True)
+                logits = step(idx, cache=cache, last_only=True)[0][:, -1]
         except Exception as e:  # noqa: BLE001 - every request in flight is told
             self._fail_all(e)
             return
@@ -351,11 +352,6 @@ class Engine:
         self.stats.busy_slot_steps += len(active)
         for r in active:
             self._accept(self.rows[r], logits[r : r + 1])
-
-    def _sizes(self) -> list[int]:
-        """The batch sizes a static step is built for: 1, 2, 4, ... and ``slots``."""
-        sizes = [1 << i for i in range(self.slots.bit_length()) if 1 << i < self.slots]
-        return sizes + [self.slots]
 
     def _static_step(self, b: int, last: torch.Tensor, t: int, pad: torch.Tensor):
         """The logits (b, V) of the static step over rows 0..b-1 (its graph replayed on CUDA),

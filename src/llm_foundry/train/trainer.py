@@ -150,8 +150,9 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, tc, self.device, self.sharded,
                                          self.precision.ns_dtype)  # fmt: skip
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.dtype == "fp16")
-        # fused AdamW skips a non-finite step on the device: the host reads the loss after it
-        self.skips_on_device = not self.scaler.is_enabled()
+        # fused AdamW may skip a non-finite step on the device (not under fp16's scaler, which
+        # skips on its own): the host then reads the loss after queuing the step
+        self.device_skip = not self.scaler.is_enabled()
         # dcp / dcp-async: every rank writes its own shards (train/dcp.py); full: rank 0 all
         self.dcp = None if tc.checkpoint_format == "full" else ShardedCheckpoints(
             self.ckpt_root, self.world, tc.checkpoint_format == "dcp-async", tc.keep_last
@@ -544,7 +545,7 @@ class Trainer:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor holding the global norm
             grad_norm = grad_norm.full_tensor()
-        on_device = self.skips_on_device and skips_on_device(self.optimizer)
+        on_device = self.device_skip and skips_on_device(self.optimizer)
         if on_device:  # the step is queued before the host waits for its numbers
             bad = ~(torch.isfinite(loss_sum) & torch.isfinite(grad_norm))
             step_unless(self.optimizer, bad)
