@@ -1,7 +1,10 @@
 """Tokenizers: text <-> integer ids, each saved to (and loaded from) one JSON file.
 
 - ``CharTokenizer``: one id per character of the training corpus, the sorted set of its characters
-  (nanoGPT's ``shakespeare_char``: 65 symbols for tiny Shakespeare). No special tokens.
+  (nanoGPT's ``shakespeare_char``: 65 symbols for tiny Shakespeare). No special tokens. Saved as
+  ``{"type": "char", "chars": ...}``; ``to_hf`` gives the same tokenizer as a Hugging Face
+  ``tokenizers`` one (what an HF export carries), which ``load_tokenizer`` reads back as a
+  ``CharTokenizer``.
 - ``BPETokenizer``: byte-level BPE (GPT-2's scheme) trained with Hugging Face ``tokenizers``.
   Its 256-byte base alphabet makes any Unicode string encodable and decodable exactly; special
   tokens ``<bos>``, ``<eos>``, ``<pad>`` take ids 0, 1, 2; ``<eos>`` is also the end of text that
@@ -31,6 +34,12 @@ CHAT_TOKENS = ("<|im_start|>", "<|im_end|>")
 BYTE_ALPHABET = 256
 MIN_BPE_VOCAB = BYTE_ALPHABET + len(SPECIAL_TOKENS)  # every byte and the specials
 DEFAULT_BPE_VOCAB = 4096
+# a character tokenizer's HF form: every code point its own piece (Oniguruma's "." skips "\n")
+ANY_CHAR = r"[\s\S]"
+# WordLevel's unknown token, never in a vocabulary of single characters: an unknown one is refused
+HF_CHAR_UNK = "<unk>"
+# the parts of a tokenizer.json that decide what it does (not its version, padding, truncation)
+HF_PIPELINE = ("added_tokens", "normalizer", "pre_tokenizer", "post_processor", "decoder", "model")
 
 
 class Tokenizer:
@@ -108,6 +117,21 @@ class CharTokenizer(Tokenizer):
 
     def to_dict(self) -> dict:
         return {"type": "char", "chars": self.chars}
+
+    def to_hf(self):
+        """This tokenizer as a Hugging Face ``tokenizers.Tokenizer`` that encodes and decodes as it
+        does: a WordLevel vocabulary of its characters (the same ids), a pre-tokenizer that isolates
+        every code point (a Python string's items: one id per character, newlines and spaces
+        included), a Fuse decoder that joins the pieces with nothing between; no normalizer, no
+        special tokens. A character outside the vocabulary is refused by both (HF raises "Missing
+        [UNK] token"); an id past the vocabulary is refused by ``decode``, skipped by HF's."""
+        from tokenizers import Regex, decoders, models, pre_tokenizers
+        from tokenizers import Tokenizer as HFTokenizer
+
+        hf = HFTokenizer(models.WordLevel(dict(self._stoi), unk_token=HF_CHAR_UNK))
+        hf.pre_tokenizer = pre_tokenizers.Split(Regex(ANY_CHAR), behavior="isolated")
+        hf.decoder = decoders.Fuse()
+        return hf
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), ensure_ascii=False), encoding="utf-8")
@@ -223,7 +247,8 @@ def build_tokenizer(
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
-    """Read a tokenizer saved by ``save``: a char JSON or a Hugging Face BPE ``tokenizer.json``.
+    """Read a tokenizer saved by ``save``: a char JSON or a Hugging Face BPE ``tokenizer.json``;
+    or a char tokenizer's HF ``tokenizer.json`` (``CharTokenizer.to_hf``), as a ``CharTokenizer``.
 
     A damaged file (empty, truncated, not UTF-8, fields missing or of the wrong type, a vocabulary
     that would drop text) raises a one-line ValueError naming the file and what was expected.
@@ -253,20 +278,23 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     model = data.get("model") if isinstance(data, dict) else None
     if isinstance(model, dict) and model.get("type") == "BPE":
         return _load_bpe(path, text, model)
+    if isinstance(model, dict) and model.get("type") == "WordLevel":
+        return _load_char_hf(path, data, model)
     found = (
         f"top-level keys: {sorted(data)}"
         if isinstance(data, dict)
         else f"it holds {json_type(data)}"
     )
     raise ValueError(
-        f"tokenizer file {path} is neither a char tokenizer ({{'type': 'char', ...}}) nor a "
-        f"Hugging Face BPE tokenizer.json (model.type == 'BPE'); {found}"
+        f"tokenizer file {path} is neither a char tokenizer ({{'type': 'char', ...}}, or its HF "
+        f"form: model.type == 'WordLevel') nor a Hugging Face BPE tokenizer.json (model.type == "
+        f"'BPE'); {found}"
     )
 
 
 _EXPECTED = (
-    "a tokenizer saved by llm-foundry: {'type': 'char', 'chars': ...} or a Hugging Face BPE "
-    "tokenizer.json"
+    "a tokenizer saved by llm-foundry: {'type': 'char', 'chars': ...}, its HF form "
+    "(CharTokenizer.to_hf) or a Hugging Face BPE tokenizer.json"
 )
 
 
@@ -306,6 +334,40 @@ def _load_char(path: Path, data: dict) -> CharTokenizer:
             )
         first[c] = i
     return CharTokenizer(chars)
+
+
+def _load_char_hf(path: Path, data: dict, model: dict) -> CharTokenizer:
+    """A char tokenizer from the HF tokenizer.json ``CharTokenizer.to_hf`` writes (an HF export's),
+    recognised only where the file is exactly that: another WordLevel file (its own normalizer,
+    pre-tokenizer, unknown token...) is refused here and read as an HF tokenizer of its own."""
+    where = f"tokenizer file {path} (a WordLevel tokenizer.json)"
+    vocab = model.get("vocab")
+    ids = list(vocab.values()) if isinstance(vocab, dict) else []
+    if (
+        not ids
+        or any(isinstance(i, bool) or not isinstance(i, int) for i in ids)
+        or sorted(ids) != list(range(len(ids)))
+        or any(len(c) != 1 for c in vocab)
+    ):
+        raise ValueError(
+            f"{where}: 'model.vocab' is not single characters with the ids 0..n-1; expected the "
+            "file CharTokenizer.to_hf writes"
+        )
+    tok = CharTokenizer(sorted(vocab, key=vocab.__getitem__))
+    want = json.loads(tok.to_hf().to_str())
+    differ = next((k for k in HF_PIPELINE if data.get(k) != want[k]), None)
+    if differ is not None:
+        got, expected = (_cut(repr(v)) for v in (data.get(differ), want[differ]))
+        raise ValueError(
+            f"{where}: its {differ!r} is {got}, not a character tokenizer's {expected}; "
+            "expected the file CharTokenizer.to_hf writes"
+        )
+    return tok
+
+
+def _cut(text: str, limit: int = 80) -> str:
+    """``text`` cut to ``limit`` characters for a one-line message."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _load_bpe(path: Path, text: str, model: dict) -> BPETokenizer:
