@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 
 from llm_foundry.checkpoint import read_safetensors_header
 from llm_foundry.interop.hf.core import ConversionError
+from llm_foundry.tokenizer import SPECIAL_TOKENS
 
 log = logging.getLogger(__name__)
 
@@ -78,15 +79,19 @@ def read_safetensors_dir(path: str | Path) -> dict[str, torch.Tensor]:
 
 
 def copy_tokenizer(src: Path, dst: Path) -> None:
-    """Bring ``tokenizer.json`` along when there is one: our BPE file is an HF tokenizers file,
-    our character tokenizer has no HF equivalent and stays behind (with a note)."""
+    """Bring ``tokenizer.json`` along when there is one, as a file both HF and we read: our BPE
+    file is an HF tokenizers file already; our character tokenizer's file is written as its HF
+    equivalent (``CharTokenizer.to_hf``), which ``load_tokenizer`` reads back as the same
+    ``CharTokenizer``."""
+    from llm_foundry.tokenizer import load_tokenizer
+
     file = src / TOKENIZER_FILE
     if not file.exists():
         return
-    if "model" not in json.loads(file.read_text(encoding="utf-8")):
-        log.warning(f"note: {file} (a character tokenizer) not copied: HF cannot read it")
+    if "model" in json.loads(file.read_text(encoding="utf-8")):
+        shutil.copyfile(file, dst / TOKENIZER_FILE)
         return
-    shutil.copyfile(file, dst / TOKENIZER_FILE)
+    (dst / TOKENIZER_FILE).write_text(load_tokenizer(file).to_hf().to_str(), encoding="utf-8")
 
 
 def special_token_ids(src: Path) -> dict[str, int]:
@@ -103,28 +108,36 @@ def special_token_ids(src: Path) -> dict[str, int]:
     return {f"{name}_token_id": i for name, i in ids.items() if i is not None}
 
 
+# tokenizer kind -> the tokenizer_config.json fields naming its special tokens
+SPECIAL_TOKEN_NAMES = {
+    "bpe": dict(zip(("bos_token", "eos_token", "pad_token"), SPECIAL_TOKENS, strict=True)),
+    "char": {},  # no special tokens
+}
+
+
 def name_special_tokens(out: Path) -> None:
-    """Our BPE tokenizer exported: tokenizer_config.json names its specials, so AutoTokenizer
-    (and tools built on it, such as lm-eval's hf backend) knows BOS, EOS and padding."""
-    from llm_foundry.tokenizer import SPECIAL_TOKENS, load_tokenizer
+    """Our tokenizer exported: tokenizer_config.json names its specials, so AutoTokenizer (and
+    tools built on it, such as lm-eval's hf backend) knows BOS, EOS and padding; it loads as the
+    plain PreTrainedTokenizerFast (a model's own class would add its specials) and decodes
+    without transformers' clean-up of spaces before punctuation."""
+    from llm_foundry.tokenizer import load_tokenizer
 
     file = out / TOKENIZER_FILE
     try:
         tok = load_tokenizer(file) if file.exists() else None
     except ValueError:
         return
-    if getattr(tok, "kind", None) == "bpe":
-        bos, eos, pad = SPECIAL_TOKENS
-        (out / "tokenizer_config.json").write_text(
-            json.dumps(
-                {
-                    "tokenizer_class": "PreTrainedTokenizerFast",
-                    "bos_token": bos,
-                    "eos_token": eos,
-                    "pad_token": pad,
-                    "add_bos_token": False,
-                    "clean_up_tokenization_spaces": False,
-                },
-                indent=2,
-            )
+    names = SPECIAL_TOKEN_NAMES.get(getattr(tok, "kind", None))
+    if names is None:
+        return
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                **names,
+                "add_bos_token": False,
+                "clean_up_tokenization_spaces": False,
+            },
+            indent=2,
         )
+    )
