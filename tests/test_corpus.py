@@ -324,7 +324,10 @@ def test_a_text_stream_prepared_over_a_document_corpus_leaves_no_shard(tmp_path,
     out = tmp_path / "d"
     prepare_documents(out, corpus, **KW)
     (tmp_path / "t.txt").write_text("a small text stream " * 50)
-    prepare(out, text_files=[tmp_path / "t.txt"], progress=False)
+    with pytest.raises(DataError, match=r"d already holds a document corpus .*add --restart"):
+        prepare(out, text_files=[tmp_path / "t.txt"], progress=False)
+    assert len(split_shards(out, "train")) > 1  # refused: the corpus is as it was
+    prepare(out, text_files=[tmp_path / "t.txt"], progress=False, restart=True)
     assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == [
         "meta.json", "tokenizer.json", "train.bin", "val.bin"]  # fmt: skip
     assert len(split_shards(out, "train")) == 1 and len(load_split(out, "train")) == 900

@@ -691,12 +691,62 @@ def test_a_training_keeps_the_token_files_it_maps_whole_when_the_directory_is_pr
     prepare(out, text_files=[tmp_path / "a.txt"], progress=False)
     val, train = load_split(out, "val"), load_split(out, "train")
     before = np.array(val), np.array(train)
-    prepare(out, text_files=[tmp_path / "b.txt"], progress=False)
+    prepare(out, text_files=[tmp_path / "b.txt"], progress=False, restart=True)
     np.testing.assert_array_equal(val, before[0])
     np.testing.assert_array_equal(train, before[1])
     assert not np.array_equal(load_split(out, "train"), before[1])  # the new files are there
     # no temporaries; .readers: this process's read lock, while it maps the files
     assert sorted(p.name for p in out.iterdir()) == sorted([".readers", *encode.OUTPUTS])
+
+
+def test_a_text_stream_prepared_again_is_kept_as_it_is_or_refused_until_restart(tmp_path, capsys):
+    """The same text and settings again: nothing to do, nothing rewritten; another text or
+    setting: refused naming it, the directory as it was; --restart prepares it again."""
+    import time
+
+    from llm_foundry.cli import main
+
+    (tmp_path / "a.txt").write_text(TEXT)
+    (tmp_path / "b.txt").write_text(OTHER)
+    out = tmp_path / "d"
+    argv = ["prepare", "--text", str(tmp_path / "a.txt"), "--out", str(out)]
+    assert cli_status(argv, capsys)[0] == 0
+    before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    time.sleep(0.01)  # a file written again would get a later mtime
+    capsys.readouterr()
+    assert main(argv) == 0
+    assert capsys.readouterr().out == (
+        f"{out} is already prepared from these inputs with these settings: nothing to do\n"
+    )
+    assert main([*argv, "--json"]) == 0
+    printed = capsys.readouterr()
+    assert json.loads(printed.out) == json.loads((out / "meta.json").read_text())
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before
+    # other settings, then another text too: refused, naming what differs
+    rc, err = cli_status([*argv, "--tokenizer", "bpe", "--val-fraction", "0.2"], capsys)
+    assert rc == 2 and err == (
+        f"llm-foundry prepare: error: {out} is already prepared from another text or settings "
+        "(settings.tokenizer: 'char' then, 'bpe' now; settings.val_fraction: 0.1 then, 0.2 now); "
+        "add --restart to prepare it again from scratch, or write to another --out\n"
+    )
+    sha = {
+        n: hashlib.sha256((tmp_path / n).read_bytes()).hexdigest()[:12] for n in ("a.txt", "b.txt")
+    }
+    other = ["prepare", "--text", str(tmp_path / "b.txt"), "--out", str(out)]
+    rc, err = cli_status(other, capsys)
+    assert rc == 2 and f"(the text's sha256: {sha['a.txt']}… then, {sha['b.txt']}… now)" in err
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before
+    # --restart prepares it again; --sft prepares anew anyway
+    assert cli_status([*other, "--restart"], capsys)[0] == 0
+    assert load_meta(out)["sha256"].startswith(sha["b.txt"])
+    rc, err = cli_status(["prepare", "--sft", "rows.jsonl", "--out", str(out), "--restart"], capsys)
+    assert rc == 2 and "--restart is for --text, --dataset and --input" in err
+    # a meta.json from before settings were recorded cannot be compared
+    meta = load_meta(out)
+    del meta["settings"]
+    (out / "meta.json").write_text(json.dumps(meta))
+    rc, err = cli_status(other, capsys)
+    assert rc == 2 and "does not record the settings it was prepared with" in err
 
 
 def test_token_files_meta_json_does_not_record_are_refused(tmp_path):
@@ -739,7 +789,7 @@ def test_prepare_is_refused_a_directory_a_training_is_reading(tmp_path):
     try:
         assert reader.stdout.readline().strip() == "reading"
         with pytest.raises(lock.DirectoryBusy, match=rf"d is being read by process {reader.pid}"):
-            prepare(out, text_files=[tmp_path / "a.txt"], progress=False)
+            prepare(out, text_files=[tmp_path / "a.txt"], progress=False, restart=True)
     finally:
         reader.kill()
         reader.wait()
@@ -777,7 +827,8 @@ def test_ctrl_c_while_the_files_are_put_in_place_is_one_line_and_leaves_no_meta_
         replace(src, dst)
 
     monkeypatch.setattr(os, "replace", ctrl_c_on_the_third)
-    rc, err = cli_status(["prepare", "--text", str(tmp_path / "b.txt"), "--out", str(out)], capsys)
+    argv = ["prepare", "--text", str(tmp_path / "b.txt"), "--out", str(out), "--restart"]
+    rc, err = cli_status(argv, capsys)
     monkeypatch.undo()
     assert rc == 130
     assert (

@@ -4,7 +4,8 @@ Three kinds of input, one per call:
 
 - a text stream (``--text FILE...`` or ``--dataset shakespeare``): the files joined into one
   stream, a char or BPE tokenizer trained on all of it, the first 90% of the tokens in
-  ``train.bin`` and the rest in ``val.bin`` (nanoGPT's layout);
+  ``train.bin`` and the rest in ``val.bin`` (nanoGPT's layout); run again on a complete
+  directory it does nothing (the same text and settings) or is refused (others; ``--restart``);
 - a document corpus (``--input`` and/or ``--hf-dataset``; any of their flags): many files of text,
   JSONL, parquet or ``datasets``, one document each (a text file) or per row, tokenized in
   ``--workers`` processes into shards with document indexes (``data/shards.py``'s layout),
@@ -27,8 +28,7 @@ from pathlib import Path
 DEMO_ROWS = 2000
 # flags of the document corpus alone (their presence makes the call one)
 DOCUMENT_FLAGS = ("input", "hf_dataset", "split", "text_field", "text_column", "val_source",
-                  "workers", "shard_tokens", "tokenizer_sample", "dtype", "on_bad_utf8",
-                  "restart")  # fmt: skip
+                  "workers", "shard_tokens", "tokenizer_sample", "dtype", "on_bad_utf8")  # fmt: skip
 
 
 def count(flag: str, text: str | int) -> int:
@@ -57,7 +57,7 @@ def main(argv: list[str]) -> int:
         DEFAULT_TOKENIZER_SAMPLE,
         DTYPES,
     )
-    from llm_foundry.data.shard_writer import PROGRESS_FILE
+    from llm_foundry.data.shard_writer import PROGRESS_FILE, AlreadyPrepared
     from llm_foundry.tokenizer import TOKENIZER_KINDS
 
     p = argparse.ArgumentParser(
@@ -110,6 +110,13 @@ def main(argv: list[str]) -> int:
         "corpus, whole documents spread evenly through it",
     )
     p.add_argument("--out", required=True, help="directory to write")
+    p.add_argument(
+        "--restart",
+        action="store_true",
+        help="prepare --out from scratch, discarding what a prepare left there (without it, an "
+        "interrupted document prepare resumes, and a complete prepare is kept: nothing to do "
+        "with the same inputs and settings, refused with others)",
+    )
     p.add_argument("--json", action="store_true", help="print meta.json")
 
     d = p.add_argument_group("document corpus (shards)")
@@ -172,13 +179,6 @@ def main(argv: list[str]) -> int:
         help="a document with bytes that are not UTF-8: stop with its file and row (fail, the "
         "default), or leave it out and count it (skip)",
     )
-    d.add_argument(
-        "--restart",
-        action="store_true",
-        help="prepare --out from scratch, discarding what a prepare left there (without it, an "
-        "interrupted prepare resumes, and a complete one is kept: nothing to do with the same "
-        "inputs and settings, refused with others)",
-    )
     # the document flags left unset stay absent, so that what was given is known (a default
     # value typed out counts as given), then take their defaults
     defaults = {k: p.get_default(k) for k in DOCUMENT_FLAGS}
@@ -206,7 +206,10 @@ def main(argv: list[str]) -> int:
             tokenizer=ns.tokenizer or "char",
             vocab_size=ns.vocab_size,
             val_fraction=0.1 if ns.val_fraction is None else ns.val_fraction,
+            restart=ns.restart,
         )
+    except AlreadyPrepared as done:
+        return _already(done, ns.json)
     except KeyboardInterrupt:
         out = Path(ns.out)
         if (out / "meta.json").is_file():
@@ -256,10 +259,7 @@ def _prepare_documents(ns) -> int:
             restart=ns.restart,
         )
     except AlreadyPrepared as done:
-        if ns.json:  # the directory's meta.json on stdout, the line beside it on stderr
-            print(json.dumps(done.meta, indent=2))
-        print(done, file=sys.stderr if ns.json else sys.stdout)
-        return 0
+        return _already(done, ns.json)
     if ns.json:
         print(json.dumps(meta, indent=2))
         return 0
@@ -283,6 +283,15 @@ def _prepare_documents(ns) -> int:
     return 0
 
 
+def _already(done, as_json: bool) -> int:
+    """A complete prepare of the same inputs is there: say so (with --json: its meta.json on
+    stdout, the line on stderr)."""
+    if as_json:
+        print(json.dumps(done.meta, indent=2))
+    print(done, file=sys.stderr if as_json else sys.stdout)
+    return 0
+
+
 def _check_flags(ns) -> None:
     """Flags out of range, or given where they do nothing: one line each."""
     sft = bool(ns.sft or ns.sft_demo)
@@ -295,6 +304,8 @@ def _check_flags(ns) -> None:
         )
     if ns.val_fraction is not None and not 0 < ns.val_fraction < 1:
         raise ValueError(f"--val-fraction {ns.val_fraction}: must be strictly between 0 and 1")
+    if ns.restart and sft:
+        raise ValueError("--restart is for --text, --dataset and --input: --sft prepares anew")
     if ns.rows is not None and not ns.sft_demo:
         raise ValueError("--rows is for --sft-demo (how many demonstration rows to make)")
     if ns.sft_demo and ns.rows is not None and ns.rows < 2:

@@ -9,7 +9,9 @@
                        directory is complete
 
 Every file is written under a temporary name and renamed into place: a process that maps the old
-files keeps reading them whole. The directory is locked while it is written, and refused while a
+files keeps reading them whole. A directory already prepared is kept: the same text and settings
+again is nothing to do (``shard_writer.AlreadyPrepared``), others are refused, naming what
+differs (``restart`` prepares it again). The directory is locked while it is written, and refused while a
 training reads it (``llm_foundry.lock``); an input that is one of the outputs is refused.
 
 The corpus is read twice as a stream of pieces (once to train the tokenizer, once to encode),
@@ -30,8 +32,14 @@ import numpy as np
 from tqdm import tqdm
 
 from llm_foundry import lock
-from llm_foundry.data.batches import file_entry
-from llm_foundry.data.shard_writer import remove_unlisted
+from llm_foundry.data.batches import file_entry, prepared_kind
+from llm_foundry.data.shard_writer import (
+    SHOWN_DIFFERENCES,
+    AlreadyPrepared,
+    complete_meta,
+    differences,
+    remove_unlisted,
+)
 from llm_foundry.data.sources import (
     DATASETS,
     DataError,
@@ -145,13 +153,16 @@ def prepare(
     vocab_size: int | None = None,
     val_fraction: float = 0.1,
     progress: bool = True,
+    restart: bool = False,
 ) -> dict:
     """Tokenize ``dataset`` or ``text_files`` into ``out_dir``; returns the meta.json dict.
 
     The tokenizer is trained on the whole text; train is the first ``1 - val_fraction`` of the
     token stream and val the rest. Memory stays bounded whatever the corpus size: the text is
     streamed twice (train the tokenizer, then encode straight into the token file). The
-    directory is locked while it is written (``llm_foundry.lock``).
+    directory is locked while it is written (``llm_foundry.lock``). A complete prepare already
+    in ``out_dir`` raises ``AlreadyPrepared`` for the same text and settings, a one-line
+    DataError for others (``restart``: prepare it again).
     """
     if isinstance(text_files, (str, Path)):  # one path, not a string of one-letter paths
         text_files = [text_files]
@@ -178,21 +189,52 @@ def prepare(
         source = TextSource(files=text_files)
     out = Path(out_dir)
     refuse_overwriting_inputs([("text file", Path(f)) for f in text_files or ()], out, OUTPUTS)
+    settings = {"tokenizer": tokenizer, "vocab_size": vocab_size, "val_fraction": val_fraction}
+    if not restart and complete_meta(out) is not None:
+        with lock.sharing(out):  # as a reader: a training reading it may go on meanwhile
+            check_stream_prepared(out, source, settings)
     created = not out.exists()
     with lock.hold(out, "data directory", readers=True):
         try:
-            return _prepare_locked(
-                source, out, dataset, text_files, tokenizer, vocab_size, val_fraction, progress
-            )
+            return _prepare_locked(source, out, dataset, text_files, settings, progress)
         except BaseException:
             if created:  # leave no directory behind a refused input
                 shutil.rmtree(out, ignore_errors=True)
             raise
 
 
-def _prepare_locked(
-    source, out, dataset, text_files, tokenizer, vocab_size, val_fraction, progress
-) -> dict:
+def check_stream_prepared(out: Path, source: TextSource, settings: dict) -> None:
+    """Before a text stream is prepared in ``out``, which holds a complete prepare:
+    ``AlreadyPrepared`` when it is of the same text (its sha256, read here) and ``settings``, else
+    a one-line DataError naming the first differences and --restart."""
+    meta = complete_meta(out)
+    if meta is None:
+        return
+    again = "add --restart to prepare it again from scratch, or write to another --out"
+    if meta.get("kind") is not None:
+        raise DataError(f"{out} already holds {prepared_kind(meta)}; {again}")
+    if not isinstance(meta.get("settings"), dict):
+        raise DataError(
+            f"{out} is already prepared, but its meta.json does not record the settings it was "
+            f"prepared with (an earlier version wrote it), so they cannot be compared; {again}"
+        )
+    for _ in source.pieces():  # read through once: the text's sha256
+        pass
+    found = []
+    if meta.get("sha256") != source.sha256:
+        found.append(f"the text's sha256: {str(meta.get('sha256'))[:12]}… then, "
+                     f"{source.sha256[:12]}… now")  # fmt: skip
+    found += differences(meta["settings"], settings, SHOWN_DIFFERENCES - len(found), "settings")
+    if found:
+        raise DataError(
+            f"{out} is already prepared from another text or settings ({'; '.join(found)}); {again}"
+        )
+    raise AlreadyPrepared(out, meta)
+
+
+def _prepare_locked(source, out, dataset, text_files, settings, progress) -> dict:
+    tokenizer, vocab_size = settings["tokenizer"], settings["vocab_size"]
+    val_fraction = settings["val_fraction"]
     # a BPE trainer reads the text as it goes (its bar runs until the merges are done too)
     bpe = tokenizer == "bpe"
     with _bar(source, "train BPE" if bpe else "read", progress) as bar:
@@ -244,6 +286,7 @@ def _prepare_locked(
             "val_tokens": n - n_train,
             "val_fraction": val_fraction,
             "split": "train = first (1 - val_fraction) of the token stream, val = the rest",
+            "settings": settings,  # what a later prepare of this directory compares
             "files": {name: file_entry(tmp) for name, tmp in written.items()},
         }
         publish(out, written, json.dumps(meta, indent=2) + "\n")
