@@ -47,6 +47,8 @@ NOISE_STDS = 2.0  # "within seed noise": the mean difference at most this many f
 def data_dir(root: Path) -> Path:
     """tiny Shakespeare (the shared copy when present, else the default corpus), characters."""
     out = root / "shakespeare_char"
+    if (out / "meta.json").exists():  # prepared by an earlier run
+        return out
     if SHARED.exists():
         prepare(out, text_files=[SHARED], tokenizer="char", progress=False)
     else:
