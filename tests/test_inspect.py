@@ -171,8 +171,8 @@ def test_out_gets_png_added_and_other_formats_are_refused(tmp_path, capsys, ckpt
 
 
 def test_attention_of_an_hf_directory_equals_its_source_checkpoint(ckpt, tmp_path, capsys):
-    """`inspect attention` reads the directory `convert --to-hf` writes (a character tokenizer
-    stays behind, so it is passed with --tokenizer) and draws the same probabilities."""
+    """`inspect attention` reads the directory `convert --to-hf` writes (both given the source's
+    character tokenizer with --tokenizer) and draws the same probabilities."""
     from llm_foundry.cli import main as cli
 
     hf = tmp_path / "hf"
