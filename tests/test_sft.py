@@ -140,6 +140,49 @@ def test_finetune_a_run_with_lora_on_sft_rows(char_data, tmp_path, capsys):
     torch.manual_seed(0)
 
 
+@pytest.mark.parametrize("context", [96, pytest.param(40, marks=pytest.mark.heavy)])
+def test_a_fine_tune_given_no_block_size_takes_its_longest_example_within_the_context(
+    sft_dir, tmp_path, capsys, context
+):
+    """Left out, train.block_size is the longest training example's length - 1 (the prepared
+    offsets say it), never past the model's context; given, it is kept; on text it is the
+    model's context."""
+    from llm_foundry.checkpoint import save_checkpoint
+    from llm_foundry.config import ModelConfig
+    from llm_foundry.data import prepare
+    from llm_foundry.models import Transformer
+
+    data, tok = sft_dir
+    cfg = ModelConfig(vocab_size=tok.vocab_size, dim=16, n_layers=1, n_heads=2, max_seq_len=context)
+    base = save_checkpoint(Transformer(cfg), tmp_path / "base")
+    tok.save(base / "tokenizer.json")
+    lengths = [len(encode_row(tok, r)[0]) for r in ROWS[: int(len(ROWS) * 0.75)]]
+    want = min(max(lengths) - 1, context)
+    steps = ["--train.max_steps", "1", "--train.batch_size", "2", "--train.eval_interval", "1",
+             "--train.eval_batches", "1", "--train.sample_tokens", "0", "--train.progress", "false"]  # fmt: skip
+
+    def block(run, *flags, data=data):
+        """(train.block_size the run used, what the command printed)"""
+        from llm_foundry.cli import main
+
+        argv = ["finetune", "--checkpoint", str(base), "--data", str(data), "--out", str(run)]
+        capsys.readouterr()
+        assert main([*argv, *steps, *flags]) == 0
+        info = json.loads((run / "run.json").read_text())
+        return info["train"]["block_size"], capsys.readouterr().out
+
+    used, out = block(tmp_path / "a")
+    assert used == want
+    longest = f"the longest training sequence holds {max(lengths)} tokens"
+    assert f"note: train.block_size {want} ({longest}" in out
+    assert ("the model's context is 40" in out) == (context == 40)
+    used, out = block(tmp_path / "b", "--train.block_size", "24")
+    assert used == 24 and "note: train.block_size" not in out
+    (tmp_path / "t.txt").write_text(TEXT * 20)
+    prepare(tmp_path / "text", text_files=[tmp_path / "t.txt"], tokenizer="char", progress=False)
+    assert block(tmp_path / "c", data=tmp_path / "text")[0] == context
+
+
 def test_demo_rows_come_from_both_play_formats():
     from llm_foundry.data.sft_demo import demo_rows, speeches
 

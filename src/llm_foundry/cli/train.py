@@ -26,6 +26,7 @@ from llm_foundry.settings import read_config_file
 DEFAULT_DATA = "data/shakespeare_char"
 DEFAULT_PRESET = "llama-shakespeare-char"
 SECTIONS = ("model", "train")
+FINETUNE_TEXT_BLOCK = 1024  # a fine-tune's default window on text, whatever the model's context
 
 
 def parser(finetune: bool = False) -> SettingsParser:
@@ -142,6 +143,8 @@ def _main(argv: list[str], finetune: bool, prog: str) -> int:
                              "checkpoint's tokenizer (prepare --input FILES or --sft ROWS, "
                              "--tokenizer-from CHECKPOINT)")  # fmt: skip
     data_dir = ns.data or data_base or DEFAULT_DATA
+    if start and "block_size" not in settings.given["train"]:
+        train_cfg = _finetune_block_size(cfg, train_cfg, data_dir)
     if ns.resume and ns.out is None:
         raise ValueError("--resume needs --out RUN_DIR (the run to continue)")
     if ns.out is not None and not str(ns.out).strip():
@@ -173,6 +176,28 @@ def _main(argv: list[str], finetune: bool, prog: str) -> int:
         return stopped(prog, result.stopped_by, f"{result.step} of {train_cfg.max_steps} steps done; "
                        f"saved {result.checkpoint}; continue with --resume --out {out}")  # fmt: skip
     return 0
+
+
+def _finetune_block_size(cfg, train_cfg, data: str):
+    """A fine-tune not given train.block_size takes its data's longest sequence (examples or
+    preference pairs), else the base model's context, at most ``FINETUNE_TEXT_BLOCK`` tokens for
+    text; never past the model's context. Said in a note (rank 0)."""
+    from llm_foundry.data.sft import longest_sequence
+
+    if not (Path(data) / "meta.json").is_file():  # a mixture, or missing: train says so
+        return train_cfg
+    longest = longest_sequence(data)
+    if longest is not None:  # an example of L tokens is L - 1 (input, target) positions
+        block = min(longest - 1, cfg.max_seq_len)
+        why = f"the longest training sequence holds {longest} tokens"
+        if longest - 1 > cfg.max_seq_len:
+            why += f"; the model's context is {cfg.max_seq_len}"
+    else:
+        block = min(cfg.max_seq_len, FINETUNE_TEXT_BLOCK)
+        why = f"text: the model's context of {cfg.max_seq_len}, at most {FINETUNE_TEXT_BLOCK}"
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"note: train.block_size {block} ({why}); --train.block_size sets another")
+    return type(train_cfg).from_dict({**train_cfg.to_dict(), "block_size": block})
 
 
 def default_out(name: str) -> str:

@@ -391,6 +391,19 @@ def publish_prepared(out: Path, written: dict, meta: dict, tokenizer_file: Path,
     return meta
 
 
+def longest_sequence(data_dir: str | Path, split: str = "train") -> int | None:
+    """Tokens in the longest sequence of ``split`` in a directory of examples (kind 'sft') or
+    of preference pairs (kind 'preference': the same offsets file); None for other data."""
+    data_dir = Path(data_dir)
+    meta = load_meta(data_dir)
+    if meta.get("kind") not in ("sft", "preference"):
+        return None
+    with lock.sharing(data_dir):
+        check_files(data_dir, meta, [f"{split}.offsets.bin"])
+        offsets = np.fromfile(data_dir / f"{split}.offsets.bin", dtype=np.int64)
+    return int(np.diff(offsets).max()) if len(offsets) > 1 else None
+
+
 class SFTSampler(BatchSampler):
     """Batches of whole examples: x, y (batch_size, block_size), y = IGNORE where the next token
     is prompt, template or padding; examples longer than block_size + 1 tokens are cut. With
