@@ -146,6 +146,15 @@ def test_a_lora_fine_tune_through_every_export(tmp_path, capsys):
         _cli(capsys, *argv, "--checkpoint", str(tuned), "--quantize", "int8").splitlines()[-1]
     )
     assert from_file["tokens"] == in_memory["tokens"]
+    # quantize --adapter: the base with the PEFT adapter merged, as generate --adapter reads it
+    out = _cli(capsys, "quantize", "--checkpoint", str(base), "--adapter", str(tmp_path / "adapter"),
+               "--to", "int8", "--out", str(tmp_path / "qa"))  # fmt: skip
+    assert "merged the LoRA adapters" in out
+    from_file = json.loads(_cli(capsys, *argv, "--checkpoint", str(tmp_path / "qa")))
+    in_memory = _cli(capsys, *argv, "--checkpoint", str(base), "--adapter",
+                     str(tmp_path / "adapter"), "--quantize", "int8")  # fmt: skip
+    assert from_file["tokens"] == json.loads(in_memory.splitlines()[-1])["tokens"]
+    assert _rel(_ours(load_any(tmp_path / "qa").model, ids), theirs) < _rel(base_logits, theirs) / 4
 
     # convert --to-gguf: llama.cpp's f32 logits are the run's
     llama_cpp = pytest.importorskip("llama_cpp")

@@ -16,16 +16,16 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 
 
 def quantize_checkpoint(
-    src: str | Path, out: str | Path, scheme: str, group_size: int = 64
+    src: str | Path, out: str | Path, scheme: str, group_size: int = 64, adapter=None
 ) -> dict:
-    """Write ``src`` quantized to ``scheme`` (int8 | int4 in groups of ``group_size``) into the
-    directory ``out``. Returns what was done: the settings recorded in config.json, the bytes a
+    """Write ``src`` (with ``adapter``, a PEFT adapter or LoRA run, merged in first) quantized
+    to ``scheme`` (int8 | int4 in groups of ``group_size``) into the directory ``out``. Returns what was done: the settings recorded in config.json, the bytes a
     decoded token reads for weights before and after, and the weight file's bytes."""
     from llm_foundry.loading import load_any
     from llm_foundry.outputs import check_new_output, new_directory
 
     check_new_output(out)  # before the model loads
-    model, _, info = load_any(src, full_precision="quantize")
+    model, _, info = load_any(src, full_precision="quantize", adapter=adapter)
     before = weight_bytes(model)
     settings = quantize_model(model, scheme, group_size)
     with new_directory(out) as tmp:
@@ -41,7 +41,7 @@ def quantize_checkpoint(
         "from": str(src),
         "to": str(out),
         **settings,
-        "merged": info.merged_note(),  # a LoRA run: its adapters, folded in before quantizing
+        "merged": info.merged_note(),  # LoRA adapters, folded in before quantizing
         "weight_bytes_per_token": {"before": before, "after": weight_bytes(model)},
         "file_bytes": (Path(out) / WEIGHTS_FILE).stat().st_size,
     }

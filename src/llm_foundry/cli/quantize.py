@@ -18,6 +18,8 @@ def main(argv: list[str]) -> int:
     p.add_argument(
         "--checkpoint", required=True, help="training run, llm-foundry checkpoint or HF directory"
     )
+    p.add_argument("--adapter", default=None, metavar="DIR", help="a LoRA adapter to merge into "
+                   "the model first: a PEFT adapter directory, or a LoRA run of ours")  # fmt: skip
     p.add_argument("--to", required=True, choices=list(SCHEMES), help="weight format")
     p.add_argument("--group-size", type=int, default=None, choices=GROUP_SIZES,
                    help="--to int4: inputs per scale and zero (default 64)")  # fmt: skip
@@ -28,7 +30,7 @@ def main(argv: list[str]) -> int:
     from llm_foundry.quantize import quantize_checkpoint
 
     scheme, group = quantize_choice(ns.to, ns.group_size, "--to")
-    done = quantize_checkpoint(ns.checkpoint, ns.out, scheme, group)
+    done = quantize_checkpoint(ns.checkpoint, ns.out, scheme, group, adapter=ns.adapter)
     if ns.json:
         print(json.dumps(done, indent=2))
         return 0
