@@ -315,9 +315,28 @@ def test_trains_spelling_of_an_override_is_read_as_set():
 
 def test_cli_lists_recipes(capsys):
     assert cli(["ablate", "--list"]) == 0
-    out = capsys.readouterr().out
-    for name in recipe_names():
-        assert name in out
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines] == recipe_names()
+    for name, line in zip(recipe_names(), lines, strict=True):
+        study = load_study(name)
+        words = line.removesuffix(" [GPU]").removesuffix(" …").split()[1:]
+        # the description's first words, never a line's end cut mid-phrase without a mark
+        assert " ".join(study.description.split()).startswith(" ".join(words))
+        assert line.endswith(" [GPU]") == (study.train.get("device") == "cuda")
+        assert len(line) <= 21 + 90 + len(" [GPU]")
+
+
+def test_a_recipe_that_is_a_directory_or_empty_is_named_as_such(tmp_path, capsys):
+    assert cli(["ablate", "--recipe", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"--recipe {tmp_path}: a directory, not a study file, nor a built-in recipe" in err
+    (tmp_path / "empty.yaml").write_text("")
+    assert cli(["ablate", "--recipe", str(tmp_path / "empty.yaml")]) == 2
+    assert f"--recipe {tmp_path / 'empty.yaml'} defines nothing to compare" in (
+        capsys.readouterr().err
+    )
+    assert cli(["params", "--config", str(tmp_path)]) == 2
+    assert f"--config {tmp_path} is a directory" in capsys.readouterr().err
 
 
 def test_init_grad_norm_probe_measures_with_and_without_residuals(data_dir):

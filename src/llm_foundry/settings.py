@@ -98,6 +98,9 @@ def config_path(name: str | Path) -> Path:
         return path
     if str(name) in config_names():
         return CONFIGS_DIR / f"{name}.yaml"
+    if path.is_dir():
+        raise FileNotFoundError(f"--config {name} is a directory: give a YAML/JSON settings file, "
+                                f"or a built-in config ({', '.join(config_names())})")  # fmt: skip
     raise FileNotFoundError(
         f"--config {name}: no such file, nor a built-in config (built-in: "
         f"{', '.join(config_names())})"

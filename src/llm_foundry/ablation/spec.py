@@ -90,9 +90,11 @@ def load_study(source: str | Path) -> Study:
     path = RECIPES_DIR / f"{source}.yaml"
     if not path.exists():
         path = Path(source)
-    if not path.exists():
+    if not path.is_file():
+        what = "a directory, not a study file" if path.is_dir() else "no such file"
         raise FileNotFoundError(
-            f"no recipe or study file {str(source)!r}; built-in recipes: {', '.join(recipe_names())}"
+            f"--recipe {source}: {what}, nor a built-in recipe (YAML study files; built-in: "
+            f"{', '.join(recipe_names())})"
         )
     try:
         data = load_yaml(path.read_text())

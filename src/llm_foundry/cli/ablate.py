@@ -28,6 +28,16 @@ def main(argv: list[str]) -> int:
         return stopped("llm-foundry ablate", name, what)
 
 
+def summary(description: str, width: int = 90) -> str:
+    """A recipe's description for one line of ``--list``: its first sentence, cut at a word
+    before ``width`` characters with an ellipsis."""
+    text = " ".join(description.split())
+    first = text.split(". ")[0].rstrip(".")
+    if len(first) <= width:
+        return first
+    return first[: first.rfind(" ", 0, width - 1)] + " …"
+
+
 def as_set_flags(argv: list[str]) -> list[str]:
     """``train``'s spelling of an override, ``--model.F V`` / ``--train.F V`` (or with ``=``),
     read as ``--set F=V`` / ``--set train.F=V``: what works for one run works for a study."""
@@ -94,7 +104,8 @@ def _main(argv: list[str]) -> int:
     if ns.list:
         for name in recipe_names():
             s = load_study(name)
-            print(f"{name:<20} {s.description.strip().splitlines()[0] if s.description else ''}")
+            gpu = " [GPU]" if s.train.get("device") == "cuda" else ""
+            print(f"{name:<21}{summary(s.description)}{gpu}")
         return 0
     study = load_study(ns.recipe) if ns.recipe else Study()  # a recipe's problems name its file
     if ns.preset:
@@ -117,6 +128,9 @@ def _main(argv: list[str]) -> int:
         study.description = (f"{study.description.strip()}\n\nRun with changes to the recipe: "
                              f"{', '.join(changed)}.").strip()  # fmt: skip
     if not study.variants and not study.vary:
+        if ns.recipe:
+            raise ValueError(f"--recipe {ns.recipe} defines nothing to compare: give it variants: "
+                             "or vary: (or add --vary FIELD=A,B)")  # fmt: skip
         raise ValueError("nothing to compare: give --recipe NAME or at least one --vary FIELD=A,B")
     try:  # every field and variant, before anything trains
         study = Study.from_dict(study.to_dict())
