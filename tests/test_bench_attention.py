@@ -77,10 +77,9 @@ def test_rows_that_cannot_run_are_recorded(tmp_path):
 
 
 def test_kv_heads_must_divide_heads(capsys):
-    with pytest.raises(SystemExit) as exc:
-        main(["--heads", "12", "--kv-heads", "12,5", "--device", "cpu"])
-    assert exc.value.code == 2
+    assert main(["--heads", "12", "--kv-heads", "12,5", "--device", "cpu"]) == 2
     err = capsys.readouterr().err
+    assert err.count("\n") == 1, err  # one line, no usage block
     assert "--kv-heads 5" in err and "valid values: 1, 2, 3, 4, 6, 12" in err
 
 
@@ -92,10 +91,120 @@ def test_budget_and_out_are_checked_before_measuring(tmp_path, capsys):
         (["--max-mem-gib", "-1"], "--max-mem-gib must be > 0, got -1.0"),
         (["--out", str(tmp_path / "file.txt")], "file.txt is a file; give a directory"),
     ):
-        with pytest.raises(SystemExit) as exc:
-            cli_main(["bench", "attention", "--device", "cpu", *args])
-        assert exc.value.code == 2
+        assert cli_main(["bench", "attention", "--device", "cpu", *args]) == 2
         err = capsys.readouterr().err
-        assert err.startswith("usage: llm-foundry bench attention") and message in err
+        assert err.startswith("llm-foundry bench attention: error: ") and message in err
+        assert err.count("\n") == 1, err
     assert cli_main(["bench", "--help"]) == 0
     assert "llm-foundry bench attention -h" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv, names",
+    [
+        (["attention", "--device", "tpu"], ["'tpu'", "'auto', 'cpu', 'cuda'"]),
+        (["attention", "--dtype", "fp64"], ["'fp64'", "'fp32', 'bf16', 'fp16'"]),
+        (["attention", "--impls", "manual,flashy"], ["flashy", "manual, sdpa, sdpa:flash"]),
+        (["attention", "--seq-lens", "1k"], ["--seq-lens", "'1k'", "integers"]),
+        (["attention", "--bogus"], ["--bogus"]),
+        (["foo"], ["unknown benchmark 'foo'", "valid: attention"]),
+        ([], ["no benchmark given", "valid: attention"]),
+    ],
+)
+def test_misuse_is_one_line_naming_the_value_and_the_choices(argv, names, capsys):
+    """`bench` errors as every other command gives them: one line naming what was wrong and
+    what is valid, no usage block, exit 2."""
+    from llm_foundry.cli import main as cli_main
+
+    assert cli_main(["bench", *argv]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1, captured.err
+    assert captured.err.startswith("llm-foundry bench"), captured.err
+    assert "usage:" not in captured.err
+    for name in names:
+        assert name in captured.err, (name, captured.err)
+
+
+# Ctrl-C at a terminal signals the whole process group: the benchmark, its fork server and the
+# worker measuring a row. Here the worker of the third row sends it (then takes its time, as a
+# long row would), so the signal lands while a worker is running.
+INTERRUPTING = """
+import os, signal, sys, time
+import llm_foundry.bench.attention as A
+from llm_foundry.bench.memory import run_isolated
+from llm_foundry.cli import main
+
+
+def interrupting_measure(spec, what):
+    if (spec["kv_heads"], spec["seq_len"], spec["impl"]) == (2, 32, "manual"):
+        os.killpg(0, signal.SIGINT)
+        time.sleep(60)  # a worker still running after the benchmark ended would keep sleeping
+    return A.measure(spec, what)
+
+
+def memory_isolated(spec):
+    return run_isolated(interrupting_measure, spec, "memory", preload="llm_foundry.bench.attention")
+
+
+if __name__ == "__main__":
+    A.memory_isolated = memory_isolated
+    sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _group_gone(pgid: int, seconds: float) -> bool:
+    import os
+    import time
+
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_ctrl_c_is_one_line_and_keeps_the_rows_measured(tmp_path):
+    """SIGINT to the process group mid-run: exit 130, one line on stderr besides the progress
+    bar (no worker traceback), the two finished rows written to --out marked partial, and no
+    process of the run left behind."""
+    import subprocess
+
+    script = tmp_path / "interrupting.py"
+    script.write_text(INTERRUPTING)
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        [sys.executable, str(script), "bench", "attention", *TINY, "--out", str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group, as a shell gives a command
+    )
+    stdout, stderr = proc.communicate(timeout=120)
+    assert _group_gone(proc.pid, 10), "a process of the run outlived it"
+    lines = [x for x in stderr.replace("\r", "\n").splitlines() if x.strip()]
+    said = [x for x in lines if not x.startswith("attention:")]  # the tqdm bar's redraws
+    want = (
+        "llm-foundry bench attention: stopped by SIGINT: 2 of 8 rows measured; "
+        f"written to {out} (marked partial)"
+    )
+    assert said == [want], stderr
+    assert proc.returncode == 130 and stdout == ""
+    report = json.loads((out / "attention_bench.json").read_text())
+    assert report["stopped_by"] == "SIGINT" and report["rows_planned"] == 8
+    assert [(r["seq_len"], r["impl"], r["status"]) for r in report["rows"]] == [
+        (16, "manual", "ok"),
+        (16, "sdpa", "ok"),
+    ]
+    assert report["rows"][1]["max_abs_diff_out"] < 1e-5  # the finished T was compared
+    table = (out / "attention_bench.md").read_text()
+    assert "partial: stopped by SIGINT after 2 of 8 rows" in table.splitlines()[0]
+    assert (out / "attention_bench.png").exists()
+
+
+def test_a_whole_run_is_not_marked_partial(bench):
+    out, report = bench
+    assert report["stopped_by"] is None and report["rows_planned"] == len(report["rows"])
+    assert "partial" not in (out / "attention_bench.md").read_text().splitlines()[0]

@@ -17,6 +17,7 @@ recorded as "n/a". Peak memory (``MEMORY_METHOD`` says exactly what) is the cach
 peak on CUDA; on CPU, which has no allocator statistics, it is the peak resident set size of a
 fresh worker process per row. Sizes that would not fit are skipped (estimated need over the
 budget) or recorded as out of memory, never crash the run; larger T of that row are skipped.
+Ctrl-C ends the run early with the rows measured so far (the report says it is partial).
 
     python benchmarks/bench_attention.py --out runs/attention   # table, JSON and plot in runs/attention
 """
@@ -236,13 +237,14 @@ def skip_reason(spec: dict, budget: int, failed_at: dict) -> str | None:
     return None
 
 
-def run_rows(args, bar) -> list[dict]:
-    """Measure every impl at every (KV heads, T); after an out-of-memory, larger T is skipped."""
+def run_rows(args, bar, rows: list[dict]) -> None:
+    """Measure every impl at every (KV heads, T) into ``rows`` (each row appended once measured,
+    so an interrupt leaves the finished ones); after an out-of-memory, larger T is skipped."""
     budget = int(args.max_mem_gib * 2**30) if args.max_mem_gib else memory_budget(args.device)
     base = dict(batch=args.batch, heads=args.heads, head_dim=args.head_dim, dtype=args.dtype)
     base |= dict(device=args.device, repeats=args.repeats, warmup=args.warmup, seed=0)
     base["threads"] = torch.get_num_threads()
-    rows, failed_at = [], {}
+    failed_at = {}
     for n_kv in args.kv_heads:
         kind = attention_kind(args.heads, n_kv)
         for T in args.seq_lens:
@@ -256,10 +258,9 @@ def run_rows(args, bar) -> list[dict]:
                 if row["status"].startswith("out of memory"):
                     failed_at[impl, n_kv] = T
                 here.append(row)
+                rows.append(row)
                 bar.update()
             add_agreement(here, dict(base, kv_heads=n_kv, seq_len=T))
-            rows += here
-    return rows
 
 
 def add_agreement(rows: list[dict], spec: dict) -> None:
@@ -309,9 +310,16 @@ def machine(device: str) -> dict:
 
 
 def bench(args, argv: list[str]) -> dict:
+    """The report: settings, machine, methods and one row per (KV heads, T, impl). Ctrl-C
+    (SIGINT) ends it early: ``stopped_by`` then names the signal and ``rows`` holds the rows
+    measured before it (``rows_planned`` says how many the whole run has)."""
     total = len(args.kv_heads) * len(args.seq_lens) * len(args.impls)
+    rows, stopped_by = [], None
     with tqdm(total=total, desc="attention", unit="run", file=sys.stderr) as bar:
-        rows = run_rows(args, bar)
+        try:
+            run_rows(args, bar, rows)
+        except KeyboardInterrupt:
+            stopped_by = "SIGINT"
     add_ratios(rows)
     settings = {k: getattr(args, k) for k in ("batch", "heads", "head_dim", "kv_heads")}
     settings |= {k: getattr(args, k) for k in ("seq_lens", "impls", "device", "dtype")}
@@ -323,8 +331,19 @@ def bench(args, argv: list[str]) -> dict:
         settings=settings,
         time_method=TIME_METHOD,
         memory_method=MEMORY_METHOD[args.device],
+        stopped_by=stopped_by,
+        rows_planned=total,
         rows=rows,
     )
+
+
+def partial_note(report: dict) -> str:
+    """'' for a whole run; else what an interrupted one holds: "partial: stopped by SIGINT after
+    3 of 12 rows"."""
+    if not report.get("stopped_by"):
+        return ""
+    done, planned = len(report["rows"]), report["rows_planned"]
+    return f"partial: stopped by {report['stopped_by']} after {done} of {planned} rows"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -341,8 +360,10 @@ def _mib(n: int | None) -> str:
 
 def markdown(report: dict) -> str:
     s = report["settings"]
+    note = partial_note(report)
     head = (
-        f"# Attention: manual vs SDPA, {s['device']} {s['dtype']}\n\n"
+        f"# Attention: manual vs SDPA, {s['device']} {s['dtype']}"
+        f"{f' ({note})' if note else ''}\n\n"
         f"{report['date']}, `{report['command']}`; {report['machine']['cpu']}, "
         f"{report['machine']['threads']} threads, torch {report['machine']['torch']}"
         f"{', ' + report['machine']['gpu'] if 'gpu' in report['machine'] else ''}. "
@@ -414,9 +435,10 @@ def plot(report: dict, path: Path) -> Path:
     ax_m.set_title("peak memory: solid fwd+bwd, dashed fwd")
     if ax_m.get_legend_handles_labels()[0]:  # nothing to label when every row was skipped
         ax_m.legend(fontsize=7, loc="upper left")
+    note = partial_note(report)
     fig.suptitle(
         f"attention, {s['device']} {s['dtype']}, batch {s['batch']}, {s['heads']} heads x "
-        f"{s['head_dim']}, causal"
+        f"{s['head_dim']}, causal{f' ({note})' if note else ''}"
     )
     fig.tight_layout()
     fig.savefig(path)

@@ -7,11 +7,13 @@ glibc told to map every allocation of 64 KiB or more on its own so RSS follows l
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import gc
 import multiprocessing as mp
 import os
+import signal
 import statistics
 import time
 import traceback
@@ -84,32 +86,42 @@ M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
 
 def _worker(fn, args: tuple, conn) -> None:
     """Run ``fn(*args)`` with every allocation >= 64 KiB in its own mapping, unmapped when
-    freed, so RSS follows the live buffers rather than the high-water mark of malloc's heap."""
+    freed, so RSS follows the live buffers rather than the high-water mark of malloc's heap.
+    Ctrl-C is the parent's to answer (it ends this process): the worker ignores SIGINT."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c"))
         if hasattr(libc, "mallopt"):
             libc.mallopt(M_MMAP_THRESHOLD, 64 * 1024)
-        conn.send(("ok", fn(*args)))
-    except BaseException:
-        conn.send(("error", traceback.format_exc()))
+        answer = ("ok", fn(*args))
+    except Exception:
+        answer = ("error", traceback.format_exc())
+    with contextlib.suppress(OSError):  # the parent stopped listening (it was interrupted)
+        conn.send(answer)
 
 
 def run_isolated(fn, *args, preload: str):
     """``fn(*args)`` (a module-level function returning a dict) in a fresh process forked from
     a server that has only imported ``preload``, so its peak RSS belongs to this call alone; a
-    SIGKILL (the OOM killer) becomes a status. The calling script needs the
-    ``if __name__ == "__main__"`` guard."""
+    SIGKILL (the OOM killer) becomes a status. An interrupt here (Ctrl-C) ends the worker before
+    it is raised. The calling script needs the ``if __name__ == "__main__"`` guard."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload([preload])  # workers start with torch loaded
     receiver, sender = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=_worker, args=(fn, args, sender))
-    proc.start()
-    sender.close()
     try:
-        kind, payload = receiver.recv()
-    except EOFError:  # the worker died without answering
-        kind, payload = "died", None
-    proc.join()
+        proc.start()
+        sender.close()
+        try:
+            kind, payload = receiver.recv()
+        except EOFError:  # the worker died without answering
+            kind, payload = "died", None
+        proc.join()
+    finally:
+        if proc.is_alive():  # interrupted while it ran: it must not outlive the benchmark
+            proc.kill()
+            proc.join()
+        receiver.close()
     what = f"{fn.__name__}{args}"
     if kind == "error":
         raise RuntimeError(f"{what} failed in its worker process:\n{payload}")

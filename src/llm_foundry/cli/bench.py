@@ -19,6 +19,10 @@ from llm_foundry.bench.attention import (
     valid_kv_heads,
     write_outputs,
 )
+from llm_foundry.cli.options import SettingsParser, stopped
+from llm_foundry.messages import shown
+
+BENCHMARKS = ["attention"]  # `llm-foundry bench NAME`
 
 
 def _int_list(text: str) -> list[int]:
@@ -38,7 +42,8 @@ def _str_list(text: str) -> list[str]:
 
 
 def parse_args(argv: list[str], prog: str = "bench_attention.py") -> argparse.Namespace:
-    ap = argparse.ArgumentParser(
+    """The options, checked; a usage error raises ``argparse.ArgumentError`` (one line)."""
+    ap = SettingsParser(
         prog=prog,
         description="Manual attention vs SDPA: time and peak memory for each sequence length "
         "and KV-head count (MHA, GQA, MQA).",
@@ -124,9 +129,17 @@ def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 def attention_main(argv: list[str] | None = None, prog: str = "bench_attention.py") -> int:
     """The attention benchmark: ``benchmarks/bench_attention.py`` and ``bench attention``."""
     argv = [str(a) for a in (sys.argv[1:] if argv is None else argv)]
-    args = parse_args(argv, prog)
+    try:
+        args = parse_args(argv, prog)
+    except argparse.ArgumentError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
     report = bench(args, argv)
-    paths = write_outputs(report, args.out) if args.out else {}
+    paths = write_outputs(report, args.out) if args.out and report["rows"] else {}
+    if report["stopped_by"]:  # one line; the rows measured are kept in --out, marked partial
+        done = f"{len(report['rows'])} of {report['rows_planned']} rows measured"
+        kept = f"written to {args.out} (marked partial)" if paths else "nothing written"
+        return stopped(prog, report["stopped_by"], f"{done}; {kept}")
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
@@ -137,13 +150,14 @@ def attention_main(argv: list[str] | None = None, prog: str = "bench_attention.p
 
 
 def main(argv: list[str]) -> int:
-    usage = (
-        "usage: llm-foundry bench attention [options]  (options: llm-foundry bench attention -h)"
-    )
+    prog = "llm-foundry bench"
     if argv[:1] in (["-h"], ["--help"]):
-        print(usage)
+        print(f"usage: {prog} NAME [options]  (NAME: {', '.join(BENCHMARKS)}; options: "
+              f"{prog} attention -h)")  # fmt: skip
         return 0
-    if not argv or argv[0] != "attention":
-        print(usage, file=sys.stderr)
+    if not argv or argv[0] not in BENCHMARKS:
+        given = f"unknown benchmark {shown(argv[0])}" if argv else "no benchmark given"
+        print(f"{prog}: error: {given}; valid: {', '.join(BENCHMARKS)} "
+              f"(options: {prog} attention -h)", file=sys.stderr)  # fmt: skip
         return 2
-    return attention_main(argv[1:], prog="llm-foundry bench attention")
+    return attention_main(argv[1:], prog=f"{prog} {argv[0]}")
