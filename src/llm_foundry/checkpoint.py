@@ -35,6 +35,7 @@ from llm_foundry.models.lora import apply_lora_settings, fold_lora, lora_setting
 from llm_foundry.models.lora import check_settings as check_lora
 from llm_foundry.models.quant import apply_quant_settings, quant_settings, read_settings
 from llm_foundry.models.transformer import Transformer
+from llm_foundry.rundir import missing_file
 
 FORMAT = "llm-foundry"
 VERSION = 1
@@ -105,7 +106,7 @@ def read_config(path: str | Path) -> ModelConfig:
     """The ``ModelConfig`` stored in checkpoint directory ``path`` (format and version checked)."""
     file = Path(path) / CONFIG_FILE
     if not file.exists():
-        raise FileNotFoundError(f"{file} not found: {path} is not an llm-foundry checkpoint")
+        raise missing_file(file)
     try:
         meta = json.loads(file.read_text())
     except json.JSONDecodeError as e:
@@ -155,7 +156,7 @@ def read_safetensors_header(file: str | Path) -> dict[str, tuple[int, ...]]:
     fits the file. Errors are one line naming the file."""
     file = Path(file)
     if not file.is_file():
-        raise FileNotFoundError(f"{file} not found")
+        raise missing_file(file, None)
     size = file.stat().st_size
     bad = f"{file} is not a safetensors file ({{}}); the weights are damaged or not weights"
     with open(file, "rb") as f:
@@ -284,7 +285,7 @@ def load_weights(model: torch.nn.Module, path: str | Path) -> None:
     finite (NaN/inf) are refused: nothing useful can be computed from them."""
     file = Path(path) / WEIGHTS_FILE
     if not file.exists():
-        raise FileNotFoundError(f"{file} not found: {path} is not an llm-foundry checkpoint")
+        raise missing_file(file)
     read_safetensors_header(file)  # a damaged file is named here, not deep in the loader
     _load_into(unwrap(model), file)
 
@@ -294,7 +295,11 @@ def _load_into(model: torch.nn.Module, file: Path) -> None:
     device = str(first.device) if first is not None else "cpu"
     try:
         load_model(model, str(file), strict=True, device=device)
-    except (RuntimeError, OSError) as e:  # names/shapes that don't match the model's config
+    except FileNotFoundError:  # deleted since it was checked: not a mismatch
+        raise missing_file(file) from None
+    except OSError as e:
+        raise OSError(f"{file} could not be read: {one_line(e)}") from None
+    except RuntimeError as e:  # names/shapes that don't match the model's config
         msg = " ".join(str(e).split())
         raise ValueError(f"{file} does not match the model its config describes: {msg}") from None
     check_finite(model.state_dict(), file)
@@ -333,7 +338,7 @@ def load_checkpoint(
         check_finite(model.state_dict(), path / DCP_DIR)
     else:
         if not file.exists():
-            raise FileNotFoundError(f"{file} not found: {path} is not an llm-foundry checkpoint")
+            raise missing_file(file)
         check_weights_fit(cfg, read_safetensors_header(file), path, lora, quant)
         model = build(cfg, lora, quant).to(device)
         _load_into(model, file)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from llm_foundry.rundir import CHECKPOINTS, checkpoint_dir
+from llm_foundry.rundir import CHECKPOINTS, missing_file, read_checkpoint, replaced
 
 
 def checkpoint_kind(ckpt: Path) -> tuple[str, dict]:
@@ -91,10 +91,19 @@ def load_any(
     the loaded model's projections in memory (``models/quant.py``). ``full_precision`` names a
     use that needs full-precision weights (an export, a fine-tune's start): a quantized
     checkpoint is refused for it, as it is for ``quantize`` and ``adapter``."""
+    given = Path(path)
+    return read_checkpoint(
+        given,
+        lambda ckpt: _load(given, ckpt, device, tokenizer, quantize, group_size, adapter,
+                           full_precision),
+    )  # fmt: skip
+
+
+def _load(given: Path, ckpt: Path, device, tokenizer, quantize, group_size, adapter,
+          full_precision) -> Loaded:  # fmt: skip
+    """``load_any`` of checkpoint directory ``ckpt``, which ``given`` names."""
     from llm_foundry.tokenizer import load_any_tokenizer
 
-    given = Path(path)
-    ckpt = checkpoint_dir(given)
     kind, meta = checkpoint_kind(ckpt)
     use = full_precision or (f"--quantize {quantize}" if quantize else None)
     use = use or (f"--adapter {adapter}" if adapter is not None else None)
@@ -127,6 +136,8 @@ def load_any(
     if tokenizer and not tok_file.is_file():
         raise FileNotFoundError(f"--tokenizer {tok_file}: no such file")
     tok = load_any_tokenizer(tok_file, hf_eos[0] if hf_eos else None) if tok_file.exists() else None
+    if tok is None and replaced(ckpt):  # not "no tokenizer": its run deleted the directory
+        raise missing_file(tok_file)
     vocab = model.cfg.vocab_size
     if tok is not None and tok.vocab_size > vocab:  # its ids past the embedding would crash
         raise ValueError(
@@ -148,7 +159,6 @@ def put_adapter(model, adapter: str | Path) -> dict:
     of ours, whose adapters are taken and its frozen base left behind."""
     import torch
 
-    from llm_foundry.checkpoint import load_checkpoint, read_config, read_lora
     from llm_foundry.models.lora import apply_lora_settings, fold_lora, lora_layers, lora_settings
 
     path = Path(adapter)
@@ -160,19 +170,7 @@ def put_adapter(model, adapter: str | Path) -> dict:
         load_adapter(model, path)
         settings = lora_settings(model)
     else:
-        ckpt = checkpoint_dir(path, "--adapter")
-        if checkpoint_kind(ckpt)[0] != "llm-foundry" or read_lora(ckpt) is None:
-            raise ValueError(
-                f"--adapter {path}: neither a PEFT adapter (adapter_config.json) nor a LoRA run "
-                "or checkpoint (config.json with 'lora')"
-            )
-        diff = model.cfg.weight_differences(read_config(ckpt))
-        if diff:
-            raise ValueError(
-                f"--adapter {path} was trained on another model ({'; '.join(diff[:3])}): give "
-                "the base it was fine-tuned from"
-            )
-        tuned = load_checkpoint(ckpt, merge=False)
+        tuned = read_checkpoint(path, lambda ckpt: _lora_model(model, path, ckpt), "--adapter")
         trained = lora_settings(tuned)
         settings = {**trained, "base_dtype": "fp32"}  # the base is the one given
         apply_lora_settings(model, settings)
@@ -185,3 +183,22 @@ def put_adapter(model, adapter: str | Path) -> dict:
                 ours[name].lora_B.copy_(layer.lora_B)
     fold_lora(model)
     return settings
+
+
+def _lora_model(model, path: Path, ckpt: Path):
+    """The LoRA model of our checkpoint ``ckpt`` (which ``--adapter path`` names), adapters not
+    merged, after checking that it was tuned from ``model``'s architecture."""
+    from llm_foundry.checkpoint import load_checkpoint, read_config, read_lora
+
+    if checkpoint_kind(ckpt)[0] != "llm-foundry" or read_lora(ckpt) is None:
+        raise ValueError(
+            f"--adapter {path}: neither a PEFT adapter (adapter_config.json) nor a LoRA run "
+            "or checkpoint (config.json with 'lora')"
+        )
+    diff = model.cfg.weight_differences(read_config(ckpt))
+    if diff:
+        raise ValueError(
+            f"--adapter {path} was trained on another model ({'; '.join(diff[:3])}): give "
+            "the base it was fine-tuned from"
+        )
+    return load_checkpoint(ckpt, merge=False)

@@ -13,15 +13,21 @@ The training side writes this layout with the names defined here; everything tha
 (resume, generate, inspect, ablations) reads it through this module.
 
 ``checkpoint_dir`` turns what a user names (a run, its checkpoints/ folder, a checkpoint) into
-the checkpoint directory; ``loading.load_any`` reads whatever kind that is.
+the checkpoint directory; ``loading.load_any`` reads whatever kind that is. A run that is still
+training saves a new step directory, points latest.json at it, then deletes older ones
+(train.keep_last): ``read_checkpoint`` reads a run's latest checkpoint through that, resolving
+it again when the one it was reading is deleted.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from llm_foundry.messages import shown
 
@@ -47,20 +53,26 @@ def step_dirs(ckpt_root: Path) -> list[Path]:
 def latest_checkpoint(ckpt_root: Path) -> Path | None:
     """The step directory ``ckpt_root/latest.json`` names (None without a pointer, or when it
     names a directory that is gone)."""
+    path = named_step(ckpt_root)
+    return path if path is not None and path.exists() else None
+
+
+def named_step(ckpt_root: Path) -> Path | None:
+    """The step directory ``ckpt_root/latest.json`` names, whether or not it exists (None
+    without a pointer)."""
     pointer = Path(ckpt_root) / LATEST
-    if not pointer.exists():
-        return None
     try:
         name = json.loads(pointer.read_text())["path"]
         if not isinstance(name, str) or "/" in name or name in ("", ".", ".."):
             raise TypeError(f"path {name!r} is not a step directory name")
+    except FileNotFoundError:
+        return None
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
         raise ValueError(
             f"{pointer} is not a valid latest-checkpoint pointer ({e!r}); expected "
             '{"step": N, "path": "step_000N"}'
         ) from None
-    path = Path(ckpt_root) / name
-    return path if path.exists() else None
+    return Path(ckpt_root) / name
 
 
 def read_state(path: Path) -> dict:
@@ -175,13 +187,78 @@ def checkpoint_dir(path: str | Path, flag: str = "--checkpoint") -> Path:
         return path
     for root in (path / CHECKPOINTS, path):
         if (root / LATEST).exists():
-            step = latest_checkpoint(root)
-            if step is None or not (step / "config.json").exists():
-                raise FileNotFoundError(
-                    f"{root / LATEST} points at a step directory with no config.json"
-                )
-            return step
+            return _pointed_step(root)
     raise FileNotFoundError(
         f"{flag} {path}: no config.json (an llm-foundry checkpoint or an HF transformers "
         "directory) and no checkpoints/latest.json (a training run directory)"
+    )
+
+
+READ_TRIES = 5  # reads of a training run's latest checkpoint before giving up
+
+
+def _pointed_step(root: Path) -> Path:
+    """The complete step directory ``root/latest.json`` names, read again a few times when it
+    is missing: a training run that saves the same step twice replaces its directory."""
+    for attempt in range(READ_TRIES):
+        step = named_step(root)
+        if step is not None and (step / "config.json").exists():
+            return step
+        if attempt < READ_TRIES - 1:
+            time.sleep(0.01 * 2**attempt)
+    raise FileNotFoundError(f"{root / LATEST} points at a step directory with no config.json")
+
+
+def replaced(ckpt: Path) -> bool:
+    """Whether ``ckpt`` was a step directory of a run (beside a latest.json) and is gone: the
+    run is training and deleted it after saving a newer one (train.keep_last)."""
+    ckpt = Path(ckpt)
+    return not ckpt.exists() and (ckpt.parent / LATEST).exists()
+
+
+class CheckpointReplaced(FileNotFoundError):
+    """A run's step directory deleted while it was read: the run is training."""
+
+
+def missing_file(file: Path, what: str | None = "an llm-foundry checkpoint") -> FileNotFoundError:
+    """The error for checkpoint file ``file`` not found: ``CheckpointReplaced`` when its step
+    directory was deleted by the run it belongs to, else that its directory is not ``what``."""
+    file = Path(file)
+    if replaced(file.parent):
+        return CheckpointReplaced(
+            f"{file.parent} was deleted while it was read ({file.name}): its run is training and "
+            "saved a newer checkpoint (train.keep_last)"
+        )
+    return FileNotFoundError(
+        f"{file} not found" + (f": {file.parent} is not {what}" if what else "")
+    )
+
+
+T = TypeVar("T")
+
+
+def read_checkpoint(path: str | Path, read: Callable[[Path], T], flag: str = "--checkpoint") -> T:
+    """``read(checkpoint_dir(path, flag))``. When ``path`` names a run (or its checkpoints/)
+    whose step directory is deleted while ``read`` reads it (the run is training and saved a
+    newer one), the run's latest checkpoint is resolved and read again, up to ``READ_TRIES``
+    times; then ``CheckpointReplaced``, one line. A step directory named by the user is not
+    replaced by another: its deletion is ``CheckpointReplaced`` at once."""
+    given = Path(path)
+    for _ in range(READ_TRIES):
+        ckpt = checkpoint_dir(given, flag)
+        try:
+            return read(ckpt)
+        except Exception:
+            if not replaced(ckpt):
+                raise
+            if ckpt == given:
+                raise CheckpointReplaced(
+                    f"{flag} {given} was deleted while it was read: its run is training and "
+                    "saved a newer checkpoint (train.keep_last); give the run directory to read "
+                    "its latest one"
+                ) from None
+    raise CheckpointReplaced(
+        f"{flag} {given}: the run is training and replaced its latest checkpoint while it was "
+        f"read, {READ_TRIES} times in a row (last {ckpt.name}); try again, or read a copy of one "
+        "of its step directories"
     )

@@ -121,11 +121,16 @@ def main(argv: list[str]) -> int:
         what = {"from": ns.from_hf, "to": str(out), "format": "llm-foundry", "merged": None}
         text = f"wrote llm-foundry checkpoint to {out}"
     else:
-        ckpt = checkpoint_dir(ns.to_hf, "--to-hf")  # a run directory means its latest checkpoint
-        kind, meta = checkpoint_kind(ckpt)
-        if kind == "hf":
-            raise ValueError(f"--to-hf {ckpt} is an HF transformers directory already")
-        out = convert_to_hf(ckpt, ns.out, ns.family)
+        from llm_foundry.rundir import read_checkpoint
+
+        def to_hf(ckpt: Path) -> tuple[dict, Path]:
+            kind, meta = checkpoint_kind(ckpt)
+            if kind == "hf":
+                raise ValueError(f"--to-hf {ckpt} is an HF transformers directory already")
+            return meta, convert_to_hf(ckpt, ns.out, ns.family)
+
+        # a run directory means its latest checkpoint, read again if a training run replaces it
+        meta, out = read_checkpoint(ns.to_hf, to_hf, "--to-hf")
         from llm_foundry.models.lora import describe_merge
 
         merged = describe_merge(meta["lora"]) if meta.get("lora") else None

@@ -83,14 +83,16 @@ def _base_model(checkpoint: str):
     """(checkpoint directory, its ModelConfig) of --checkpoint: ours, a run's latest, or HF."""
     from llm_foundry.checkpoint import read_config
     from llm_foundry.loading import checkpoint_kind
-    from llm_foundry.rundir import checkpoint_dir
+    from llm_foundry.rundir import read_checkpoint
 
-    ckpt = checkpoint_dir(checkpoint)
-    if checkpoint_kind(ckpt)[0] == "llm-foundry":
-        return ckpt, read_config(ckpt)
-    from llm_foundry.interop.hf import config_from_hf, transformers
+    def read(ckpt: Path):
+        if checkpoint_kind(ckpt)[0] == "llm-foundry":
+            return ckpt, read_config(ckpt)
+        from llm_foundry.interop.hf import config_from_hf, transformers
 
-    return ckpt, config_from_hf(transformers.AutoConfig.from_pretrained(str(ckpt)))
+        return ckpt, config_from_hf(transformers.AutoConfig.from_pretrained(str(ckpt)))
+
+    return read_checkpoint(checkpoint, read)  # a run in training: its latest, read again
 
 
 def main(argv: list[str], finetune: bool = False) -> int:
