@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +41,7 @@ import torch
 
 from llm_foundry.checkpoint import unwrap
 from llm_foundry.config import ModelConfig
+from llm_foundry.outputs import new_file
 
 try:
     import gguf
@@ -587,7 +587,9 @@ def export_gguf(
 ) -> Path:
     """Write ``model`` (our ``Transformer``) with ``tokenizer`` as one GGUF file llama.cpp runs.
     ``outtype``: f32, f16, bf16, q8_0 or q4_0 for the 2-D weights; ``token_ids`` ("bos", "eos",
-    "pad" -> id) adds special ids the tokenizer does not know (an HF config.json's)."""
+    "pad" -> id) adds special ids the tokenizer does not know (an HF config.json's). Written as
+    ``outputs.new_file`` writes: never over a file that exists, nor one another process wrote
+    meanwhile."""
     qtype, file_type = gguf_types(outtype)
     model = unwrap(model)
     cfg = getattr(model, "cfg", None)
@@ -609,28 +611,22 @@ def export_gguf(
             f"note: {len(fell_back)} tensor(s) stored as f16, their rows not multiples of "
             f"{block} ({outtype} blocks): {', '.join(fell_back)}"
         )
-    out = Path(out_path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    partial = out.with_name(out.name + ".partial")  # a failed write leaves no half-written .gguf
-    w = gguf.GGUFWriter(str(partial), arch.name)
-    try:
-        w.add_name(name or out.stem)
-        w.add_file_type(int(file_type))
-        if qtype in QUANTIZED:
-            w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-        _write_hparams(w, cfg)
-        _write_vocab(w, vocab)
-        if chat_template:
-            w.add_chat_template(chat_template)
-        for key, stored, used in tensors:
-            w.add_tensor(key, stored, raw_dtype=used)
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file(progress=sum(t.size for _, t, _ in tensors) > 5e7)
-        w.close()
-        os.replace(partial, out)
-    except BaseException:
-        w.close()
-        partial.unlink(missing_ok=True)
-        raise
-    return out
+    with new_file(out_path) as partial:  # a failed or raced write leaves no half-written .gguf
+        w = gguf.GGUFWriter(str(partial), arch.name)
+        try:
+            w.add_name(name or Path(out_path).stem)
+            w.add_file_type(int(file_type))
+            if qtype in QUANTIZED:
+                w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+            _write_hparams(w, cfg)
+            _write_vocab(w, vocab)
+            if chat_template:
+                w.add_chat_template(chat_template)
+            for key, stored, used in tensors:
+                w.add_tensor(key, stored, raw_dtype=used)
+            w.write_header_to_file()
+            w.write_kv_data_to_file()
+            w.write_tensors_to_file(progress=sum(t.size for _, t, _ in tensors) > 5e7)
+        finally:
+            w.close()
+    return Path(out_path)
