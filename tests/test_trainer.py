@@ -276,14 +276,86 @@ def test_a_crash_during_save_never_breaks_latest(data_dir, tmp_path, monkeypatch
 
     monkeypatch.setattr(train_state, "save_file", crash)
     t.step = 9
-    with pytest.raises(OSError, match="simulated"):
+    with pytest.raises(train_state.CheckpointNotWritten, match="simulated"):
         t.save()
     assert _latest_step(tmp_path / "run") == 8  # the pointer still names a complete checkpoint
     assert not (root / "step_000009").exists()
-    assert list(root.glob(".tmp-*"))  # the half-written one is only a hidden temporary
+    assert not list(root.glob(".tmp-*"))  # what the failed save wrote is removed
+    (root / ".tmp-step_000009").mkdir()  # as a save killed midway leaves it
     monkeypatch.undo()
     t.save()  # the next save cleans it up
     assert not list(root.glob(".tmp-*")) and _latest_step(tmp_path / "run") == 9
+
+
+def _enospc_from_safetensors(*args, **kwargs):
+    from safetensors import SafetensorError
+
+    raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, '
+                          'message: "No space left on device" })')  # fmt: skip
+
+
+def _enospc(*args, **kwargs):
+    import errno
+
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+@pytest.mark.parametrize(
+    "writer,error",
+    [
+        ("llm_foundry.train.state.save_file", _enospc_from_safetensors),  # the optimizer's
+        ("llm_foundry.checkpoint.save_model", _enospc),  # the weights'
+    ],
+    ids=["optimizer-safetensors", "weights-oserror"],
+)
+def test_a_full_disk_while_checkpointing_is_one_line_and_leaves_nothing_behind(
+    data_dir, tmp_path, capsys, monkeypatch, writer, error
+):
+    """A checkpoint that does not fit on the disk: exit 1 with one line naming the checkpoint,
+    the reason, the last complete checkpoint and what to do; its temporary directory removed
+    (its bytes would keep the disk full); --resume once there is room goes on from there."""
+    import importlib
+
+    module, name = writer.rsplit(".", 1)
+    module = importlib.import_module(module)
+    original = getattr(module, name)
+
+    def full_from_step_4(*args, **kwargs):
+        target = str(args[1] if len(args) > 1 else kwargs.get("filename"))
+        if ".tmp-step_000004" in target:
+            error()
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, full_from_step_4)
+    run = tmp_path / "run"
+    argv = ["train", "--data", str(data_dir), "--out", str(run), *TINY_FLAGS, *TRAIN_FLAGS]
+    argv += ["--train.max_steps=6", "--train.checkpoint_interval=2", "--train.keep_last=1"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    root = run / "checkpoints"
+    assert err[-1] == (
+        f"llm-foundry train: could not write checkpoint {root / 'step_000004'}: no space left on "
+        f"device; the last complete checkpoint is {root / 'step_000002'}; free space, then "
+        f"--resume --out {run}"
+    )
+    assert "Traceback" not in "\n".join(err) and not list(root.glob(".tmp-*"))
+    assert sorted(p.name for p in root.iterdir()) == ["latest.json", "step_000002"]
+    assert _latest_step(run) == 2
+    monkeypatch.undo()  # space freed
+    assert main(["train", "--out", str(run), "--resume"]) == 0
+    assert _latest_step(run) == 6 and sorted(_losses(run)) == list(range(1, 7))
+
+
+def test_a_full_disk_before_the_first_checkpoint_says_to_run_again(data_dir, tmp_path, capsys,
+                                                                    monkeypatch):  # fmt: skip
+    monkeypatch.setattr(train_state, "save_file", _enospc_from_safetensors)
+    run = tmp_path / "run"
+    argv = ["train", "--data", str(data_dir), "--out", str(run), *TINY_FLAGS, *TRAIN_FLAGS]
+    assert main([*argv, "--train.max_steps=2"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.endswith("the last complete checkpoint is none (the run has saved none yet); "
+                        "free space, then run the command again")  # fmt: skip
+    assert not list((run / "checkpoints").iterdir())
 
 
 def test_checkpoints_hold_no_pickle_and_load_without_torch_load(data_dir, tmp_path, monkeypatch):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -107,7 +108,7 @@ def main(argv: list[str], finetune: bool = False) -> int:
 def _main(argv: list[str], finetune: bool, prog: str) -> int:
     from llm_foundry import lock
     from llm_foundry.rundir import CHECKPOINTS, RunDir
-    from llm_foundry.train.state import resume_point
+    from llm_foundry.train.state import CheckpointNotWritten, resume_point
 
     ns = parser(finetune).parse_args(join_negative_values(argv))
     if finetune:  # the start may come from a --config file, as out and data may
@@ -171,6 +172,11 @@ def _main(argv: list[str], finetune: bool, prog: str) -> int:
             result = train_and_report(cfg, train_cfg, data_dir, out, resume=ns.resume)
             if dist.is_initialized():  # ranks tear down together, not while rank 0 still writes
                 dist.barrier()
+        except CheckpointNotWritten as e:  # a full disk: one line saying how to go on
+            then = f"--resume --out {out}" if e.last else "run the command again"
+            todo = "free space" if e.no_space else "fix that"
+            print(f"{prog}: {e}; {todo}, then {then}", file=sys.stderr, flush=True)
+            return 1
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()

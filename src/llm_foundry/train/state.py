@@ -7,8 +7,9 @@ A checkpoint is a directory ``step_000500/`` holding
                                     states, best validation loss: plain JSON
   tokenizer.json                    the tokenizer, so the checkpoint can decode its own samples
 It is written to a hidden temporary directory, every file fsynced, then renamed into place;
-``latest.json`` (written the same way) names the newest complete one. A crash mid-save leaves
-only a temporary directory behind, which the next save removes. The names and their readers
+``latest.json`` (written the same way) names the newest complete one. A save that fails (a full
+disk) removes its temporary directory and says so in one line (``CheckpointNotWritten``); a
+crash mid-save leaves only the temporary directory behind, which the next save removes. The names and their readers
 (``latest_checkpoint``, ``read_state``) are the run directory's: ``llm_foundry.rundir``.
 Sharded checkpoints (``train/dcp.py``) are written and committed by the same steps
 (``begin_checkpoint``, ``write_state``, ``commit_checkpoint``), DCP's files in place of the
@@ -17,9 +18,11 @@ safetensors ones.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -30,7 +33,16 @@ from safetensors.torch import load_file, save_file
 
 from llm_foundry.checkpoint import load_weights, save_checkpoint
 from llm_foundry.config import ConfigError, ModelConfig
-from llm_foundry.rundir import LATEST, STATE, RunDir, read_state, step_dirs, step_name
+from llm_foundry.messages import one_line
+from llm_foundry.rundir import (
+    LATEST,
+    STATE,
+    RunDir,
+    latest_checkpoint,
+    read_state,
+    step_dirs,
+    step_name,
+)
 from llm_foundry.train.config import TrainConfig
 
 
@@ -45,11 +57,15 @@ def _fsync_dir(path: Path) -> None:
 def write_json_atomic(path: Path, obj: Any) -> None:
     """Write JSON to ``path`` so that readers see the old file or the new one, never half."""
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=2)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # a full disk: no half-written file stays behind
+        tmp.unlink(missing_ok=True)
+        raise
     _fsync_dir(path.parent)
 
 
@@ -128,13 +144,51 @@ def save_train_checkpoint(
     tokenizer_path: Path | None = None,
 ) -> Path:
     """Write ``ckpt_root/step_{step:06d}`` atomically and point ``latest.json`` at it.
-    ``optimizer_state`` is an ``optimizer.state_dict()`` (single-process layout)."""
-    tmp = begin_checkpoint(ckpt_root, step)
-    save_checkpoint(model, tmp)
-    tensors, opt_meta = optimizer_to_flat(optimizer_state)
-    save_file(tensors, str(tmp / "optimizer.safetensors"))
-    write_state(tmp, step, state, opt_meta, tokenizer_path)
-    return commit_checkpoint(ckpt_root, tmp, step)
+    ``optimizer_state`` is an ``optimizer.state_dict()`` (single-process layout). A save that
+    fails (a full disk, say) removes what it wrote and raises ``CheckpointNotWritten``."""
+    tmp = temporary_dir(ckpt_root, step)
+    try:
+        begin_checkpoint(ckpt_root, step)
+        save_checkpoint(model, tmp)
+        tensors, opt_meta = optimizer_to_flat(optimizer_state)
+        save_file(tensors, str(tmp / "optimizer.safetensors"))
+        write_state(tmp, step, state, opt_meta, tokenizer_path)
+        return commit_checkpoint(ckpt_root, tmp, step)
+    except Exception as e:  # safetensors' writer raises SafetensorError, not OSError
+        raise CheckpointNotWritten(ckpt_root, step, e) from e
+    finally:  # gone once committed; after a failure its bytes must not stay on a full disk
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+class CheckpointNotWritten(OSError):
+    """A checkpoint that could not be written; what it had written is removed and latest.json
+    still names the last complete one (``last``: None when there is none)."""
+
+    def __init__(self, ckpt_root: Path, step: int, error: BaseException):
+        self.path = Path(ckpt_root) / step_name(step)
+        self.reason, self.no_space = failure_reason(error)
+        try:
+            self.last = latest_checkpoint(ckpt_root)
+        except ValueError:  # a damaged pointer: no complete checkpoint to name
+            self.last = None
+        last = self.last or "none (the run has saved none yet)"
+        super().__init__(
+            f"could not write checkpoint {self.path}: {self.reason}; the last complete "
+            f"checkpoint is {last}"
+        )
+
+
+def failure_reason(error: BaseException) -> tuple[str, bool]:
+    """(why ``error`` stopped a write, on one line; whether the disk is full). The errno of an
+    OSError, or the "os error N" that safetensors' writer puts in its message."""
+    code = getattr(error, "errno", None)
+    if code is None:
+        found = re.search(r"os error (\d+)|code: (\d+)", str(error))
+        code = int(found.group(1) or found.group(2)) if found else None
+    if code:
+        text = os.strerror(code)
+        return text[0].lower() + text[1:], code in (errno.ENOSPC, errno.EDQUOT)
+    return one_line(f"{type(error).__name__}: {error}"), False
 
 
 def begin_checkpoint(ckpt_root: Path, step: int) -> Path:
