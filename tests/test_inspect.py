@@ -149,7 +149,7 @@ def test_default_out_and_dispatch(tmp_path, monkeypatch, capsys):
     assert main(["alibi", "--n-heads", "2", "--length", "4"]) == 0
     assert capsys.readouterr().out.strip() == "wrote inspect_alibi.png"
     assert_png(tmp_path / "inspect_alibi.png", 700, 350)
-    assert main([]) == 0 and "sinusoidal" in capsys.readouterr().out
+    assert main(["-h"]) == 0 and "sinusoidal" in capsys.readouterr().out
     with pytest.raises(ValueError, match="unknown inspect sub-command 'heads'; choose one of lr"):
         main(["heads"])
 
@@ -187,3 +187,101 @@ def test_attention_of_an_hf_directory_equals_its_source_checkpoint(ckpt, tmp_pat
         weights.append(np.array(rep["weights"]))
     assert weights[0].shape == (9, 9)
     np.testing.assert_allclose(weights[1], weights[0], atol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------
+# Refusals: one line naming the flag, the value and what is valid
+
+
+def cli_error(capsys, argv) -> str:
+    """The one stderr line of ``llm-foundry inspect ...`` refused with exit status 2."""
+    from llm_foundry.cli import main as cli
+
+    assert cli(["inspect", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "usage:" not in err, err
+    return err
+
+
+def test_heatmaps_are_bounded_by_their_cells_with_the_largest_valid_value(
+    tmp_path, capsys, monkeypatch
+):
+    """An ALiBi plot of 100,000 positions would allocate 75 GiB; each heatmap (ALiBi's heads x
+    length x length, the sinusoidal table, RoPE's cos table) is refused past MAX_CELLS with the
+    largest value that fits, and that value draws. A small cap keeps the drawing fast."""
+    import llm_foundry.cli.inspect as inspect_cli
+
+    monkeypatch.setattr(inspect_cli, "MAX_CELLS", 200)
+    out = str(tmp_path / "h.png")
+    for argv, bound in (
+        (["alibi", "--n-heads", "2", "--length", "11"], "at --n-heads 2 give --length at most 10"),
+        (["sinusoidal", "--dim", "8", "--length", "26"], "at --dim 8 give --length at most 25"),
+        (["sinusoidal", "--dim", "202", "--length", "1"], "give --dim at most 200"),
+        (["rope", "--model.head_dim", "16", "--length", "26"], "give --length at most 25"),
+    ):
+        err = cli_error(capsys, [*argv, "--out", out])
+        assert "past the 200 a heatmap draws" in err and err.endswith(bound), err
+    for argv in (
+        ["alibi", "--n-heads", "2", "--length", "10"],
+        ["sinusoidal", "--dim", "8", "--length", "25"],
+        ["rope", "--model.head_dim", "16", "--length", "25"],
+    ):
+        assert main([*argv, "--out", out]) == 0
+    assert "--n-heads 129 must be 1..128" in cli_error(capsys, ["alibi", "--n-heads", "129"])
+
+
+@pytest.mark.parametrize("factor", ["0", "nan", "inf", "-2", "0.5"])
+def test_rope_factor_outside_one_to_infinity_is_refused(factor, tmp_path, capsys):
+    """0 and NaN used to pass (``or`` took 0 for no factor; NaN fails every comparison) and the
+    plot silently lacked its scaling curves."""
+    err = cli_error(capsys, ["rope", "--factor", factor, "--out", str(tmp_path / "r.png")])
+    assert f"--factor {float(factor):g} must be a finite number >= 1" in err
+    assert not (tmp_path / "r.png").exists()
+
+
+@pytest.mark.parametrize("flag", [["--model.n_layers", "1"], ["--model.n_heads", "3"]])
+def test_attention_of_a_checkpoint_refuses_model_flags(ckpt, tmp_path, capsys, flag):
+    """The checkpoint's own config (2 layers of 2 heads, dim 32) is what is drawn; a
+    --model.* flag is refused, not ignored or checked against the library's defaults."""
+    argv = ["attention", "--checkpoint", str(ckpt), *flag, "--out", str(tmp_path / "a.png")]
+    err = cli_error(capsys, argv)
+    assert err.endswith(
+        f"{flag[0]}: --model.* and --config apply to --preset; a checkpoint has its own config"
+    )
+    assert not (tmp_path / "a.png").exists()
+
+
+def test_out_and_run_paths_are_refused_naming_the_flag(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "insp").mkdir()
+    (tmp_path / "insp" / "afile").write_text("")
+    for out, want in (
+        ("insp", "--out insp is a directory: give a .png file path"),
+        ("insp/", "--out insp/ is a directory: give a .png file path"),
+        ("", "--out is empty: give a .png file path"),
+        ("insp/afile/x.png", "--out insp/afile/x.png: insp/afile is a file, not a directory"),
+    ):
+        assert want in cli_error(capsys, ["lr", "--out", out])
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["afile", "insp"]  # nothing written
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 3.0}\n')
+    for what in ("dynamics", "experts"):
+        err = cli_error(capsys, [what, "--run", "run/metrics.jsonl"])
+        assert (
+            "--run run/metrics.jsonl is a file: give the run directory that holds it (run)" in err
+        )
+
+
+@pytest.mark.parametrize(
+    "argv, want",
+    [
+        (["sinusoidal", "--dim", "x"], "inspect sinusoidal: argument --dim: invalid int value"),
+        (["alibi", "--heads", "2"], "inspect alibi: unrecognized arguments: --heads 2"),
+        (["dynamics"], "inspect dynamics: the following arguments are required: --run"),
+        (["experts", "--run"], "inspect experts: argument --run: expected one argument"),
+        ([], "inspect needs a sub-command: one of lr, attention, rope, sinusoidal, alibi, dyn"),
+    ],
+)
+def test_usage_errors_are_one_line_with_status_2(argv, want, capsys):
+    assert want in cli_error(capsys, argv)

@@ -26,13 +26,33 @@ def _plt():
     return plt
 
 
-def _save(fig, path: str | Path) -> Path:
-    """Write ``fig`` as a PNG at ``path`` (``.png`` added when it has no suffix)."""
-    path = Path(path)
+def png_path(out: str | Path, flag: str = "--out") -> Path:
+    """The PNG file ``out`` names (``.png`` added when it has no suffix). Raises ValueError (one
+    line naming ``flag``, the value and what is valid) when it cannot be one: empty, another
+    format, a directory, or under a path that is a file."""
+    text = str(out)
+    if not text.strip():
+        raise ValueError(f"{flag} is empty: give a .png file path")
+    if text.endswith("/") or Path(text).is_dir():
+        raise ValueError(f"{flag} {text} is a directory: give a .png file path")
+    path = Path(text)
     if not path.suffix:
         path = path.with_suffix(".png")
     if path.suffix.lower() != ".png":
-        raise ValueError(f"--out {path}: plots are written as PNG; give a name ending in .png")
+        raise ValueError(f"{flag} {text}: plots are written as PNG; give a name ending in .png")
+    if path.is_dir():
+        raise ValueError(f"{flag} {text}: {path} is a directory: give a .png file path")
+    parent = next((d for d in path.parents if d.exists()), None)  # the nearest that exists
+    if parent is not None and not parent.is_dir():
+        raise ValueError(
+            f"{flag} {text}: {parent} is a file, not a directory: give a .png path in a directory"
+        )
+    return path
+
+
+def _save(fig, path: str | Path) -> Path:
+    """Write ``fig`` as a PNG at ``png_path(path)``; missing parent directories are made."""
+    path = png_path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=DPI)  # no bbox_inches="tight": the pixel size stays figsize * DPI
     _plt().close(fig)

@@ -9,7 +9,12 @@ import math
 import sys
 from pathlib import Path
 
-from llm_foundry.cli.options import SettingsParser, add_settings_arguments, settings_from
+from llm_foundry.cli.options import (
+    SettingsParser,
+    add_settings_arguments,
+    given_overrides,
+    settings_from,
+)
 from llm_foundry.plots import (
     lr_curves,
     plot_alibi,
@@ -19,9 +24,15 @@ from llm_foundry.plots import (
     plot_lr,
     plot_rope,
     plot_sinusoidal,
+    png_path,
     png_size,
 )
 from llm_foundry.presets import preset_names
+
+# cells a heatmap may hold: a panel is a few hundred pixels a side, so more cells only cost
+# memory (ALiBi at 100,000 positions: 75 GiB for each 100,000 x 100,000 array)
+MAX_CELLS = 2**22
+MAX_PANELS = 128  # ALiBi heads drawn, four a row: BLOOM-176B's 112 fit
 
 
 def _common(p) -> None:
@@ -29,6 +40,45 @@ def _common(p) -> None:
     what = p.prog.split()[-1]
     p.add_argument("--out", default=f"inspect_{what}.png", help="PNG file to write")
     p.add_argument("--json", action="store_true", help="print the plotted numbers as JSON")
+
+
+def _parse(p: SettingsParser, argv: list[str]) -> argparse.Namespace:
+    """Parse ``argv``; ``ns.out`` becomes the checked PNG path, before anything is computed."""
+    ns = p.parse_args(argv)
+    ns.out = png_path(ns.out)
+    return ns
+
+
+def _check_cells(shape: str, cells: int, fix: str) -> None:
+    """Refuse a heatmap of more than ``MAX_CELLS`` cells: ``shape`` says how many it asked for,
+    ``fix`` what to give instead."""
+    if cells > MAX_CELLS:
+        raise ValueError(
+            f"{shape} is {cells:,} cells, past the {MAX_CELLS:,} a heatmap draws: {fix}"
+        )
+
+
+def _run_dir(value: str):
+    """The training run ``--run value`` names, refused (one line) when it is not one: a file
+    (say, its metrics.jsonl) is answered with the directory that holds it."""
+    from llm_foundry.rundir import METRICS, RunDir
+
+    if not value.strip():
+        raise ValueError("--run is empty: give a run directory of llm-foundry train")
+    run = RunDir(value)
+    if run.path.is_file():
+        raise ValueError(
+            f"--run {value} is a file: give the run directory that holds it ({run.path.parent})"
+        )
+    if not run.path.is_dir():
+        raise FileNotFoundError(
+            f"--run {value}: no such directory (give a run directory of llm-foundry train)"
+        )
+    if not (run.path / METRICS).exists():
+        raise FileNotFoundError(
+            f"--run {value}: no {METRICS} in it (give a run directory of llm-foundry train)"
+        )
+    return run
 
 
 def _report(ns, path: Path, **numbers) -> int:
@@ -50,7 +100,7 @@ def cmd_lr(argv: list[str]) -> int:
     add_settings_arguments(p, ("train",))
     p.add_argument("--compare", action="store_true", help=f"overlay {', '.join(SCHEDULES)}")
     _common(p)
-    ns = p.parse_args(argv)
+    ns = _parse(p, argv)
     cfg = settings_from(ns, ("train",)).train
     path = plot_lr(cfg, ns.out, compare=ns.compare)
     return _report(ns, path, train=cfg.to_dict(), lr=lr_curves(cfg, ns.compare))
@@ -100,12 +150,20 @@ def cmd_attention(argv: list[str]) -> int:
     p.add_argument("--head", type=int, default=None, help="one head (default: all)")
     p.add_argument("--max-tokens", type=int, default=64, help="show at most this many")
     _common(p)
-    ns = p.parse_args(argv)
-    cfg = settings_from(ns, ("model",)).model
+    ns = _parse(p, argv)
     if not ns.checkpoint and not ns.preset:
         raise ValueError("inspect attention needs --checkpoint DIR or --preset NAME")
     if ns.checkpoint and ns.preset:
         raise ValueError("give --checkpoint or --preset, not both (the checkpoint has a config)")
+    if ns.checkpoint:  # before settings_from: its defaults are not the checkpoint's config
+        given = [f"--model.{k}" for k in given_overrides(ns, ("model",))["model"]]
+        given += [f"--config {f}" for f in ns.config]
+        if given:
+            raise ValueError(
+                f"{', '.join(given)}: --model.* and --config apply to --preset; a checkpoint "
+                "has its own config"
+            )
+    cfg = None if ns.checkpoint else settings_from(ns, ("model",)).model
     if not ns.prompt:
         raise ValueError("--prompt is empty: attention needs at least one token")
     if ns.max_tokens < 1:
@@ -160,12 +218,18 @@ def cmd_rope(argv: list[str]) -> int:
     p.add_argument("--factor", type=float, default=None, help="overlay linear/ntk scaling")
     p.add_argument("--length", type=int, default=None, help="positions in the cos heatmap")
     _common(p)
-    ns = p.parse_args(argv)
+    ns = _parse(p, argv)
+    # NaN fails every comparison: the test is written so that only a finite F >= 1 passes
+    if ns.factor is not None and not (math.isfinite(ns.factor) and ns.factor >= 1):
+        raise ValueError(
+            f"--factor {ns.factor:g} must be a finite number >= 1 (a context extension factor; "
+            "1: no scaling)"
+        )
     cfg = settings_from(ns, ("model",)).model
     hd, theta = cfg.head_size, cfg.rope_theta
-    factor = ns.factor or (cfg.rope_factor if cfg.rope_scaling != "none" else None)
-    if factor is not None and factor < 1:
-        raise ValueError(f"--factor {factor} must be >= 1 (a context extension factor)")
+    factor = ns.factor
+    if factor is None and cfg.rope_scaling != "none":
+        factor = cfg.rope_factor
     curves = {"none": rope_inv_freq(hd, theta)}
     if factor and factor > 1:
         for kind in ("linear", "ntk"):
@@ -173,6 +237,12 @@ def cmd_rope(argv: list[str]) -> int:
     length = ns.length if ns.length is not None else min(cfg.max_seq_len, 1024)
     if length < 1:
         raise ValueError(f"--length {length} must be >= 1")
+    pairs = hd // 2
+    _check_cells(
+        f"--length {length} x {pairs} dimension pairs",
+        length * pairs,
+        f"give --length at most {max(1, MAX_CELLS // pairs)}",
+    )
     own = rope_inv_freq(hd, theta, cfg.rope_scaling, cfg.rope_factor)  # what the model uses
     cos, _ = rope_cos_sin(torch.arange(length), own)
     title = f"head_dim {hd}, theta {theta:g}, scaling {cfg.rope_scaling}"
@@ -197,18 +267,26 @@ def cmd_sinusoidal(argv: list[str]) -> int:
 
     from llm_foundry.models.position import sinusoidal_table
 
-    p = argparse.ArgumentParser(
+    p = SettingsParser(
         prog="llm-foundry inspect sinusoidal",
         description="The fixed sin/cos position table (Vaswani et al. 2017) as a heatmap.",
     )
     p.add_argument("--dim", type=int, default=64, help="model width (even)")
     p.add_argument("--length", type=int, default=128, help="positions")
     _common(p)
-    ns = p.parse_args(argv)
+    ns = _parse(p, argv)
     if ns.dim < 2 or ns.dim % 2:
         raise ValueError(f"--dim {ns.dim} must be an even number >= 2")
     if ns.length < 1:
         raise ValueError(f"--length {ns.length} must be >= 1")
+    longest = MAX_CELLS // ns.dim
+    _check_cells(
+        f"--length {ns.length} x --dim {ns.dim}",
+        ns.length * ns.dim,
+        f"at --dim {ns.dim} give --length at most {longest}"
+        if longest
+        else f"give --dim at most {MAX_CELLS}",
+    )
     table = sinusoidal_table(torch.arange(ns.length), ns.dim)
     path = plot_sinusoidal(table.numpy(), ns.out)
     wavelength = [2 * math.pi * 10000.0 ** (i / ns.dim) for i in range(0, ns.dim, 2)]
@@ -218,28 +296,34 @@ def cmd_sinusoidal(argv: list[str]) -> int:
 def cmd_alibi(argv: list[str]) -> int:
     from llm_foundry.models.position import alibi_slopes
 
-    p = argparse.ArgumentParser(
+    p = SettingsParser(
         prog="llm-foundry inspect alibi",
         description="ALiBi attention biases slope * (key - query), one panel per head.",
     )
     p.add_argument("--n-heads", type=int, default=8, help="attention heads")
     p.add_argument("--length", type=int, default=16, help="positions")
     _common(p)
-    ns = p.parse_args(argv)
-    if ns.n_heads < 1:
-        raise ValueError(f"--n-heads {ns.n_heads} must be >= 1")
+    ns = _parse(p, argv)
+    if not 1 <= ns.n_heads <= MAX_PANELS:
+        raise ValueError(f"--n-heads {ns.n_heads} must be 1..{MAX_PANELS} (one panel per head)")
     if ns.length < 1:
         raise ValueError(f"--length {ns.length} must be >= 1")
+    n, t = ns.n_heads, ns.length
+    _check_cells(
+        f"--n-heads {n} x --length {t} x {t}",
+        n * t * t,
+        f"at --n-heads {n} give --length at most {math.isqrt(MAX_CELLS // n)}",
+    )
     slopes = alibi_slopes(ns.n_heads).tolist()
     path = plot_alibi(slopes, ns.length, ns.out)
     return _report(ns, path, n_heads=ns.n_heads, length=ns.length, slopes=slopes)
 
 
 def cmd_dynamics(argv: list[str]) -> int:
-    from llm_foundry.rundir import METRICS, RunDir
+    from llm_foundry.rundir import METRICS
     from llm_foundry.train.monitor import read_monitor
 
-    p = argparse.ArgumentParser(
+    p = SettingsParser(
         prog="llm-foundry inspect dynamics",
         description="Plot a run's training-dynamics records (attention entropy, effective "
         "ranks, per-layer gradient norms, activation RMS) against the step. The run must have "
@@ -247,14 +331,9 @@ def cmd_dynamics(argv: list[str]) -> int:
     )
     p.add_argument("--run", required=True, help="run directory (holds metrics.jsonl)")
     _common(p)
-    ns = p.parse_args(argv)
-    run = RunDir(ns.run)
+    ns = _parse(p, argv)
+    run = _run_dir(ns.run)
     metrics = run.path / METRICS
-    if not metrics.exists():
-        what = "no such directory" if not run.path.is_dir() else "no metrics.jsonl in it"
-        raise FileNotFoundError(
-            f"--run {run.path}: {what} (give a run directory of llm-foundry train)"
-        )
     records = read_monitor(metrics)
     if not records:
         raise ValueError(
@@ -283,19 +362,15 @@ def cmd_dynamics(argv: list[str]) -> int:
 
 
 def cmd_experts(argv: list[str]) -> int:
-    from llm_foundry.rundir import METRICS, RunDir
-
-    p = argparse.ArgumentParser(
+    p = SettingsParser(
         prog="llm-foundry inspect experts",
         description="Plot how a mixture-of-experts run spread its tokens over the experts: each "
         "expert's share per layer against the step, and the load's coefficient of variation.",
     )
     p.add_argument("--run", required=True, help="run directory (holds metrics.jsonl)")
     _common(p)
-    ns = p.parse_args(argv)
-    run = RunDir(ns.run)
-    if not (run.path / METRICS).exists():
-        raise FileNotFoundError(f"--run {run.path}: no metrics.jsonl (not a training run)")
+    ns = _parse(p, argv)
+    run = _run_dir(ns.run)
     records = [r for r in run.metrics() if "experts" in r]
     if not records:
         raise ValueError(
@@ -333,9 +408,13 @@ USAGE = (
 
 def main(argv: list[str]) -> int:
     """Dispatch ``inspect WHAT ...`` on ``argv[0]``."""
-    if not argv or argv[0] in ("-h", "--help"):
+    if argv[:1] in (["-h"], ["--help"]):
         print(USAGE)
         return 0
+    if not argv:
+        raise ValueError(
+            f"inspect needs a sub-command: one of {', '.join(COMMANDS)} (llm-foundry inspect -h)"
+        )
     if argv[0] not in COMMANDS:
         raise ValueError(
             f"unknown inspect sub-command {argv[0]!r}; choose one of {', '.join(COMMANDS)}"
