@@ -25,6 +25,10 @@ replaced, by the fixed validation set above. nanoGPT trains in a loop written he
 ``train.py`` (random windows like its ``get_batch``, its cosine schedule with warmup, AdamW from
 its ``configure_optimizers``, clip 1.0).
 
+Ctrl-C (or SIGTERM) stops the whole speedrun at once (our entrants at the end of the step under
+way): one line, exit 130 (143), no report; the working folder (data, checkpoints) is removed
+then as after a run, unless ``--keep`` is given.
+
     python benchmarks/speedrun.py --nanogpt DIR [--seeds 3] [--json] [--quick] [--full]
 """
 
@@ -32,12 +36,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import json
 import math
+import os
 import platform
+import shutil
+import signal
 import statistics
 import sys
 import tempfile
+import textwrap
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +57,7 @@ from bench_shakespeare import data_dir, load_nanogpt, nanogpt_model
 
 from llm_foundry.ablation import first_crossing, training_seconds
 from llm_foundry.bench import cpu_model
+from llm_foundry.cli.options import SettingsParser, stopped
 from llm_foundry.data import load_split
 from llm_foundry.plots import read_metrics
 from llm_foundry.presets import get_preset
@@ -59,6 +69,7 @@ BATCH, BLOCK = 12, 64
 VAL_BATCHES = 100  # of BATCH x BLOCK: 1,200 windows, 76,800 predicted tokens
 EVAL_ROWS = 240  # windows per forward pass when scoring (only speed depends on it)
 RESULTS = Path(__file__).resolve().parent
+PROG = "speedrun.py"
 
 
 @dataclass
@@ -151,8 +162,21 @@ def val_loss(model: torch.nn.Module, forward, chunks) -> float:
     return total / sum(y.numel() for _, y in chunks)
 
 
-class TargetReached(Exception):
-    pass
+class Stopped(KeyboardInterrupt):
+    """A signal (``signal_name``: SIGINT for Ctrl-C, SIGTERM) ended the speedrun; the message
+    says during which entrant."""
+
+    def __init__(self, signal_name: str, where: str = ""):
+        super().__init__(where)
+        self.signal_name = signal_name
+
+
+def _raise_stopped(signum, frame):
+    raise Stopped(signal.Signals(signum).name)
+
+
+def say_eval(step: int, loss: float) -> None:
+    print(f"    step {step}: val loss {loss:.4f}", file=sys.stderr, flush=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -160,8 +184,8 @@ class TargetReached(Exception):
 
 
 class SpeedrunTrainer(Trainer):
-    """``Trainer`` whose evaluation scores the fixed validation set and stops the run (by
-    raising ``TargetReached`` after recording it) once the loss is at or below ``target``."""
+    """``Trainer`` whose evaluation scores the fixed validation set and ends the run after this
+    step once the loss is at or below ``target``."""
 
     def __init__(self, *args, val_chunks, target: float | None, **kwargs):
         super().__init__(*args, **kwargs)
@@ -170,8 +194,11 @@ class SpeedrunTrainer(Trainer):
     def evaluate(self) -> float:
         v = val_loss(self.model, self.forward, self.val_chunks)
         self.curve.append((self.step, v))
+        say_eval(self.step, v)
         if self.target is not None and v <= self.target:
-            raise TargetReached
+            # the recipe ends here: the loop stops after this step, and a signal caught during
+            # it still reaches the RunResult (an exception from here would lose it)
+            self.tc.max_steps = self.step
         return v
 
 
@@ -184,19 +211,27 @@ def run_ours(e: Entrant, data: Path, seed: int, out: Path, chunks, eval_interval
     tc = TrainConfig(sample_tokens=0, progress=False, seed=seed, **train)
     if max_steps:
         tc = TrainConfig(**{**tc.to_dict(), "max_steps": min(max_steps, tc.max_steps)})
+    recipe_steps = tc.max_steps  # the trainer's copy ends where the target is reached
     mc = get_preset(e.preset, max_seq_len=BLOCK, **e.model)
     trainer = SpeedrunTrainer(mc, tc, data, out, val_chunks=chunks,
                               target=TARGET if stop_at_target else None)  # fmt: skip
     t0 = time.perf_counter()
-    with contextlib.suppress(TargetReached):
-        trainer.run()
+    with contextlib.redirect_stdout(io.StringIO()):  # its own lines say what say_eval does
+        result = trainer.run()
+    if result.interrupted:  # it saved and stopped at a step's end: so does the speedrun
+        raise Stopped(result.stopped_by, f"{e.name}, seed {seed}, at step {result.step}")
     wall = time.perf_counter() - t0
     train_rows, _ = read_metrics(out / "metrics.jsonl")
     secs = training_seconds(train_rows, tc.tokens_per_step)
     curve = [(s, s * tc.tokens_per_step, secs[s], v) for s, v in trainer.curve]
-    dts = [tc.tokens_per_step / r["tokens_per_s"] * 1e3 for r in train_rows[10:]] or [math.nan]
-    return _result(e, seed, curve, len(train_rows), tc.max_steps, secs[len(train_rows)], wall,
-                   statistics.median(dts), trainer.model.num_params())  # fmt: skip
+    dts = [tc.tokens_per_step / r["tokens_per_s"] * 1e3 for r in train_rows]
+    return _result(e, seed, curve, len(train_rows), recipe_steps, secs[len(train_rows)], wall,
+                   _median(dts[10:] or dts), trainer.model.num_params())  # fmt: skip
+
+
+def _median(xs) -> float | None:
+    xs = list(xs)
+    return statistics.median(xs) if xs else None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -247,11 +282,12 @@ def run_nanogpt(e: Entrant, module, data: Path, seed: int, chunks, eval_interval
         if step % eval_interval == 0 or step == steps:
             v = val_loss(model, model, chunks)
             curve.append((step, step * BATCH * BLOCK, total, v))
+            say_eval(step, v)
             if stop_at_target and v <= TARGET:
                 break
     params = sum(p.numel() for p in model.parameters())
     return _result(e, seed, curve, len(dts), r["max_steps"], total,
-                   time.perf_counter() - t_wall, statistics.median(dts[10:] or dts), params)  # fmt: skip
+                   time.perf_counter() - t_wall, _median(dts[10:] or dts), params)  # fmt: skip
 
 
 def _result(e, seed, curve, steps, max_steps, train_s, wall_s, ms, params) -> dict:
@@ -264,7 +300,7 @@ def _result(e, seed, curve, steps, max_steps, train_s, wall_s, ms, params) -> di
         recipe_steps=max_steps,
         train_s=round(train_s, 3),
         wall_s=round(wall_s, 2),
-        median_ms_per_step=round(ms, 2),
+        median_ms_per_step=None if ms is None else round(ms, 2),
         target_step=hit[0] if hit else None,
         target_tokens={s: n for s, n, _, _ in curve}[hit[0]] if hit else None,
         target_train_s=round(hit[2], 3) if hit else None,
@@ -317,7 +353,9 @@ def summarise(
                 target_steps=[r["target_step"] for r in runs],
                 target_tokens=[r["target_tokens"] for r in runs],
                 target_train_s=[r["target_train_s"] for r in runs],
-                median_ms_per_step=statistics.median(r["median_ms_per_step"] for r in runs),
+                median_ms_per_step=_median(
+                    r["median_ms_per_step"] for r in runs if r["median_ms_per_step"] is not None
+                ),
                 ratio_to_reference=[round(x, 3) for x in ratios],
                 median_ratio=round(statistics.median(ratios), 3) if ratios else None,
                 final_val_loss=[r["final_val_loss"] for r in runs],
@@ -372,7 +410,7 @@ def print_report(report: dict) -> None:
     for row in report["entrants"]:
         print(f"\n{row['entrant']}  ({row['note']})")
         print(f"  reached target: {row['seeds_reaching_target']} seeds; "
-              f"median {row['median_ms_per_step']:.1f} ms/step")  # fmt: skip
+              f"median {_fmt([row['median_ms_per_step']], '{:.1f}')} ms/step")  # fmt: skip
         print(f"  steps to target:  {_fmt(row['target_steps'])}")
         print(f"  tokens to target: {_fmt(row['target_tokens'], '{:,}')}")
         print(f"  seconds to target (training only): {_fmt(row['target_train_s'], '{:.1f}')}")
@@ -383,28 +421,53 @@ def print_report(report: dict) -> None:
                   + (f"; median {ratio:.0%}" if ratio is not None else ""))  # fmt: skip
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The options, checked; a usage error raises ``argparse.ArgumentError`` (one line)."""
+    names = "\n".join(
+        f'  "{e.name}"' + ("  (always run)" if e.nanogpt else "") + "\n"
+        + textwrap.fill(e.note, 92, initial_indent=" " * 6, subsequent_indent=" " * 6)
+        for e in ENTRANTS
+    )  # fmt: skip
+    ap = SettingsParser(
+        prog=PROG,
+        description=__doc__.split("\n\n")[0],
+        epilog=f"entrants (--only takes one name, quoted: names hold spaces):\n{names}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--nanogpt", type=Path, required=True, help="a nanoGPT checkout (model.py)")
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--seed0", type=int, default=1337, help="first seed (seeds run seed0 + i)")
     ap.add_argument("--eval-interval", type=int, default=25)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     ap.add_argument("--full", action="store_true", help="run whole recipes, not to the target")
-    ap.add_argument("--only", action="append", help="entrant name(s) to run (reference always)")
+    ap.add_argument("--only", action="append", metavar="NAME",
+                    help="an entrant to run (repeatable; the reference always runs)")  # fmt: skip
     ap.add_argument("--quick", action="store_true", help="smoke run: 1 seed, 60 steps each")
     ap.add_argument("--json", action="store_true",
                     help=f"write {RESULTS.name}/results_speedrun_DATE.json and .png")  # fmt: skip
-    args = ap.parse_args()
-    module = load_nanogpt(args.nanogpt)
-    import os
+    ap.add_argument("--keep", action="store_true",
+                    help="keep the working folder (data, checkpoints) and say where")  # fmt: skip
+    args = ap.parse_args(argv)
+    for name in ("seeds", "eval_interval", "threads"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    known = [e.name for e in ENTRANTS]
+    for name in args.only or []:
+        if name not in known:
+            ap.error(f"--only {name!r}: no such entrant; valid: {', '.join(map(repr, known))}")
+    if not (args.nanogpt / "model.py").is_file():
+        ap.error(f"--nanogpt {args.nanogpt}: no model.py there; pass a checkout of "
+                 "https://github.com/karpathy/nanoGPT")  # fmt: skip
+    return args
 
-    torch.set_num_threads(args.threads or os.cpu_count() or 1)
+
+def run_all(args, module, root: Path) -> dict:
+    """Every entrant at every seed, interleaved, in ``root``; the report."""
     entrants = [e for e in ENTRANTS if e.nanogpt or not args.only or e.name in args.only]
     max_steps, seeds = None, [args.seed0 + i for i in range(args.seeds)]
     if args.quick:
         max_steps, seeds, args.eval_interval = 60, seeds[:1], 20
-    root = Path(tempfile.mkdtemp(prefix="speedrun-"))
     data = data_dir(root)
     chunks = fixed_val_set(data)
     stop = not args.full
@@ -412,13 +475,17 @@ def main() -> int:
     for seed in seeds:  # interleaved: every entrant's seed s before any seed s + 1
         for e in entrants:
             print(f"[seed {seed}] {e.name} ...", file=sys.stderr, flush=True)
-            with contextlib.redirect_stdout(sys.stderr):
-                if e.nanogpt:
-                    r = run_nanogpt(e, module, data, seed, chunks, args.eval_interval, stop,
-                                    max_steps)  # fmt: skip
-                else:
-                    r = run_ours(e, data, seed, root / f"{e.name}-{seed}".replace(" ", "_"),
-                                 chunks, args.eval_interval, stop, max_steps)  # fmt: skip
+            try:
+                with contextlib.redirect_stdout(sys.stderr):
+                    if e.nanogpt:
+                        r = run_nanogpt(e, module, data, seed, chunks, args.eval_interval, stop,
+                                        max_steps)  # fmt: skip
+                    else:
+                        r = run_ours(e, data, seed, root / f"{e.name}-{seed}".replace(" ", "_"),
+                                     chunks, args.eval_interval, stop, max_steps)  # fmt: skip
+            except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM raised as Stopped
+                name = getattr(err, "signal_name", "SIGINT")
+                raise Stopped(name, str(err) or f"{e.name}, seed {seed}") from None
             hit = r["target_step"]
             print(f"    {r['steps_run']} steps, {r['train_s']:.1f} s training "
                   f"({r['wall_s']:.1f} s wall), final val {r['final_val_loss']}; target "
@@ -426,7 +493,7 @@ def main() -> int:
                   file=sys.stderr, flush=True)  # fmt: skip
             results.append(r)
     rows, refs = summarise(results, entrants, seeds)
-    report = dict(
+    return dict(
         date=time.strftime("%Y-%m-%d"),
         command="python benchmarks/speedrun.py " + " ".join(sys.argv[1:]),
         machine=dict(
@@ -449,6 +516,29 @@ def main() -> int:
         entrants=rows,
         runs=results,
     )
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = parse_args(sys.argv[1:] if argv is None else argv)
+    except argparse.ArgumentError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    module = load_nanogpt(args.nanogpt)
+    torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    root = Path(tempfile.mkdtemp(prefix="speedrun-"))
+    on_term = signal.signal(signal.SIGTERM, _raise_stopped)  # the working folder goes then too
+    try:
+        report = run_all(args, module, root)
+    except KeyboardInterrupt as err:
+        name = getattr(err, "signal_name", "SIGINT")
+        return stopped(PROG, name, f"{str(err) or 'before it finished'}; no report written")
+    finally:
+        signal.signal(signal.SIGTERM, on_term)
+        if args.keep:
+            print(f"kept the working folder {root}", file=sys.stderr)
+        else:
+            shutil.rmtree(root, ignore_errors=True)
     print_report(report)
     if args.json:
         stem = RESULTS / f"results_speedrun_{report['date']}{'-quick' if args.quick else ''}"
