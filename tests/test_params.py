@@ -464,4 +464,106 @@ def test_cli_params_memory_table_and_json(capsys):
 @pytest.mark.parametrize("devices", ["0", "-2"])
 def test_cli_memory_on_no_devices_is_refused_not_ignored(devices, capsys):
     assert main(["params", "--preset", "gpt2", "--memory", devices]) == 2
-    assert f"devices must be at least 1, got {devices}" in capsys.readouterr().err
+    assert f"argument --memory: {devices} must be at least 1" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=f"devices must be at least 1, got {devices}"):
+        memory_report(get_preset("gpt2"), int(devices), 1)
+
+
+def params_error(capsys, argv) -> str:
+    """The one stderr line of ``llm-foundry params ...`` refused with exit status 2."""
+    assert main(["params", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "usage:" not in err, err
+    return err
+
+
+def test_seq_len_drives_the_flops_and_kv_cache_lines(capsys):
+    """--seq-len S is the context of the FLOPs and KV-cache figures (it was read by the memory
+    table only): the model's own counts at S, in the table and the JSON."""
+    cfg = get_preset("llama-shakespeare-char")
+    model = meta_model(cfg)
+    argv = ["params", "--preset", "llama-shakespeare-char", "--seq-len", "24"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"training FLOPs per token at seq_len 24: {model.flops_per_token(24):,} " in out
+    assert model.flops_per_token(24) != model.flops_per_token(cfg.max_seq_len)
+    assert "per 24-token sequence" in out
+    assert main([*argv, "--json", "--memory", "2"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["flops_per_token"] == model.flops_per_token(24) and rep["flops_seq_len"] == 24
+    kv = rep["kv_cache"]
+    assert kv["seq_len"] == 24 and kv["bf16_per_sequence"] == 24 * kv["bf16_per_token"]
+    assert rep["memory"] == memory_report(cfg, 2, 2, seq_len=24)
+
+
+@pytest.mark.parametrize("seq_len", ["0", "-5"])
+def test_seq_len_below_one_is_refused_at_parse_time(seq_len, capsys):
+    err = params_error(capsys, ["--preset", "llama-shakespeare-char", "--seq-len", seq_len])
+    assert err.endswith(f"argument --seq-len: {seq_len} must be at least 1")
+
+
+def test_seq_len_past_the_models_context(capsys):
+    """Counted with a note where positions run on (RoPE: generation may go past the trained
+    context); refused where they cannot (learned positions) and for the training memory table
+    (training refuses a block past max_seq_len)."""
+    rope = ["--preset", "llama-shakespeare-char", "--seq-len", "100"]
+    assert main(["params", *rope, "--json"]) == 0
+    captured = capsys.readouterr()
+    rep = json.loads(captured.out)
+    model = meta_model(get_preset("llama-shakespeare-char"))
+    assert (
+        rep["flops_per_token"] == model.flops_per_token(100) and rep["kv_cache"]["seq_len"] == 100
+    )
+    assert captured.err.startswith("note: --seq-len 100 is past model.max_seq_len=64: counted")
+    err = params_error(capsys, [*rope, "--memory", "2"])
+    assert err.endswith(
+        "--seq-len 100 is past model.max_seq_len=64 and training refuses a longer block "
+        "(--memory): give 1..64 or raise --model.max_seq_len"
+    )
+    err = params_error(capsys, ["--preset", "gpt2-shakespeare-char", "--seq-len", "65"])
+    assert "learned positions have no row beyond it: give 1..64" in err
+    assert main(["params", "--preset", "gpt2-shakespeare-char", "--seq-len", "64"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--optimizer", "muon"],
+        ["--dtype", "bf16"],
+        ["--batch-size", "7"],
+        ["--activation-checkpointing"],
+        ["--tp", "2"],
+    ],
+)
+def test_memory_flags_without_memory_are_refused_not_ignored(flags, capsys):
+    err = params_error(capsys, ["--preset", "llama-shakespeare-char", *flags])
+    assert err.endswith(f"{flags[0]} needs --memory DEVICES (only the memory table uses it)")
+    assert main(["params", "--preset", "llama-shakespeare-char", *flags, "--memory", "2"]) == 0
+
+
+def test_lora_targets_without_a_rank_are_refused(capsys):
+    err = params_error(capsys, ["--preset", "llama-shakespeare-char", "--lora-targets", "wq"])
+    assert err.endswith("--lora-targets wq needs --lora-r R (the LoRA view)")
+    assert "argument --lora-r: 0 must be at least 1" in params_error(capsys, ["--lora-r", "0"])
+
+
+def test_memory_values_are_refused_naming_the_flag(capsys):
+    base = ["--preset", "llama-shakespeare-char", "--memory"]
+    err = params_error(capsys, [*base, "1", "--batch-size", "0"])
+    assert err.endswith("argument --batch-size: 0 must be at least 1")
+    assert params_error(capsys, [*base, "4", "--tp", "0"]).endswith(
+        "argument --tp: 0 must be at least 1"
+    )
+    err = params_error(capsys, [*base, "4", "--tp", "3"])
+    assert "--tp 3 must divide --memory 4" in err and err.endswith("give one of 1, 2, 4")
+    # the library names its own argument, and only the one that is wrong
+    cfg = get_preset("llama-shakespeare-char")
+    with pytest.raises(ValueError, match=r"^batch_size=0 must be at least 1$"):
+        memory_report(cfg, 1, 1, batch_size=0)
+    with pytest.raises(ValueError, match=r"^seq_len=-1 must be at least 1$"):
+        memory_report(cfg, 1, 1, seq_len=-1)
+    with pytest.raises(ValueError, match=r"^the TP degree must be at least 1, got 0$"):
+        memory_report(cfg, 4, 0)
+    with pytest.raises(ValueError, match=r"TP degree 3: give one of 1, 2, 4$"):
+        memory_report(cfg, 4, 3)

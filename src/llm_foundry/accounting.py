@@ -54,11 +54,12 @@ def _formula(name: str) -> str:
     return "dim" if name.endswith((".weight", ".bias")) else ""  # norms
 
 
-def param_report(cfg: ModelConfig) -> dict:
+def param_report(cfg: ModelConfig, seq_len: int | None = None) -> dict:
     """Per-component parameter counts, totals, FLOPs per token and KV-cache bytes.
 
     Returns a JSON-ready dict: ``rows`` (component, formula, count, per_layer), ``total``,
-    ``non_embedding``, ``active`` (parameters each token uses), ``flops_per_token``, ``kv_cache`` per token and per ``max_seq_len``
+    ``non_embedding``, ``active`` (parameters each token uses), ``flops_per_token`` at context
+    ``seq_len`` (default ``max_seq_len``), ``kv_cache`` per token and per ``seq_len``-token
     sequence for fp32 and bf16.
     """
     model = meta_model(cfg)
@@ -91,7 +92,7 @@ def param_report(cfg: ModelConfig) -> dict:
         count=block_total * cfg.n_layers,
     )
     rows = other[:head_start] + block_rows + [stack] + other[head_start:]
-    seq = cfg.max_seq_len
+    seq = seq_len or cfg.max_seq_len
     return dict(
         config=cfg.to_dict(),
         rows=rows,

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import sys
 
 from llm_foundry.cli.options import SettingsParser, add_settings_arguments, settings_from
 from llm_foundry.presets import preset_names
@@ -20,6 +22,59 @@ def default_tp(cfg, devices: int) -> int:
     return 2 if devices % 2 == 0 else 1
 
 
+def at_least_one(text: str) -> int:
+    """An argparse type: a whole number >= 1 (argparse names the flag in the error)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n} must be at least 1")
+    return n
+
+
+# what only the --memory table uses, with its default: refused without --memory, not ignored
+MEMORY_FLAGS = {
+    "tp": None,
+    "optimizer": "adamw",
+    "dtype": "fp32",
+    "batch_size": 1,
+    "activation_checkpointing": False,
+}
+
+
+def check_seq_len(cfg, seq_len: int, training: bool) -> str | None:
+    """A note when ``--seq-len`` runs past ``model.max_seq_len`` as generation may (positions
+    that run on); refused (one line) where nothing can: learned positions have no row past it,
+    and training (``training``: the --memory table) refuses such a block."""
+    if seq_len <= cfg.max_seq_len:
+        return None
+    from llm_foundry.models.position import position_traits
+
+    past = f"--seq-len {seq_len} is past model.max_seq_len={cfg.max_seq_len}"
+    valid = f"give 1..{cfg.max_seq_len} or raise --model.max_seq_len"
+    if position_traits(cfg).trained_rows:
+        raise ValueError(f"{past} and learned positions have no row beyond it: {valid}")
+    if training:
+        raise ValueError(f"{past} and training refuses a longer block (--memory): {valid}")
+    return (
+        f"note: {past}: counted as generation past the trained context would run "
+        f"({cfg.pos_encoding} positions run on; quality may drop)"
+    )
+
+
+def check_tp(devices: int, tp: int) -> None:
+    """Refuse (one line) a ``--tp`` that does not divide ``--memory``, naming the ones that do."""
+    from llm_foundry.train.memory import tp_degrees
+
+    if devices % tp:
+        valid = ", ".join(map(str, tp_degrees(devices)))
+        raise ValueError(
+            f"--tp {tp} must divide --memory {devices} (the fsdp+tp mesh is "
+            f"(DEVICES/T) x T): give one of {valid}"
+        )
+
+
 def main(argv: list[str]) -> int:
     from llm_foundry.accounting import format_lora, format_report, lora_report, param_report
     from llm_foundry.train.memory import format_memory, memory_report
@@ -31,43 +86,67 @@ def main(argv: list[str]) -> int:
     )
     add_settings_arguments(p, ("model",), f"architecture preset: {', '.join(preset_names())}")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.add_argument("--lora-r", type=int, default=0, metavar="R", help="add the LoRA view: rank R")
+    p.add_argument("--lora-r", type=at_least_one, default=None, metavar="R",
+                   help="add the LoRA view: rank R")  # fmt: skip
+    p.add_argument("--lora-targets", default=None,
+                   help="projections the adapters go on (with --lora-r; default wq,wv)")  # fmt: skip
     p.add_argument(
-        "--lora-targets", default="wq,wv", help="projections the adapters go on (with --lora-r)"
+        "--seq-len",
+        type=at_least_one,
+        default=None,
+        metavar="S",
+        help="context of the FLOPs, KV-cache and memory figures (default max_seq_len)",
     )
     p.add_argument(
         "--memory",
-        type=int,
+        type=at_least_one,
         default=None,
         metavar="DEVICES",
         help="add training memory per device on DEVICES devices: ddp, fsdp, tp (all DEVICES in "
-        "one TP group) and fsdp+tp",
+        "one TP group) and fsdp+tp; the flags below apply to it",
     )
     p.add_argument(
         "--tp",
-        type=int,
+        type=at_least_one,
         default=None,
         metavar="T",
         help="TP degree of the fsdp+tp mesh, (DEVICES/T) x T (default 2 where it fits, else 1)",
     )
-    p.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw")
-    p.add_argument(
-        "--dtype", choices=("fp32", "bf16"), default="fp32", help="train.dtype (bf16: autocast)"
-    )
-    p.add_argument("--batch-size", type=int, default=1, metavar="B", help="micro-batch per device")
-    p.add_argument("--seq-len", type=int, default=None, metavar="S", help="default max_seq_len")
-    p.add_argument(
-        "--activation-checkpointing", action="store_true", help="recompute each block in backward"
-    )
+    p.add_argument("--optimizer", choices=("adamw", "muon"), default=None, help="default adamw")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default=None,
+                   help="train.dtype (bf16: autocast; default fp32)")  # fmt: skip
+    p.add_argument("--batch-size", type=at_least_one, default=None, metavar="B",
+                   help="micro-batch per device (default 1)")  # fmt: skip
+    p.add_argument("--activation-checkpointing", action="store_true", default=None,
+                   help="recompute each block in backward")  # fmt: skip
     ns = p.parse_args(argv)
+    if ns.memory is None:
+        given = [k for k in MEMORY_FLAGS if getattr(ns, k) is not None]
+        if given:
+            flags = ", ".join("--" + k.replace("_", "-") for k in given)
+            verb, them = ("needs", "it") if len(given) == 1 else ("need", "them")
+            raise ValueError(f"{flags} {verb} --memory DEVICES (only the memory table uses {them})")
+    for key, default in MEMORY_FLAGS.items():
+        if getattr(ns, key) is None:
+            setattr(ns, key, default)
+    if ns.memory is not None and ns.tp is not None:
+        check_tp(ns.memory, ns.tp)
+    targets_flag = ns.lora_targets
     settings = settings_from(ns, ("model",), extra_keys=("lora_r", "lora_targets"))
-    rep = param_report(settings.model)
+    if targets_flag is not None and not ns.lora_r:
+        raise ValueError(f"--lora-targets {targets_flag} needs --lora-r R (the LoRA view)")
+    cfg = settings.model
+    if ns.seq_len is not None and (
+        note := check_seq_len(cfg, ns.seq_len, training=ns.memory is not None)
+    ):
+        print(note, file=sys.stderr)
+    rep = param_report(cfg, ns.seq_len)
     if ns.lora_r:
-        rep["lora"] = lora_report(settings.model, ns.lora_r, ns.lora_targets.split(","))
+        rep["lora"] = lora_report(cfg, ns.lora_r, (ns.lora_targets or "wq,wv").split(","))
     if ns.memory is not None:
-        tp = ns.tp if ns.tp is not None else default_tp(settings.model, ns.memory)
+        tp = ns.tp if ns.tp is not None else default_tp(cfg, ns.memory)
         rep["memory"] = memory_report(
-            settings.model,
+            cfg,
             ns.memory,
             tp,
             optimizer=ns.optimizer,
@@ -76,8 +155,6 @@ def main(argv: list[str]) -> int:
             seq_len=ns.seq_len,
             activation_checkpointing=ns.activation_checkpointing,
         )
-    elif ns.tp is not None:
-        raise ValueError("--tp needs --memory DEVICES")
     if ns.json:
         print(json.dumps(rep, indent=2))
     else:

@@ -31,6 +31,11 @@ MEMORY_ROWS = ("weights", "working_weights", "gradients", "optimizer", "activati
 GiB = 1024**3
 
 
+def tp_degrees(devices: int) -> list[int]:
+    """The TP degrees a mesh of ``devices`` devices can have: the divisors of ``devices``."""
+    return [t for t in range(1, devices + 1) if devices % t == 0]
+
+
 def check_tp_degree(cfg: ModelConfig, t: int) -> None:
     """Raise ValueError (one line) when ``cfg``'s heads do not split ``t`` ways: the problems
     ``tensor_parallel.tp_problems`` finds at ``t`` and not at 1. What no degree splits (experts,
@@ -96,15 +101,22 @@ def memory_report(
     """
     if devices < 1:
         raise ValueError(f"devices must be at least 1, got {devices}")
-    if tp < 1 or devices % tp:
-        raise ValueError(f"devices={devices} is not a multiple of the TP degree {tp}")
+    if tp < 1:
+        raise ValueError(f"the TP degree must be at least 1, got {tp}")
+    if devices % tp:
+        raise ValueError(
+            f"devices={devices} is not a multiple of the TP degree {tp}: give one of "
+            f"{', '.join(map(str, tp_degrees(devices)))}"
+        )
     check_tp_degree(cfg, tp)
     if optimizer not in ("adamw", "muon"):
         raise ValueError(f"optimizer={optimizer!r} is not one of adamw, muon")
     if dtype not in ("fp32", "bf16"):
         raise ValueError(f"dtype={dtype!r} is not one of fp32, bf16")
-    if batch_size < 1 or (seq_len is not None and seq_len < 1):
-        raise ValueError(f"batch_size={batch_size} and seq_len={seq_len} must be at least 1")
+    if batch_size < 1:
+        raise ValueError(f"batch_size={batch_size} must be at least 1")
+    if seq_len is not None and seq_len < 1:
+        raise ValueError(f"seq_len={seq_len} must be at least 1")
     seq_len = seq_len or cfg.max_seq_len
     model = meta_model(cfg)
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
