@@ -503,22 +503,20 @@ def test_seq_len_below_one_is_refused_at_parse_time(seq_len, capsys):
 
 
 def test_seq_len_past_the_models_context(capsys):
-    """Counted with a note where positions run on (RoPE: generation may go past the trained
-    context); refused where they cannot (learned positions) and for the training memory table
-    (training refuses a block past max_seq_len)."""
-    rope = ["--preset", "llama-shakespeare-char", "--seq-len", "100"]
-    assert main(["params", *rope, "--json"]) == 0
+    """Counted with a note where positions have no weight per position (RoPE: the figures are
+    those of the model with max_seq_len raised, as the README's falcon-7b row at 4096 tokens);
+    refused for learned positions, which have no row past it."""
+    preset = "llama-shakespeare-char"
+    argv = ["params", "--preset", preset, "--seq-len", "100", "--memory", "2", "--json"]
+    assert main(argv) == 0
     captured = capsys.readouterr()
     rep = json.loads(captured.out)
-    model = meta_model(get_preset("llama-shakespeare-char"))
-    assert (
-        rep["flops_per_token"] == model.flops_per_token(100) and rep["kv_cache"]["seq_len"] == 100
-    )
-    assert captured.err.startswith("note: --seq-len 100 is past model.max_seq_len=64: counted")
-    err = params_error(capsys, [*rope, "--memory", "2"])
-    assert err.endswith(
-        "--seq-len 100 is past model.max_seq_len=64 and training refuses a longer block "
-        "(--memory): give 1..64 or raise --model.max_seq_len"
+    raised = get_preset(preset, max_seq_len=100)
+    assert rep["flops_per_token"] == meta_model(raised).flops_per_token()
+    assert rep["kv_cache"] == param_report(raised)["kv_cache"]
+    assert rep["memory"] == memory_report(raised, 2, 2)
+    assert captured.err.startswith(
+        "note: --seq-len 100 is past model.max_seq_len=64: counted as with --model.max_seq_len 100"
     )
     err = params_error(capsys, ["--preset", "gpt2-shakespeare-char", "--seq-len", "65"])
     assert "learned positions have no row beyond it: give 1..64" in err

@@ -43,23 +43,23 @@ MEMORY_FLAGS = {
 }
 
 
-def check_seq_len(cfg, seq_len: int, training: bool) -> str | None:
-    """A note when ``--seq-len`` runs past ``model.max_seq_len`` as generation may (positions
-    that run on); refused (one line) where nothing can: learned positions have no row past it,
-    and training (``training``: the --memory table) refuses such a block."""
+def check_seq_len(cfg, seq_len: int) -> str | None:
+    """A note when ``--seq-len`` runs past ``model.max_seq_len`` on positions without a weight
+    per position (the figures are those of the model with its context raised to it); refused
+    (one line) for learned positions, which have no row past it."""
     if seq_len <= cfg.max_seq_len:
         return None
     from llm_foundry.models.position import position_traits
 
     past = f"--seq-len {seq_len} is past model.max_seq_len={cfg.max_seq_len}"
-    valid = f"give 1..{cfg.max_seq_len} or raise --model.max_seq_len"
     if position_traits(cfg).trained_rows:
-        raise ValueError(f"{past} and learned positions have no row beyond it: {valid}")
-    if training:
-        raise ValueError(f"{past} and training refuses a longer block (--memory): {valid}")
+        raise ValueError(
+            f"{past} and learned positions have no row beyond it: give 1..{cfg.max_seq_len} "
+            "or raise --model.max_seq_len"
+        )
     return (
-        f"note: {past}: counted as generation past the trained context would run "
-        f"({cfg.pos_encoding} positions run on; quality may drop)"
+        f"note: {past}: counted as with --model.max_seq_len {seq_len} ({cfg.pos_encoding} "
+        "positions have no weight per position; training needs that flag)"
     )
 
 
@@ -136,9 +136,7 @@ def main(argv: list[str]) -> int:
     if targets_flag is not None and not ns.lora_r:
         raise ValueError(f"--lora-targets {targets_flag} needs --lora-r R (the LoRA view)")
     cfg = settings.model
-    if ns.seq_len is not None and (
-        note := check_seq_len(cfg, ns.seq_len, training=ns.memory is not None)
-    ):
+    if ns.seq_len is not None and (note := check_seq_len(cfg, ns.seq_len)):
         print(note, file=sys.stderr)
     rep = param_report(cfg, ns.seq_len)
     if ns.lora_r:
