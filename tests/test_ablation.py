@@ -618,10 +618,12 @@ def test_ablate_stopped_by_a_signal_exits_with_its_status_on_one_line(
     except KeyboardInterrupt as e:  # would end the whole test session
         pytest.fail(f"the interrupt escaped the command as a traceback: {e}")
     assert code == 130
-    err = capsys.readouterr().err.strip().splitlines()
+    cap = capsys.readouterr()
+    err = cap.err.strip().splitlines()
     assert err == [
         "llm-foundry ablate: stopped by SIGINT: mlp=gelu seed 0 interrupted; rerun to resume"
     ]
+    assert "SIGINT: saved" in cap.out and "--resume" not in cap.out  # ablate has no --resume
     assert (tmp_path / "runs" / "mlp=gelu" / "seed0" / "checkpoints" / "latest.json").exists()
 
 

@@ -173,9 +173,11 @@ def test_a_signal_saves_a_checkpoint_and_exits_with_the_signals_status(data_dir,
             proc.kill()
             proc.communicate()
     assert proc.returncode == 128 + sig.value, (out, err)
-    assert f"{sig.name}: saved" in out and "--resume" in out
     assert "done:" not in out and "\nstopped: step " in out
     step = _latest_step(run)
+    # what was saved on stdout; how to go on is the command's line (ablate has no --resume)
+    assert f"{sig.name}: saved {run / 'checkpoints' / f'step_{step:06d}'} at step {step}\n" in out
+    assert "--resume" not in out
     assert step is not None and step == max(_losses(run))
     assert (run / "checkpoints" / f"step_{step:06d}" / "model.safetensors").exists()
     lines = err.strip().splitlines()
@@ -625,6 +627,77 @@ def test_resume_of_a_run_without_checkpoints_prepares_nothing(tmp_path, capsys, 
     assert main(["train", "--out", "nothing", "--resume"]) == 2
     assert "--resume: no checkpoint in nothing/checkpoints" in capsys.readouterr().err
     assert not (tmp_path / "data").exists()
+
+
+def test_resume_of_a_run_that_never_saved_says_to_run_its_command_again(data_dir, tmp_path,
+                                                                        capsys, monkeypatch):  # fmt: skip
+    run = tmp_path / "run"
+    argv = ["train", "--data", str(data_dir), "--out", str(run), *TINY_FLAGS, *TRAIN_FLAGS]
+    monkeypatch.setattr(sys, "argv", ["/venv/bin/llm-foundry", *argv, "--train.lr=3e-3 "])
+
+    def crash(self):  # the machine went down before the first checkpoint
+        self.release()
+        raise RuntimeError("power cut")
+
+    monkeypatch.setattr(Trainer, "run", crash)
+    with pytest.raises(RuntimeError, match="power cut"):
+        main([*argv, "--train.lr=3e-3 "])
+    assert (run / "run.json").exists() and not (run / "checkpoints").exists()
+    monkeypatch.setattr(
+        sys, "argv", ["/venv/bin/llm-foundry", "train", "--out", str(run), "--resume"]
+    )
+    assert main(["train", "--out", str(run), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert err.rstrip("\n").endswith(
+        f"--resume: no checkpoint in {run / 'checkpoints'} to continue: the run never saved one, "
+        "so run its command again without --resume: llm-foundry train --data "
+        f"{data_dir} --out {run} {' '.join(TINY_FLAGS + TRAIN_FLAGS)} '--train.lr=3e-3 '"
+    )
+
+
+def test_resuming_a_finished_run_keeps_its_summary_and_records_each_command(data_dir, tmp_path,
+                                                                            monkeypatch):  # fmt: skip
+    """A resume that trains no step (the run is finished) leaves summary.json as it was (its
+    last train loss too); run.json keeps the command that started the run and lists every
+    command with its time; checkpoint paths are absolute however --out was spelled."""
+    monkeypatch.chdir(tmp_path)
+    tmp_path = tmp_path.resolve()  # the paths recorded are real ones
+
+    def train(*args: str) -> None:
+        monkeypatch.setattr(sys, "argv", ["llm-foundry", "train", *args])
+        assert main(["train", *args]) == 0
+
+    start = ["--data", str(data_dir), "--out", "base", *TINY_FLAGS, *TRAIN_FLAGS]
+    train(*start, "--train.max_steps=6", "--train.checkpoint_interval=3")
+    summary = (tmp_path / "base" / "summary.json").read_text()
+    assert json.loads(summary)["last_train_loss"] == _losses(tmp_path / "base")[6]
+    assert json.loads(summary)["checkpoint"] == str(tmp_path / "base/checkpoints/step_000006")
+    shutil.copytree(tmp_path / "base", tmp_path / "copy")
+    train("--out", "copy", "--resume")
+    assert (tmp_path / "copy" / "summary.json").read_text() == summary
+    info = json.loads((tmp_path / "copy" / "run.json").read_text())
+    assert info["argv"] == ["llm-foundry", "train", *start, "--train.max_steps=6",
+                            "--train.checkpoint_interval=3"]  # fmt: skip
+    assert [c["argv"] for c in info["commands"]] == [
+        info["argv"],
+        ["llm-foundry", "train", "--out", "copy", "--resume"],
+    ]
+    assert all(isinstance(c["time"], str) for c in info["commands"])
+    resumed = str(tmp_path / "copy/checkpoints/step_000006")
+    assert info["commands"][1]["resumed_from"] == resumed == info["resumed_from"]
+    # a finished run without its summary (lost after the last checkpoint) gets it back whole
+    (tmp_path / "copy" / "summary.json").unlink()
+    train("--out", "copy", "--resume")
+    assert json.loads((tmp_path / "copy" / "summary.json").read_text()) == json.loads(summary) | {
+        "checkpoint": resumed
+    }
+    train("--out", "copy", "--resume", "--train.max_steps=8")
+    again = json.loads((tmp_path / "copy" / "summary.json").read_text())
+    assert again["step"] == 8 and again["last_train_loss"] == _losses(tmp_path / "copy")[8]
+    assert again["checkpoint"] == str(tmp_path / "copy/checkpoints/step_000008")
+    info = json.loads((tmp_path / "copy" / "run.json").read_text())
+    assert len(info["commands"]) == 4 and info["argv"][-1] == "--train.checkpoint_interval=3"
 
 
 def test_yaml_config_with_dotted_overrides_and_fused_adamw(data_dir, tmp_path, capsys):

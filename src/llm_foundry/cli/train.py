@@ -28,6 +28,7 @@ DEFAULT_DATA = "data/shakespeare_char"
 DEFAULT_PRESET = "llama-shakespeare-char"
 SECTIONS = ("model", "train")
 FINETUNE_TEXT_BLOCK = 1024  # a fine-tune's default window on text, whatever the model's context
+SUMMARY = "summary.json"  # in the run directory: how the run ended
 
 
 def parser(finetune: bool = False) -> SettingsParser:
@@ -107,7 +108,7 @@ def main(argv: list[str], finetune: bool = False) -> int:
 
 def _main(argv: list[str], finetune: bool, prog: str) -> int:
     from llm_foundry import lock
-    from llm_foundry.rundir import CHECKPOINTS, RunDir
+    from llm_foundry.rundir import RunDir
     from llm_foundry.train.state import CheckpointNotWritten, resume_point
 
     ns = parser(finetune).parse_args(join_negative_values(argv))
@@ -155,7 +156,7 @@ def _main(argv: list[str], finetune: bool, prog: str) -> int:
     name = settings.preset or "custom"
     out = Path(ns.out or default_out(name))
     if ns.resume and saved is None:
-        raise FileNotFoundError(f"--resume: no checkpoint in {out / CHECKPOINTS} to continue")
+        raise FileNotFoundError(nothing_to_resume(out))
     # rank 0 owns the run directory (the ranks of one torchrun write it together)
     rank0 = int(os.environ.get("RANK", "0")) == 0
     with lock.hold(out, "run directory") if rank0 else contextlib.nullcontext():
@@ -184,6 +185,34 @@ def _main(argv: list[str], finetune: bool, prog: str) -> int:
         return stopped(prog, result.stopped_by, f"{result.step} of {train_cfg.max_steps} steps done; "
                        f"saved {result.checkpoint}; continue with --resume --out {out}")  # fmt: skip
     return 0
+
+
+def nothing_to_resume(out: Path) -> str:
+    """Why --resume cannot continue ``out`` (no checkpoint), and what to run instead: the
+    command run.json recorded, when it recorded one."""
+    from llm_foundry.rundir import CHECKPOINTS, read_run_info
+
+    said = f"--resume: no checkpoint in {out / CHECKPOINTS} to continue"
+    if not out.is_dir():
+        return f"{said}: {out} is not a run directory"
+    try:
+        argv = read_run_info(out).get("argv")
+    except ValueError:  # a damaged run.json: the advice without the command
+        argv = None
+    said += ": the run never saved one, so run its command again without --resume"
+    command = shown_command(argv)
+    return f"{said}: {command}" if command else said
+
+
+def shown_command(argv) -> str | None:
+    """A recorded ``sys.argv`` of ``llm-foundry train`` or ``finetune`` as a shell command line
+    (None for anything else: an ablation, a script)."""
+    import shlex
+
+    ok = isinstance(argv, list) and all(isinstance(a, str) for a in argv)
+    if not ok or len(argv) < 2 or argv[1] not in ("train", "finetune"):
+        return None
+    return shlex.join(["llm-foundry", *argv[1:]])
 
 
 def _finetune_block_size(cfg, train_cfg, data: str):
@@ -297,26 +326,44 @@ def train_and_report(model_cfg, train_cfg, data: str | Path, out: Path, resume: 
     if resume and trainer.step >= train_cfg.max_steps and w.main:
         print(f"nothing to train: {out} reached max_steps={train_cfg.max_steps} already "
               f"(give --train.max_steps N > {trainer.step} to train it further)")  # fmt: skip
+    first = trainer.step
     result = trainer.run()
     if not w.main:  # rank 0 alone plots, samples and summarises
         return result
+    best = f"{result.best_val_loss:.4f}" if result.best_val_loss is not None else "n/a"
+    if result.step == first and (out / SUMMARY).exists():  # nothing trained: the run as it was
+        print(f"done: step {result.step}, best val loss {best}; {out / SUMMARY} kept")
+        return result
     plot_losses(out / METRICS, out / "loss.png", title=f"{out.name}: {n / 1e6:.2f}M params")
-    summary = dict(
-        step=result.step,
-        last_train_loss=result.last_train_loss,
-        best_val_loss=result.best_val_loss,
-        skipped_steps=result.skipped_steps,
-        interrupted=result.interrupted,
-        checkpoint=str(result.checkpoint) if result.checkpoint else None,
-    )
     if train_cfg.sample_tokens and not result.interrupted and not trainer.sharded:
         text = sample_text(
             trainer.model, tok, train_cfg.sample_tokens, train_cfg.seed, train_cfg.block_size
         )
         (out / "sample.txt").write_text(text)
         print("\n--- sample (temperature 0.8, top-k 50) ---" + text + "\n---")
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    best = f"{result.best_val_loss:.4f}" if result.best_val_loss is not None else "n/a"
+    (out / SUMMARY).write_text(json.dumps(summary(result, out), indent=2))
     ended = "stopped" if result.interrupted else "done"  # the caller says how to go on
     print(f"{ended}: step {result.step}, best val loss {best}; curves in {out / 'loss.png'}")
     return result
+
+
+def summary(result, out: Path) -> dict:
+    """summary.json of run directory ``out`` after ``result`` (a ``RunResult``): the last train
+    loss the run logged (``metrics.jsonl``'s, when this attempt trained no step) and the
+    checkpoint as an absolute path (symbolic links resolved), however --out was spelled."""
+    from llm_foundry.rundir import METRICS, RunDir
+
+    loss = result.last_train_loss
+    if loss is None and (out / METRICS).exists():
+        logged = [
+            r["loss"] for r in RunDir(out).metrics() if "loss" in r and r["step"] <= result.step
+        ]
+        loss = logged[-1] if logged else None
+    return dict(
+        step=result.step,
+        last_train_loss=loss,
+        best_val_loss=result.best_val_loss,
+        skipped_steps=result.skipped_steps,
+        interrupted=result.interrupted,
+        checkpoint=str(Path(result.checkpoint).resolve()) if result.checkpoint else None,
+    )

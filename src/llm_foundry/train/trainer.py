@@ -21,6 +21,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 
 import torch
@@ -45,7 +46,15 @@ from llm_foundry.data.preference import PreferenceSampler, is_preference
 from llm_foundry.models import Transformer
 from llm_foundry.models.lora import apply_lora_settings, lora_settings
 from llm_foundry.models.sdpa_kernels import check_sdpa_backend, model_probe, sdpa_backend
-from llm_foundry.rundir import METRICS, RUN_INFO, RunDir, latest_checkpoint, read_state, step_name
+from llm_foundry.rundir import (
+    METRICS,
+    RUN_INFO,
+    RunDir,
+    latest_checkpoint,
+    read_run_info,
+    read_state,
+    step_name,
+)
 from llm_foundry.train import distributed as D
 from llm_foundry.train import tensor_parallel as TP
 from llm_foundry.train.build import build_model, build_sampler, is_sft, model_config_for_data
@@ -330,6 +339,15 @@ class Trainer:
         return next((g["ns_dtype"] for g in groups if g.get("kind") == "muon"), None)
 
     def _write_run_info(self) -> None:
+        """run.json: what the run trains with now, the command that started it (``argv``) and
+        every command that started or resumed it, with its time (``commands``)."""
+        resumed = str(self.resumed_from.resolve()) if self.resumed_from else None
+        now = dict(argv=sys.argv, time=datetime.now().astimezone().isoformat(timespec="seconds"),
+                   resumed_from=resumed)  # fmt: skip
+        before = read_run_info(self.out) if self.resumed_from else {}
+        commands = before.get("commands")
+        if not isinstance(commands, list):  # written before commands were kept: its one command
+            commands = [dict(argv=before["argv"], time=None)] if "argv" in before else []
         info = dict(
             model=self.mc.to_dict(),
             train=self.tc.to_dict(),
@@ -345,12 +363,13 @@ class Trainer:
             world_size=self.world.world_size,
             parallel=self.tc.parallel if self.world.distributed else "none",
             tensor_parallel=self.world.tp,  # ranks per tensor-parallel group
-            argv=sys.argv,
+            argv=before.get("argv", sys.argv),  # the command that started the run
+            commands=[*commands, now],
             params=self.model.num_params(),
             dtype=self.dtype,  # train.dtype resolved (auto -> bf16 | fp32); a resume keeps it
             dtype_reason=self.dtype_reason,
             muon_ns_dtype=self.muon_ns_dtype(),  # a resumed run keeps its optimizer state's
-            resumed_from=str(self.resumed_from) if self.resumed_from else None,
+            resumed_from=resumed,
         )
         if len(self.sources) > 1:  # a mixture: each directory, its weight and share of the rows
             info["data"]["sources"] = [
@@ -675,10 +694,8 @@ class Trainer:
                     # the last save and one before stopping are complete when run() returns
                     last_ckpt = self.save(blocking=final or stop["signal"] is not None)
                 if stop["signal"]:
-                    say(
-                        f"{stop['signal']}: saved {last_ckpt} at step {self.step}; "
-                        "continue with --resume"
-                    )
+                    # how to go on is the command's to say (train: --resume; ablate: rerun)
+                    say(f"{stop['signal']}: saved {last_ckpt} at step {self.step}")
                     break
         finally:
             try:
