@@ -5,6 +5,7 @@ file that vanished is never reported as weights that do not fit."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -130,6 +131,34 @@ def test_convert_to_hf_of_a_run_in_training_exports_its_newer_checkpoint(tmp_pat
     x = torch.tensor([run.tok.encode("to be")])
     torch.testing.assert_close(exported(x)[0], run.models[20](x)[0])
     assert (out / "tokenizer.json").exists()
+
+
+def test_convert_to_gguf_of_a_run_in_training_exports_its_newer_checkpoint(
+    tmp_path, capsys, monkeypatch
+):
+    gguf = pytest.importorskip("gguf")
+    run = TrainingRun(tmp_path / "run")
+    saves_while_reading(monkeypatch, run, ckpt_module, "load_model", times=1)
+    out = tmp_path / "run.gguf"
+    assert main(["convert", "--to-gguf", str(run.path), "--out", str(out)]) == 0, (
+        capsys.readouterr()
+    )
+    reader = gguf.GGUFReader(out)
+    embed = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    want = run.models[20].state_dict()["tok_emb.weight"].numpy()
+    np.testing.assert_array_equal(np.asarray(embed.data).reshape(want.shape), want)
+    assert run.path.name in str(reader.get_field("general.name").contents())  # the run's name
+
+
+def test_convert_to_peft_of_a_run_in_training_reads_its_newer_checkpoint(tmp_path, capsys,
+                                                                         monkeypatch):  # fmt: skip
+    """The step read when the run saves again is the newer one (this run has no adapters: the
+    refusal names the step it read)."""
+    run = TrainingRun(tmp_path / "run")
+    saves_while_reading(monkeypatch, run, ckpt_module, "read_lora", times=1)
+    assert main(["convert", "--to-peft", str(run.path), "--out", str(tmp_path / "a")]) == 2
+    err = capsys.readouterr().err
+    assert "step_000020 has no LoRA adapters" in err and "Traceback" not in err, err
 
 
 def test_finetune_from_a_run_in_training_reads_its_newer_checkpoint(tmp_path, monkeypatch):

@@ -20,13 +20,16 @@ def convert_to_gguf(
     from llm_foundry.interop.gguf import export_gguf, gguf_types
     from llm_foundry.loading import checkpoint_kind, load_any
     from llm_foundry.outputs import check_new_output
-    from llm_foundry.rundir import checkpoint_dir
+    from llm_foundry.rundir import read_checkpoint
 
     gguf_types(outtype)  # a bad outtype is named before anything loads
     check_new_output(out_path, "--out", kind="file")
-    ckpt = checkpoint_dir(src, "--to-gguf")
-    kind, meta = checkpoint_kind(ckpt)
-    model, tok, info = load_any(ckpt, full_precision="convert --to-gguf")
+
+    def read(ckpt: Path):
+        return *checkpoint_kind(ckpt), load_any(ckpt, full_precision="convert --to-gguf")
+
+    # a run directory means its latest checkpoint, read again if a training run replaces it
+    kind, meta, (model, tok, info) = read_checkpoint(src, read, "--to-gguf")
     hf_tokenizer = getattr(tok, "kind", "") == "hf"
     template = load_chat_template(info.checkpoint)[0] if hf_tokenizer else None
     token_ids = {}
@@ -51,22 +54,27 @@ def convert_to_peft(src: str | Path, out_dir: str | Path, family: str | None = N
     from llm_foundry.interop.peft import save_adapter
     from llm_foundry.loading import checkpoint_kind
     from llm_foundry.outputs import check_new_output, new_directory
-    from llm_foundry.rundir import CHECKPOINTS, checkpoint_dir, read_run_info
+    from llm_foundry.rundir import CHECKPOINTS, read_checkpoint, read_run_info
 
     check_new_output(out_dir)
-    ckpt = checkpoint_dir(src, "--to-peft")
-    lora = read_lora(ckpt) if checkpoint_kind(ckpt)[0] == "llm-foundry" else None
-    if lora is None:
-        raise ValueError(
-            f"--to-peft {src}: {ckpt} has no LoRA adapters (a base model or a full fine-tune); "
-            "convert --to-hf writes the whole model"
-        )
+
+    def read(ckpt: Path):
+        lora = read_lora(ckpt) if checkpoint_kind(ckpt)[0] == "llm-foundry" else None
+        if lora is None:
+            raise ValueError(
+                f"--to-peft {src}: {ckpt} has no LoRA adapters (a base model or a full "
+                "fine-tune); convert --to-hf writes the whole model"
+            )
+        return lora, load_checkpoint(ckpt, merge=False), ckpt
+
+    # a run directory means its latest checkpoint, read again if a training run replaces it
+    lora, model, ckpt = read_checkpoint(src, read, "--to-peft")
     # the base it was tuned from, as the run recorded it (a step directory's run is two up)
     run = ckpt.parent.parent if ckpt.parent.name == CHECKPOINTS else None
     train = (read_run_info(run).get("train") or {}) if run else {}
     base = str(train.get("init_from") or "")
     with new_directory(out_dir) as tmp:
-        save_adapter(load_checkpoint(ckpt, merge=False), tmp, family, base=base)
+        save_adapter(model, tmp, family, base=base)
     return {"from": str(src), "to": str(out_dir), "lora": lora, "base": base}
 
 
