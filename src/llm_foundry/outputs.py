@@ -171,7 +171,7 @@ def remove_stale(path: Path) -> list[Path]:
     their pid not running), with a note for each; returns them."""
     removed = []
     for tmp, pid in _temporaries(path):
-        if fcntl is None or _locked(tmp) is not False:
+        if _locked(tmp) is not False:  # held, or no flock to tell
             continue
         if pid != os.getpid() and _alive(pid):  # an earlier version's writer, unlocked
             continue
