@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from llm_foundry.checkpoint import save_checkpoint
 from llm_foundry.cli.eval import main
 from llm_foundry.config import ModelConfig
+from llm_foundry.data import DataError
 from llm_foundry.evaluate import evaluate_tokens, windows, with_rope_scaling
 from llm_foundry.models import Transformer
 from llm_foundry.tokenizer import CharTokenizer
@@ -198,6 +199,9 @@ def test_cli_data_directory_is_its_validation_split_every_shard_in_order(tmp_pat
         assert r["loss"] == pytest.approx(want["loss"], abs=1e-6)
     one = main([*args, "--data", str(shards[1])])
     assert one == 0 and json.loads(capsys.readouterr().out)["results"][0]["scored_tokens"] == 99
+    # a file of the directory that holds no tokens is refused, not read as tokens
+    with pytest.raises(DataError, match=r"legacy/meta.json is a file, not a directory"):
+        main([*args, "--data", str(old / "meta.json")])
 
 
 def test_cli_evaluates_an_hf_directory_as_its_source_checkpoint(tmp_path, capsys):

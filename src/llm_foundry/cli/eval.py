@@ -64,12 +64,13 @@ def _load_tokens(ns, tok, ckpt: Path, data: tuple | None) -> tuple[np.ndarray, s
             raise FileNotFoundError(f"--text {ns.text}: no such file")
         text = Path(ns.text).read_text(encoding="utf-8")
         return np.array(tok.encode(text), dtype=np.int64), ns.text
-    from llm_foundry.data import open_tokens, split_stream
+    from llm_foundry.data import split_stream
+    from llm_foundry.data.batches import open_token_file
 
-    path, _, meta = data
+    path = data[0]
     if path.is_dir():  # a prepared directory: its validation split, every shard in order
         return np.asarray(split_stream(path, "val")), f"{path} (val)"
-    return np.asarray(open_tokens(path, meta["dtype"])), str(path)
+    return np.asarray(open_token_file(path)), str(path)
 
 
 def format_table(rows: list[dict]) -> str:
