@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from llm_foundry.checkpoint import load_weights, save_checkpoint
@@ -154,7 +155,7 @@ def save_train_checkpoint(
         save_file(tensors, str(tmp / "optimizer.safetensors"))
         write_state(tmp, step, state, opt_meta, tokenizer_path)
         return commit_checkpoint(ckpt_root, tmp, step)
-    except Exception as e:  # safetensors' writer raises SafetensorError, not OSError
+    except (OSError, SafetensorError) as e:  # a write that failed; a bug is not reworded
         raise CheckpointNotWritten(ckpt_root, step, e) from e
     finally:  # gone once committed; after a failure its bytes must not stay on a full disk
         shutil.rmtree(tmp, ignore_errors=True)
