@@ -32,12 +32,13 @@ import numpy as np
 from tqdm import tqdm
 
 from llm_foundry import lock
-from llm_foundry.data.batches import file_entry, prepared_kind
+from llm_foundry.data.batches import file_entry
 from llm_foundry.data.shard_writer import (
+    AGAIN,
     SHOWN_DIFFERENCES,
     AlreadyPrepared,
-    complete_meta,
     differences,
+    prepared_before,
     remove_unlisted,
 )
 from llm_foundry.data.sources import (
@@ -190,7 +191,7 @@ def prepare(
     out = Path(out_dir)
     refuse_overwriting_inputs([("text file", Path(f)) for f in text_files or ()], out, OUTPUTS)
     settings = {"tokenizer": tokenizer, "vocab_size": vocab_size, "val_fraction": val_fraction}
-    if not restart and complete_meta(out) is not None:
+    if not restart and (out / "meta.json").is_file():
         with lock.sharing(out):  # as a reader: a training reading it may go on meanwhile
             check_stream_prepared(out, source, settings)
     created = not out.exists()
@@ -204,20 +205,12 @@ def prepare(
 
 
 def check_stream_prepared(out: Path, source: TextSource, settings: dict) -> None:
-    """Before a text stream is prepared in ``out``, which holds a complete prepare:
-    ``AlreadyPrepared`` when it is of the same text (its sha256, read here) and ``settings``, else
-    a one-line DataError naming the first differences and --restart."""
-    meta = complete_meta(out)
+    """Before a text stream is prepared in ``out``: ``AlreadyPrepared`` when it holds a complete
+    prepare of the same text (its sha256, read here) and ``settings``, a one-line DataError
+    naming the first differences and --restart when it holds another, nothing when none."""
+    meta = prepared_before(out, None, "settings", "the settings it was prepared with")
     if meta is None:
         return
-    again = "add --restart to prepare it again from scratch, or write to another --out"
-    if meta.get("kind") is not None:
-        raise DataError(f"{out} already holds {prepared_kind(meta)}; {again}")
-    if not isinstance(meta.get("settings"), dict):
-        raise DataError(
-            f"{out} is already prepared, but its meta.json does not record the settings it was "
-            f"prepared with (an earlier version wrote it), so they cannot be compared; {again}"
-        )
     for _ in source.pieces():  # read through once: the text's sha256
         pass
     found = []
@@ -227,7 +220,7 @@ def check_stream_prepared(out: Path, source: TextSource, settings: dict) -> None
     found += differences(meta["settings"], settings, SHOWN_DIFFERENCES - len(found), "settings")
     if found:
         raise DataError(
-            f"{out} is already prepared from another text or settings ({'; '.join(found)}); {again}"
+            f"{out} is already prepared from another text or settings ({'; '.join(found)}); {AGAIN}"
         )
     raise AlreadyPrepared(out, meta)
 

@@ -224,27 +224,40 @@ class AlreadyPrepared(Exception):
         self.meta = meta
 
 
+AGAIN = "add --restart to prepare it again from scratch, or write to another --out"
+
+
+def prepared_before(out: Path, kind: str | None, recorded: str, what: str) -> dict | None:
+    """``out``'s meta.json when it holds a complete prepare of ``kind`` that records
+    ``recorded`` (what a new prepare is compared with: ``what``, in words); None when it holds
+    no complete prepare; a one-line DataError for another kind, or one from before ``recorded``
+    was written (naming --restart)."""
+    meta = complete_meta(out)
+    if meta is None:
+        return None
+    if meta.get("kind") != kind:
+        raise DataError(f"{out} already holds {prepared_kind(meta)}; {AGAIN}")
+    if meta.get(recorded) is None:
+        raise DataError(
+            f"{out} is already prepared, but its meta.json does not record {what} (an earlier "
+            f"version wrote it), so these cannot be compared with them; {AGAIN}"
+        )
+    return meta
+
+
 def check_prepared(out: Path, identity: dict) -> None:
     """Before a document corpus is prepared in ``out``: ``AlreadyPrepared`` when ``out`` holds a
     complete prepare of ``identity`` (inputs and settings, as meta.json records them), a
     one-line DataError when it holds another complete prepare (naming what differs, and
     --restart); nothing when it holds none (or one whose files no longer match its meta.json,
     which is prepared again)."""
-    meta = complete_meta(out)
+    meta = prepared_before(out, "documents", "inputs", "its inputs' files")
     if meta is None:
         return
-    again = "add --restart to prepare it again from scratch, or write to another --out"
-    if meta.get("kind") != "documents":
-        raise DataError(f"{out} already holds {prepared_kind(meta)}; {again}")
-    if "inputs" not in meta:
-        raise DataError(
-            f"{out} is already prepared, but its meta.json does not record its inputs' files (an "
-            f"earlier version wrote it), so these cannot be compared with them; {again}"
-        )
     differs = what_differs({"inputs": meta["inputs"], "settings": meta.get("settings")}, identity)
     if differs:
         raise DataError(f"{out} is already prepared from other inputs or settings ({differs}); "
-                        f"{again}")  # fmt: skip
+                        f"{AGAIN}")  # fmt: skip
     raise AlreadyPrepared(out, meta)
 
 
