@@ -706,12 +706,15 @@ def test_a_text_stream_prepared_again_is_kept_as_it_is_or_refused_until_restart(
 
     from llm_foundry.cli import main
 
+    def stamps(out):  # a file written again is a new inode (renamed into place), a later mtime
+        return {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in out.iterdir()}
+
     (tmp_path / "a.txt").write_text(TEXT)
     (tmp_path / "b.txt").write_text(OTHER)
     out = tmp_path / "d"
     argv = ["prepare", "--text", str(tmp_path / "a.txt"), "--out", str(out)]
     assert cli_status(argv, capsys)[0] == 0
-    before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    before = stamps(out)
     time.sleep(0.01)  # a file written again would get a later mtime
     capsys.readouterr()
     assert main(argv) == 0
@@ -721,7 +724,7 @@ def test_a_text_stream_prepared_again_is_kept_as_it_is_or_refused_until_restart(
     assert main([*argv, "--json"]) == 0
     printed = capsys.readouterr()
     assert json.loads(printed.out) == json.loads((out / "meta.json").read_text())
-    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before
+    assert stamps(out) == before
     # other settings, then another text too: refused, naming what differs
     rc, err = cli_status([*argv, "--tokenizer", "bpe", "--val-fraction", "0.2"], capsys)
     assert rc == 2 and err == (
@@ -735,7 +738,7 @@ def test_a_text_stream_prepared_again_is_kept_as_it_is_or_refused_until_restart(
     other = ["prepare", "--text", str(tmp_path / "b.txt"), "--out", str(out)]
     rc, err = cli_status(other, capsys)
     assert rc == 2 and f"(the text's sha256: {sha['a.txt']}… then, {sha['b.txt']}… now)" in err
-    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before
+    assert stamps(out) == before
     # --restart prepares it again; --sft prepares anew anyway
     assert cli_status([*other, "--restart"], capsys)[0] == 0
     assert load_meta(out)["sha256"].startswith(sha["b.txt"])
