@@ -57,7 +57,7 @@ from bench_shakespeare import data_dir, load_nanogpt, nanogpt_model
 
 from llm_foundry.ablation import first_crossing, training_seconds
 from llm_foundry.bench import cpu_model
-from llm_foundry.cli.options import SettingsParser, stopped
+from llm_foundry.cli.options import SettingsParser, at_least_one, stopped
 from llm_foundry.data import load_split
 from llm_foundry.plots import read_metrics
 from llm_foundry.presets import get_preset
@@ -435,10 +435,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("--nanogpt", type=Path, required=True, help="a nanoGPT checkout (model.py)")
-    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--seeds", type=at_least_one, default=3)
     ap.add_argument("--seed0", type=int, default=1337, help="first seed (seeds run seed0 + i)")
-    ap.add_argument("--eval-interval", type=int, default=25)
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+    ap.add_argument("--eval-interval", type=at_least_one, default=25)
+    ap.add_argument(
+        "--threads", type=at_least_one, default=None, help="torch threads (default: all)"
+    )
     ap.add_argument("--full", action="store_true", help="run whole recipes, not to the target")
     ap.add_argument("--only", action="append", metavar="NAME",
                     help="an entrant to run (repeatable; the reference always runs)")  # fmt: skip
@@ -448,10 +450,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--keep", action="store_true",
                     help="keep the working folder (data, checkpoints) and say where")  # fmt: skip
     args = ap.parse_args(argv)
-    for name in ("seeds", "eval_interval", "threads"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     known = [e.name for e in ENTRANTS]
     for name in args.only or []:
         if name not in known:

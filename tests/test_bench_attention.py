@@ -106,6 +106,8 @@ def test_budget_and_out_are_checked_before_measuring(tmp_path, capsys):
         (["attention", "--dtype", "fp64"], ["'fp64'", "'fp32', 'bf16', 'fp16'"]),
         (["attention", "--impls", "manual,flashy"], ["flashy", "manual, sdpa, sdpa:flash"]),
         (["attention", "--seq-lens", "1k"], ["--seq-lens", "'1k'", "integers"]),
+        (["attention", "--warmup", "0"], ["argument --warmup: 0 must be at least 1"]),
+        (["attention", "--head-dim", "2.5"], ["argument --head-dim: '2.5' is not a whole number"]),
         (["attention", "--bogus"], ["--bogus"]),
         (["foo"], ["unknown benchmark 'foo'", "valid: attention"]),
         ([], ["no benchmark given", "valid: attention"]),

@@ -109,8 +109,8 @@ def run(argv: list[str], capsys) -> tuple[int | str, str, str]:
 @pytest.mark.parametrize(
     "argv, names",
     [
-        (["--seeds", "0"], ["--seeds must be >= 1, got 0"]),
-        (["--eval-interval", "0"], ["--eval-interval must be >= 1, got 0"]),
+        (["--seeds", "0"], ["argument --seeds: 0 must be at least 1"]),
+        (["--eval-interval", "0"], ["argument --eval-interval: 0 must be at least 1"]),
         (["--only", "bogus"], ["--only 'bogus'", f"'{ADAMW}'", f"'{MUON}'", "'nanoGPT'"]),
         (["--only", ADAMW, "--only", "llama muon"], ["--only 'llama muon'", f"'{MUON}'"]),
     ],

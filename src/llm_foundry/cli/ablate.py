@@ -13,7 +13,7 @@ from llm_foundry.ablation import (
     run_study,
     write_report,
 )
-from llm_foundry.cli.options import SettingsParser, stopped
+from llm_foundry.cli.options import SettingsParser, at_least_one, stopped
 from llm_foundry.settings import parse_assignment
 
 
@@ -82,7 +82,7 @@ def _main(argv: list[str]) -> int:
         metavar="FIELD=V",
         help="override for every variant (train's --model.FIELD V and --train.FIELD V work too)",
     )
-    p.add_argument("--seeds", type=int, help="seeds per variant (mean ± std)")
+    p.add_argument("--seeds", type=at_least_one, help="seeds per variant (mean ± std)")
     p.add_argument("--data", default="data/shakespeare_char", help="directory written by prepare")
     p.add_argument("--out", help="output directory (default runs/ablate-NAME)")
     p.add_argument("--list", action="store_true", help="list the built-in recipes and exit")
@@ -111,8 +111,6 @@ def _main(argv: list[str]) -> int:
     if ns.preset:
         study.preset = ns.preset
     if ns.seeds is not None:
-        if ns.seeds < 1:
-            raise ValueError(f"--seeds {ns.seeds}: give a positive number of seeds per variant")
         study.seeds = ns.seeds
     for item in ns.set:
         section, name, values = parse_assignment(item)

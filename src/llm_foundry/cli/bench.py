@@ -19,7 +19,7 @@ from llm_foundry.bench.attention import (
     valid_kv_heads,
     write_outputs,
 )
-from llm_foundry.cli.options import SettingsParser, stopped
+from llm_foundry.cli.options import SettingsParser, at_least_one, stopped
 from llm_foundry.messages import shown
 
 BENCHMARKS = ["attention"]  # `llm-foundry bench NAME`
@@ -49,9 +49,9 @@ def parse_args(argv: list[str], prog: str = "bench_attention.py") -> argparse.Na
         "and KV-head count (MHA, GQA, MQA).",
     )
     ap.add_argument("--seq-lens", type=_int_list, default=[256, 512, 1024, 2048, 4096])
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--heads", type=int, default=12, help="query heads H")
-    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--batch", type=at_least_one, default=1)
+    ap.add_argument("--heads", type=at_least_one, default=12, help="query heads H")
+    ap.add_argument("--head-dim", type=at_least_one, default=64)
     ap.add_argument(
         "--kv-heads",
         type=_int_list,
@@ -70,13 +70,13 @@ def parse_args(argv: list[str], prog: str = "bench_attention.py") -> argparse.Na
     )
     ap.add_argument(
         "--repeats",
-        type=int,
+        type=at_least_one,
         default=None,
         help="timed calls per op, median (default: 5 on CPU, 20 on CUDA)",
     )
     ap.add_argument(
         "--warmup",
-        type=int,
+        type=at_least_one,
         default=None,
         help="untimed calls per op first, >= 1 (default: 1 on CPU, 3 on CUDA)",
     )
@@ -105,9 +105,6 @@ def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     args.dtype = args.dtype or ("bf16" if cuda else "fp32")
     args.repeats = (20 if cuda else 5) if args.repeats is None else args.repeats
     args.warmup = (3 if cuda else 1) if args.warmup is None else args.warmup
-    for name in ("batch", "heads", "head_dim", "repeats", "warmup"):
-        if getattr(args, name) < 1:
-            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     valid = valid_kv_heads(args.heads)
     args.kv_heads = args.kv_heads or default_kv_heads(args.heads)
     bad = [k for k in args.kv_heads if k not in valid]

@@ -90,6 +90,18 @@ def flag_value(text: str):
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def at_least_one(text: str) -> int:
+    """An argparse type: a whole number >= 1; argparse's message names the flag, this the value
+    ("argument --seeds: 0 must be at least 1")."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n} must be at least 1")
+    return n
+
+
 def given_overrides(ns: argparse.Namespace, sections: tuple[str, ...]) -> dict[str, dict]:
     """{section: {field: value}} for the field flags present on the command line."""
     out: dict[str, dict] = {s: {} for s in sections}

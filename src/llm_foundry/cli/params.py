@@ -3,11 +3,15 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
-from llm_foundry.cli.options import SettingsParser, add_settings_arguments, settings_from
+from llm_foundry.cli.options import (
+    SettingsParser,
+    add_settings_arguments,
+    at_least_one,
+    settings_from,
+)
 from llm_foundry.presets import preset_names
 
 
@@ -20,17 +24,6 @@ def default_tp(cfg, devices: int) -> int:
     except ValueError:
         return 1
     return 2 if devices % 2 == 0 else 1
-
-
-def at_least_one(text: str) -> int:
-    """An argparse type: a whole number >= 1 (argparse names the flag in the error)."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{n} must be at least 1")
-    return n
 
 
 # what only the --memory table uses, with its default: refused without --memory, not ignored
