@@ -34,6 +34,7 @@ from safetensors.torch import load_file, save_file
 
 from llm_foundry.checkpoint import load_weights, save_checkpoint
 from llm_foundry.config import ConfigError, ModelConfig
+from llm_foundry.durable import fsync, fsync_tree
 from llm_foundry.messages import one_line
 from llm_foundry.rundir import (
     LATEST,
@@ -45,14 +46,6 @@ from llm_foundry.rundir import (
     step_name,
 )
 from llm_foundry.train.config import TrainConfig
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
@@ -67,7 +60,7 @@ def write_json_atomic(path: Path, obj: Any) -> None:
     except BaseException:  # a full disk: no half-written file stays behind
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
+    fsync(path.parent)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -222,18 +215,12 @@ def write_state(
 def commit_checkpoint(ckpt_root: Path, tmp: Path, step: int) -> Path:
     """Make the checkpoint written in ``tmp`` the step directory of ``step``: every file and
     directory in it fsynced, renamed into place, then named by ``latest.json``."""
-    for item in sorted(tmp.rglob("*"), reverse=True):  # a directory after what it holds
-        if item.is_dir():
-            _fsync_dir(item)
-        else:
-            with open(item, "rb") as fh:
-                os.fsync(fh.fileno())
-    _fsync_dir(tmp)
+    fsync_tree(tmp)
     final = ckpt_root / step_name(step)
     if final.exists():  # the same step saved again (e.g. a signal right after a periodic save)
         shutil.rmtree(final)
     os.rename(tmp, final)
-    _fsync_dir(ckpt_root)
+    fsync(ckpt_root)
     write_json_atomic(ckpt_root / LATEST, {"step": step, "path": final.name})
     return final
 
