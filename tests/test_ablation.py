@@ -313,6 +313,67 @@ def test_trains_spelling_of_an_override_is_read_as_set():
         as_set_flags(["--model.dim"])
 
 
+def test_overrides_split_at_commas_but_a_comma_list_field_keeps_its_list():
+    import dataclasses
+
+    from llm_foundry.ablation.spec import LIST_FIELDS, parse_override
+    from llm_foundry.settings import SECTIONS
+
+    assert parse_override("train.lr=1e-3,2e-3") == ("train", "lr", [1e-3, 2e-3])
+    assert parse_override("n_kv_heads=4,2,1", axis=True) == ("model", "n_kv_heads", [4, 2, 1])
+    assert parse_override("train.lora_targets=wq,wv") == ("train", "lora_targets", ["wq,wv"])
+    assert parse_override("train.lora_targets=wq,wv/w1", axis=True)[2] == ["wq,wv", "w1"]
+    with pytest.raises(ValueError, match=r"^train.lora_targets: '\{' is not a valid value"):
+        parse_override("train.lora_targets={")
+    # the registry names every field whose default is a comma list (a new one is not missed)
+    commas = {
+        (section, f.name)
+        for section, cls in SECTIONS.items()
+        for f in dataclasses.fields(cls)
+        if isinstance(f.default, str) and "," in f.default
+    }
+    assert commas == LIST_FIELDS
+
+
+def test_a_comma_list_field_takes_its_whole_list_as_train_does(data_dir, tmp_path, monkeypatch):
+    """train.lora_targets holds a comma list: train's --train.lora_targets wq,wv and --set take
+    it whole (as `llm-foundry train` reads it); a --vary axis over it separates its values with
+    '/'. Any other field's comma in a --set is still refused (one value per --set)."""
+    import llm_foundry.cli.ablate as ablate_cli
+    from llm_foundry.cli.options import flag_value
+
+    class Ran(Exception):
+        pass
+
+    studies = []
+
+    def capture(study, data, out):  # the study as it would train, not trained
+        studies.append(study)
+        raise Ran
+
+    monkeypatch.setattr(ablate_cli, "run_study", capture)
+    base = ["ablate", "--data", str(data_dir), "--out", str(tmp_path), "--train.lora_r", "2"]
+    grid = ["--vary", "norm=layernorm,rmsnorm"]
+    for argv in (
+        [*grid, "--train.lora_targets", "wq,wk,wv,wo"],
+        [*grid, "--train.lora_targets=wq,wk,wv,wo"],
+        [*grid, "--set", "train.lora_targets=wq,wk,wv,wo"],
+        ["--vary", "train.lora_targets=wq,wv/w1,w2,w3"],
+    ):
+        with pytest.raises(Ran):
+            cli([*base, *argv])
+    *whole, axis = studies
+    for study in whole:
+        assert study.train["lora_targets"] == flag_value("wq,wk,wv,wo")  # train's reading
+        tcs = [ablation.configs(study, v, 0)[1] for v in expand(study)]
+        assert [tc.lora_targets for tc in tcs] == ["wq,wk,wv,wo"] * 2
+    variants = expand(axis)
+    assert [ablation.configs(axis, v, 0)[1].lora_targets for v in variants] == ["wq,wv", "w1,w2,w3"]
+    assert [v.name for v in variants] == ["lora_targets=wq,wv", "lora_targets=w1,w2,w3"]
+    assert cli([*base, *grid, "--set", "train.lr=1e-3,2e-3"]) == 2  # a scalar field: refused
+    assert len(studies) == 4
+
+
 def test_cli_lists_recipes(capsys):
     assert cli(["ablate", "--list"]) == 0
     lines = capsys.readouterr().out.splitlines()

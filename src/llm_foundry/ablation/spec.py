@@ -14,13 +14,18 @@ import yaml
 from llm_foundry.config import ConfigError, ModelConfig, is_count, is_number, load_yaml
 from llm_foundry.messages import shown
 from llm_foundry.presets import preset_names
-from llm_foundry.settings import parse_assignment, resolve, split_target
+from llm_foundry.settings import parse_assignment, resolve, scalar, split_target
 from llm_foundry.train.config import SEED_MAX, TrainConfig
 
 RECIPES_DIR = Path(__file__).parent.parent / "recipes"
 
 
 PROBES = ("init_grad_norms", "norm_speed")
+
+# fields whose one value is itself a comma list (train's --train.lora_targets wq,wv): a --set
+# keeps its commas, and a --vary axis over one separates its values with LIST_AXIS_SEPARATOR
+LIST_FIELDS = {("train", "lora_targets")}
+LIST_AXIS_SEPARATOR = "/"
 
 
 @dataclass
@@ -107,6 +112,22 @@ def load_study(source: str | Path) -> Study:
         return Study.from_dict({} if data is None else data)
     except ValueError as e:  # the file, then each problem with its key
         raise ValueError(f"{path}: {e}") from None
+
+
+def parse_override(item: str, axis: bool = False) -> tuple[str, str, list]:
+    """A --set 'FIELD=V' (``axis`` False) or a --vary 'FIELD=V1,V2' (True) as (section, field,
+    values), each typed as ``settings.scalar`` types a field flag. Values are split at commas,
+    except those of a field in LIST_FIELDS, whose one value holds commas: --set takes the whole
+    text, --vary splits it at '/' ('train.lora_targets=wq,wv/w1,w2,w3': two values)."""
+    section, name, values = parse_assignment(item)  # the field checked, commas split
+    if (section, name) not in LIST_FIELDS:
+        return section, name, values
+    text = item.partition("=")[2]
+    parts = text.split(LIST_AXIS_SEPARATOR) if axis else [text]
+    try:
+        return section, name, [scalar(v) for v in parts]
+    except ValueError as e:
+        raise ValueError(f"{item.partition('=')[0].strip()}: {e}") from None
 
 
 def expand(study: Study) -> list[Variant]:

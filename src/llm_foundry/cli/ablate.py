@@ -13,8 +13,8 @@ from llm_foundry.ablation import (
     run_study,
     write_report,
 )
+from llm_foundry.ablation.spec import LIST_AXIS_SEPARATOR, LIST_FIELDS, parse_override
 from llm_foundry.cli.options import SettingsParser, at_least_one, stopped
-from llm_foundry.settings import parse_assignment
 
 
 def main(argv: list[str]) -> int:
@@ -59,6 +59,7 @@ def as_set_flags(argv: list[str]) -> list[str]:
 
 
 def _main(argv: list[str]) -> int:
+    lists = ", ".join(f"{s}.{f}" for s, f in sorted(LIST_FIELDS))
     p = SettingsParser(
         prog="llm-foundry ablate",
         description="Train variants of one model with the same seeds, data and budget; write a "
@@ -73,14 +74,18 @@ def _main(argv: list[str]) -> int:
         action="append",
         default=[],
         metavar="FIELD=V1,V2",
-        help="grid axis; model field by default, train.FIELD for training (repeatable)",
+        help="grid axis; model field by default, train.FIELD for training (repeatable). A "
+        f"comma-list field ({lists}) separates its values with '{LIST_AXIS_SEPARATOR}': "
+        f"train.lora_targets=wq,wv{LIST_AXIS_SEPARATOR}w1,w2,w3",
     )
     p.add_argument(
         "--set",
         action="append",
         default=[],
         metavar="FIELD=V",
-        help="override for every variant (train's --model.FIELD V and --train.FIELD V work too)",
+        help="override for every variant (train's --model.FIELD V and --train.FIELD V work too); "
+        f"one value, so a comma is refused except in a comma-list field ({lists}), which takes "
+        "the whole list: train.lora_targets=wq,wv",
     )
     p.add_argument("--seeds", type=at_least_one, help="seeds per variant (mean ± std)")
     p.add_argument("--data", default="data/shakespeare_char", help="directory written by prepare")
@@ -113,12 +118,12 @@ def _main(argv: list[str]) -> int:
     if ns.seeds is not None:
         study.seeds = ns.seeds
     for item in ns.set:
-        section, name, values = parse_assignment(item)
+        section, name, values = parse_override(item)
         if len(values) > 1:
             raise ValueError(f"--set {item}: one value per --set (a grid is --vary)")
         getattr(study, section)[name] = values[0]
     for item in ns.vary:
-        section, name, values = parse_assignment(item)
+        section, name, values = parse_override(item, axis=True)
         study.vary[name if section == "model" else f"train.{name}"] = values
     changed = ([f"--preset {ns.preset}"] * bool(ns.preset) + [f"--set {x}" for x in ns.set]
                + [f"--seeds {ns.seeds}"] * (ns.seeds is not None))  # fmt: skip
