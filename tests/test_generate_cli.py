@@ -276,6 +276,27 @@ def test_errors(ckpt, tmp_path, capsys):
     assert "repetition_penalty=0.0 must be > 0" in err
 
 
+def test_a_refused_command_prints_no_note_first(tmp_path, capsys):
+    """The notes on how a command would run (--compile with cropped decoding, the context cropped
+    to max_seq_len) follow every check: a refusal is the one line printed."""
+    tok = CharTokenizer.train(TEXT)
+    _save(tmp_path / "learned", tok, pos_encoding="learned")
+    _save(tmp_path / "rope", tok)
+    for model, extra in (
+        ("learned", ["--context", "65"]),  # past the learned positions
+        ("learned", ["--seed", str(2**70)]),  # a seed no generator takes
+        ("rope", ["--context", "65"]),  # a window past max_seq_len
+        ("rope", ["--context", "65", "--stream"]),
+    ):
+        args = ["--checkpoint", str(tmp_path / model), "--prompt", TEXT[:60]]
+        err = _fails(capsys, *args, "--max-new-tokens", "10", "--compile", *extra)
+        assert "note:" not in err and err.count("\n") == 1, err
+    # accepted, the same command says both notes
+    assert main(["generate", *args, "--max-new-tokens", "10", "--compile"]) == 0
+    err = capsys.readouterr().err
+    assert "note: --compile compiles the cached decode step" in err and "max_seq_len (64)" in err
+
+
 def test_past_max_seq_len(tmp_path, capsys):
     tok = CharTokenizer.train(TEXT)
     learned = _save(tmp_path / "learned", tok, pos_encoding="learned")

@@ -42,33 +42,33 @@ def _held_back(text: str, stops: list[str]) -> int:
     return n + len(stripped) - len(stripped.rstrip("\ufffd"))
 
 
-def _context(model, n_prompt: int, ns) -> int | None:
-    """How many tokens each step sees (None: all of them, through the KV cache)."""
+def _context(model, n_prompt: int, ns) -> tuple[int | None, list[str]]:
+    """How many tokens each step sees (None: all of them, through the KV cache), and the notes
+    on it, which the caller prints once every other check has passed too."""
     longest, limit = n_prompt + ns.max_new_tokens, model.cfg.max_seq_len
     if ns.context == 0 or (ns.context is None and longest <= limit):
-        return None
+        return None, []
     if ns.cuda_graph:
         what = f"--context {ns.context}"
         if not ns.context:
             what = (f"prompt + new tokens ({longest}) past max_seq_len ({limit}), which feed each "
                     f"step the last {limit} tokens without a cache")  # fmt: skip
         raise ValueError(f"--cuda-graph decodes over a KV cache: it does not take {what}")
+    positions = model.pos.max_positions
+    if ns.context is not None and positions is not None and ns.context > positions:
+        raise ValueError(f"--context {ns.context} is past the {positions} learned positions")
+    notes = []
     if getattr(ns, "compile", False):  # what it compiles is the cached step
-        print("note: --compile compiles the cached decode step; cropped decoding (each step "
-              "recomputed over the last tokens) runs eager (--context 0: cached, compiled)",
-              file=sys.stderr)  # fmt: skip
+        notes.append("note: --compile compiles the cached decode step; cropped decoding (each "
+                     "step recomputed over the last tokens) runs eager (--context 0: cached, "
+                     "compiled)")  # fmt: skip
     if ns.context is None:
-        print(
+        notes.append(
             f"note: prompt + new tokens ({longest}) exceed the model's max_seq_len ({limit}): "
-            f"each step sees the last {limit} tokens (--context 0 to feed them all)",
-            file=sys.stderr,
+            f"each step sees the last {limit} tokens (--context 0 to feed them all)"
         )
-        return limit
-    if model.pos.max_positions is not None and ns.context > model.pos.max_positions:
-        raise ValueError(
-            f"--context {ns.context} is past the {model.pos.max_positions} learned positions"
-        )
-    return ns.context
+        return limit, notes
+    return ns.context, notes
 
 
 def _chat(ns, model, tok, info, eos_ids: set[int]) -> int:
@@ -131,6 +131,7 @@ def _complete(model, tok, ids: list[int], ns, eos_ids: set[int], emit=None) -> d
             raise ValueError("the prompt is empty (it encodes to no tokens)")
         ids = [tok.bos_id]
     device = next(model.parameters()).device
+    context, notes = _context(model, len(ids), ns)
     steps = stream(
         model,
         torch.tensor([ids], device=device),
@@ -141,7 +142,7 @@ def _complete(model, tok, ids: list[int], ns, eos_ids: set[int], emit=None) -> d
         min_p=ns.min_p,
         repetition_penalty=ns.repetition_penalty,
         seed=ns.seed,
-        context=_context(model, len(ids), ns),
+        context=context,
         compile=ns.compile,
         cuda_graph=ns.cuda_graph,
     )
@@ -154,6 +155,7 @@ def _complete(model, tok, ids: list[int], ns, eos_ids: set[int], emit=None) -> d
     start = time.perf_counter()
     try:
         for nxt in steps:
+            notes = _say(notes)  # the stream checked every option before its first step
             t = int(nxt[0])
             new.append(t)
             if t in eos_ids:
@@ -176,6 +178,7 @@ def _complete(model, tok, ids: list[int], ns, eos_ids: set[int], emit=None) -> d
                 shown = ready
     finally:
         steps.close()
+    _say(notes)  # no step taken (--max-new-tokens 0): checked all the same
     elapsed = time.perf_counter() - start
     if emit and tok is not None and len(text) > shown:
         emit(text[shown:])
@@ -188,6 +191,13 @@ def _complete(model, tok, ids: list[int], ns, eos_ids: set[int], emit=None) -> d
         "stop_reason": reason,
         "tokens_per_s": round(len(new) / elapsed, 2) if elapsed > 0 else None,
     }
+
+
+def _say(notes: list[str]) -> list[str]:
+    """Print ``notes`` on stderr (stdout holds the text alone); none are left to print."""
+    for note in notes:
+        print(note, file=sys.stderr)
+    return []
 
 
 def _ids_text(ids: list[int]) -> str:
