@@ -245,9 +245,9 @@ def test_metadata_and_tensor_types(char_tok, tmp_path):
         "qwen3.rope.dimension_count": 48,
         "qwen3.rope.freq_base": 1e6,
         "qwen3.vocab_size": char_tok.vocab_size,
-        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "qwen2",
         "tokenizer.ggml.add_bos_token": False,
-        "tokenizer.ggml.add_space_prefix": False,
     }
     assert {k: f.get(k) for k in want} == want
     assert f["qwen3.attention.layer_norm_rms_epsilon"] == pytest.approx(1e-6)
@@ -518,14 +518,17 @@ def test_whole_sequence_detokenize_cleans_spaces_for_gpt2_vocabularies(llama_cpp
         llm.close()
 
 
-def test_char_vocabulary_spells_space_as_sentencepiece_does(char_tok, tmp_path):
+def test_char_vocabulary_names_its_last_character_bos_and_eos(char_tok, tmp_path):
+    """Spelled in GPT-2's byte symbols (tests/test_gguf_char_vocab.py); no bos/eos in a character
+    vocabulary: llama.cpp gets the last character for both, and no unk (its BPE reads none)."""
     path = export_gguf(_tiny_model(char_tok.vocab_size), char_tok, tmp_path / "t.gguf")
     f = _reader_fields(path)
-    assert f["tokenizer.ggml.tokens"][char_tok.encode(" ")[0]] == "\u2581"
-    assert f["tokenizer.ggml.tokens"][char_tok.encode("\n")[0]] == "\n"
-    # no bos/eos in a character vocabulary: llama.cpp gets the last character for both
+    assert f["tokenizer.ggml.model"] == "gpt2"
+    assert f["tokenizer.ggml.tokens"][char_tok.encode(" ")[0]] == "\u0120"
+    assert f["tokenizer.ggml.tokens"][char_tok.encode("\n")[0]] == "\u010a"
     last = char_tok.vocab_size - 1
     assert f["tokenizer.ggml.eos_token_id"] == f["tokenizer.ggml.bos_token_id"] == last
+    assert "tokenizer.ggml.unknown_token_id" not in f
 
 
 def test_model_vocabulary_larger_than_the_tokenizer_is_padded(llama_cpp, char_tok, tmp_path):
@@ -658,9 +661,6 @@ def test_bad_inputs_are_refused(char_tok, tmp_path):
     assert "more than the model's vocab_size=1" in _refusal(
         export_gguf, wide, small, tmp_path / "x"
     )
-    sp = CharTokenizer("a\u2581")
-    message = _refusal(export_gguf, Transformer(ModelConfig(**{**BASE, "vocab_size": 2})), sp, "x")
-    assert "U+2581" in message
 
 
 def test_a_quantized_model_is_refused(char_tok, tmp_path):

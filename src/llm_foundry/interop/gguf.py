@@ -14,17 +14,22 @@ The HF family ``interop.hf.choose_family`` finds for a config decides llama.cpp'
     qwen3_moe -> "qwen3moe"  only with the top k renormalised (llama.cpp always does)
 
 Every other family or setting is refused with an error naming the field, its value and what is
-supported. Tokenizers: our character tokenizer becomes a SentencePiece-style ("llama") vocabulary,
-our byte-level BPE and HF ByteLevel BPE ``tokenizer.json`` files a "gpt2" one with llama.cpp's
-"gpt-2" pre-tokenizer (the same regex); other HF tokenizers are refused. Outtypes f32, f16, bf16,
-q8_0, q4_0 apply to 2-D and 3-D tensors; 1-D ones (norms, biases), routers and GPT-2's position
-table stay f32 (as llama.cpp's converter keeps them), and a q8_0/q4_0 tensor whose rows are not
-whole 32-value blocks falls back to f16 (logged).
+supported. Tokenizers: all become byte-level BPE ("gpt2") vocabularies. Our character tokenizer:
+one token per character and merges joining the bytes of each character alone, so llama.cpp reads
+one id per character; a character outside the vocabulary, which ``encode`` refuses, llama.cpp
+drops (``char_vocab`` says why that and not an unk id). Our byte-level BPE and HF ByteLevel BPE
+``tokenizer.json`` files: the same tokens and merges with llama.cpp's "gpt-2" pre-tokenizer (the
+same regex); other HF tokenizers are refused.
 
-Known differences, both llama.cpp's: a vocabulary always has a BOS and an EOS id there, so one
+Outtypes f32, f16, bf16, q8_0, q4_0 apply to 2-D and 3-D tensors; 1-D ones (norms, biases),
+routers and GPT-2's position table stay f32 (as llama.cpp's converter keeps them), and a q8_0/q4_0
+tensor whose rows are not whole 32-value blocks falls back to f16 (logged).
+
+Known differences, all llama.cpp's: a vocabulary always has a BOS and an EOS id there, so one
 without (the character tokenizer) names its last token, after which llama.cpp stops generating;
 for "gpt-2" vocabularies its whole-text detokenize drops the space before , . ! ? 's (token
-pieces, as streamed, are exact).
+pieces, as streamed, are exact); characters outside a character vocabulary are dropped, not
+refused.
 """
 
 from __future__ import annotations
@@ -335,14 +340,12 @@ def gguf_tensors(
 # ----------------------------------------------------------------------------------------------
 # Vocabularies
 
-SPACE = "\u2581"  # how SentencePiece vocabularies spell the space
-
 
 @dataclass
 class Vocab:
     """What the ``tokenizer.ggml.*`` keys say."""
 
-    model: str  # "llama" (SentencePiece-style) or "gpt2" (byte-level BPE)
+    model: str  # "gpt2": byte-level BPE
     tokens: list[str]
     types: list[int]  # gguf.TokenType per token
     special: dict[str, int]  # "bos", "eos", "unk", "pad" -> id
@@ -350,14 +353,12 @@ class Vocab:
     add_eos: bool = False
     pre: str | None = None  # the pre-tokenizer, by llama.cpp's name
     merges: list[str] | None = None  # "left right", highest priority first
-    scores: list[float] | None = None
-    add_space_prefix: bool | None = None
 
 
 def _stop_id(tokens: list[str], missing: list[str], what: str) -> int:
     """An id for llama.cpp's bos/eos when the tokenizer has none: llama.cpp always has both and
-    would otherwise take ids 1/2 (SentencePiece) or 11 (BPE), real tokens. The last token: for a
-    character vocabulary the highest code point, for BPE the last merge learned, both rare."""
+    would otherwise take id 11 (its BPE default), a real token. The last token: for a character
+    vocabulary the highest code point, for BPE the last merge learned, both rare."""
     i = len(tokens) - 1
     log.warning(
         f"note: the {what} has no {'/'.join(missing)} token; llama.cpp needs one, so "
@@ -366,30 +367,49 @@ def _stop_id(tokens: list[str], missing: list[str], what: str) -> int:
     return i
 
 
+def byte_symbols() -> list[str]:
+    """The printable character GPT-2's byte-level BPE spells each byte 0..255 with (Radford et al.
+    2019, "Language Models are Unsupervised Multitask Learners", sec. 2.2): the printable Latin-1
+    bytes stand for themselves, the other 68 take the code points 256, 257, ... in byte order."""
+    printable = {*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
+    others = (chr(0x100 + i) for i in range(256 - len(printable)))
+    return [chr(b) if b in printable else next(others) for b in range(256)]
+
+
+# the pre-tokenizer named for a character vocabulary: merges join only the bytes of one character,
+# so any split gives the same ids; this one (unlike "gpt-2") leaves spaces as written on decode
+CHAR_PRE = "qwen2"
+# llama.cpp refuses a "gpt2" vocabulary without merges and gguf writes no empty list: one of two
+# 0xFF bytes, which UTF-8 text never holds, for a vocabulary of single-byte characters
+NO_MERGE = "\u00ff \u00ff"
+
+
 def char_vocab(tok: Any, token_ids: dict[str, int]) -> Vocab:
-    """Our character tokenizer as a SentencePiece-style vocabulary of single characters (space
-    spelled U+2581, no space prefix, no BOS): no two tokens concatenate into a third, so llama.cpp
-    merges nothing and reads one id per character, as ``CharTokenizer.encode`` does."""
-    if SPACE in tok.chars:
-        raise GGUFError(
-            f"the character tokenizer holds {SPACE!r} (U+2581), which GGUF's SentencePiece-style "
-            "vocabulary uses for the space; supported: vocabularies without U+2581"
-        )
-    tokens = [SPACE if c == " " else c for c in tok.chars]
+    """Our character tokenizer as a byte-level BPE ("gpt2") vocabulary: each character one token,
+    spelled in GPT-2's byte symbols, and merges that join the bytes of each multi-byte character
+    (a lead byte, then its continuation bytes) and nothing else, so llama.cpp reads one id per
+    character, as ``CharTokenizer.encode`` does.
+
+    Characters outside the vocabulary: ``encode`` refuses them; llama.cpp's BPE tokenizer, for a
+    piece that is no token, looks up each of its bytes alone and drops those that are none, so it
+    drops the character and tokenizes the rest as ``encode`` tokenizes the text without it. Not a
+    SentencePiece-style ("llama") vocabulary: llama.cpp reads an unknown character there as
+    ``<0xXX>`` byte tokens, never the unk id, and aborts without them (256 more tokens would need
+    256 embedding rows the model does not have); nor a unigram ("t5") one, which maps unknown
+    characters to the unk id but fuses runs of that id, so a real character named unk would lose
+    its repeats."""
+    symbols = byte_symbols()
+    tokens = ["".join(symbols[b] for b in c.encode("utf-8")) for c in tok.chars]
+    # one symbol per byte: merge the first i bytes of a character with its (i + 1)-th
+    merges = list(dict.fromkeys(f"{t[:i]} {t[i]}" for t in tokens for i in range(1, len(t))))
     special = dict(token_ids)
-    missing = [k for k in ("bos", "eos", "unk") if k not in special]
+    missing = [k for k in ("bos", "eos") if k not in special]
     if missing:
-        stop = _stop_id(tokens, missing, "character tokenizer")
+        stop = _stop_id(list(tok.chars), missing, "character tokenizer")
         special.update(dict.fromkeys(missing, stop))
     normal = int(gguf.TokenType.NORMAL)
-    return Vocab(
-        "llama",
-        tokens,
-        [normal] * len(tokens),
-        special,
-        scores=[0.0] * len(tokens),
-        add_space_prefix=False,
-    )
+    types = [normal] * len(tokens)
+    return Vocab("gpt2", tokens, types, special, pre=CHAR_PRE, merges=merges or [NO_MERGE])
 
 
 # HF pre-tokenizer (type, add_prefix_space, use_regex) -> llama.cpp's name for the same split
@@ -541,8 +561,6 @@ def build_vocab(tokenizer: Any, vocab_size: int, token_ids: dict[str, int] | Non
     pad = [f"[PAD{i}]" for i in range(n, vocab_size)]
     vocab.tokens += pad
     vocab.types += [int(gguf.TokenType.UNUSED)] * len(pad)
-    if vocab.scores is not None:
-        vocab.scores += [0.0] * len(pad)
     return vocab
 
 
@@ -560,16 +578,12 @@ def _write_vocab(w: Any, v: Vocab) -> None:
         w.add_tokenizer_pre(v.pre)
     w.add_token_list(v.tokens)
     w.add_token_types(v.types)
-    if v.scores is not None:
-        w.add_token_scores(v.scores)
     if v.merges is not None:
         w.add_token_merges(v.merges)
     for key, value in v.special.items():
         getattr(w, SPECIAL_KEYS[key])(int(value))
     w.add_add_bos_token(v.add_bos)
     w.add_add_eos_token(v.add_eos)
-    if v.add_space_prefix is not None:
-        w.add_add_space_prefix(v.add_space_prefix)
 
 
 # ----------------------------------------------------------------------------------------------
