@@ -165,7 +165,7 @@ def test_generate_chat_prompts_an_hf_model_through_its_template(tmp_path, capsys
         [{"role": "user", "content": "Who speaks next?"}],
         add_generation_prompt=True, tokenize=True, return_dict=False,
     )  # fmt: skip
-    assert rec["tokens"][: len(want)] == list(want)
+    assert rec["prompt_ids"] == list(want)
 
 
 def test_a_template_that_would_hang_stops_generate_chat_and_serve_in_one_line(tmp_path, capsys):

@@ -90,7 +90,7 @@ def test_a_lora_fine_tune_through_every_export(tmp_path, capsys):
     rec = json.loads(_cli(capsys, *argv).strip().splitlines()[-1])
     theirs_ids = hf.generate(torch.tensor([ids]), max_new_tokens=40, do_sample=False)[0].tolist()
     # both keep the eos that ended them: ours reaching it, HF stops there too
-    assert theirs_ids == rec["tokens"]
+    assert theirs_ids == rec["prompt_ids"] + rec["new_ids"]
 
     # convert --to-peft: the adapter alone; peft on the HF base equals --adapter on ours
     out = _cli(capsys, "convert", "--to-peft", str(tuned), "--out", str(tmp_path / "adapter"))
@@ -118,7 +118,7 @@ def test_a_lora_fine_tune_through_every_export(tmp_path, capsys):
         logits = _theirs(with_adapter, seq)[-1]
         assert_decisive(logits, "peft's greedy step")
         seq.append(int(logits.argmax()))
-    assert rec["tokens"] == seq
+    assert rec["prompt_ids"] + rec["new_ids"] == seq
     # eval --adapter: the loss of peft's own merged model, read from its HF directory
     (tmp_path / "text.txt").write_text(corpus_text(3_000))
     merged = tmp_path / "hf-peft-merged"
@@ -144,7 +144,7 @@ def test_a_lora_fine_tune_through_every_export(tmp_path, capsys):
     in_memory = json.loads(
         _cli(capsys, *argv, "--checkpoint", str(tuned), "--quantize", "int8").splitlines()[-1]
     )
-    assert from_file["tokens"] == in_memory["tokens"]
+    assert from_file["new_ids"] == in_memory["new_ids"]
     # quantize --adapter: the base with the PEFT adapter merged, as generate --adapter reads it
     out = _cli(capsys, "quantize", "--checkpoint", str(base), "--adapter", str(tmp_path / "adapter"),
                "--to", "int8", "--out", str(tmp_path / "qa"))  # fmt: skip
@@ -152,7 +152,7 @@ def test_a_lora_fine_tune_through_every_export(tmp_path, capsys):
     from_file = json.loads(_cli(capsys, *argv, "--checkpoint", str(tmp_path / "qa")))
     in_memory = _cli(capsys, *argv, "--checkpoint", str(base), "--adapter",
                      str(tmp_path / "adapter"), "--quantize", "int8")  # fmt: skip
-    assert from_file["tokens"] == json.loads(in_memory.splitlines()[-1])["tokens"]
+    assert from_file["new_ids"] == json.loads(in_memory.splitlines()[-1])["new_ids"]
     assert _rel(_ours(load_any(tmp_path / "qa").model, ids), theirs) < _rel(base_logits, theirs) / 4
 
     # convert --to-gguf: llama.cpp's f32 logits are the run's

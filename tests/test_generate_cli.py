@@ -110,7 +110,7 @@ def test_seed_reproducible(ckpt, capsys):
     base += ["--temperature", "1.0", "--json"]
 
     def tokens(seed: str) -> list[int]:
-        return json.loads(_run(capsys, *base, "--seed", seed))["tokens"]
+        return json.loads(_run(capsys, *base, "--seed", seed))["new_ids"]
 
     assert tokens("7") == tokens("7")
     assert tokens("7") != tokens("8")
@@ -120,10 +120,14 @@ def test_json_fields(ckpt, capsys):
     path, model, tok = ckpt
     args = ["--checkpoint", str(path), "--prompt", "to be", "--temperature", "0", "--json"]
     rec = json.loads(_run(capsys, *args, "--max-new-tokens", "12"))
-    assert {"prompt", "completion", "tokens", "new_tokens", "tokens_per_s"} <= set(rec)
+    assert set(rec) == {"prompt", "completion", "prompt_ids", "new_ids", "prompt_tokens",
+                        "new_tokens", "stop_reason", "tokens_per_s"}  # fmt: skip
     ref = generate(model, torch.tensor([tok.encode("to be")]), 12, temperature=0)[0].tolist()
-    assert rec["tokens"] == ref and rec["new_tokens"] == 12 and rec["prompt_tokens"] == 5
-    assert rec["prompt"] == "to be" and rec["prompt"] + rec["completion"] == tok.decode(ref)
+    # each text beside its ids: the prompt's, then the generated ones alone, each counted
+    assert rec["prompt_ids"] == ref[:5] and rec["new_ids"] == ref[5:]
+    assert rec["prompt_tokens"] == 5 and rec["new_tokens"] == 12
+    assert rec["prompt"] == tok.decode(rec["prompt_ids"]) == "to be"
+    assert rec["completion"] == tok.decode(rec["new_ids"])
     assert rec["stop_reason"] == "length" and rec["tokens_per_s"] > 0
 
 
@@ -191,7 +195,8 @@ def test_multibyte_characters_stream_whole(tmp_path, capsys, monkeypatch):
     assert out == "hé ☃ ö!\n" and _run(capsys, *args) == out
     rec = json.loads(_run(capsys, *args, "--json"))
     assert rec["completion"] == "é ☃ ö!" and rec["stop_reason"] == "eos"
-    assert rec["tokens"][-1] == tok.eos_id and rec["new_tokens"] == len(tok.encode("é ☃ ö!")) + 1
+    assert rec["new_ids"] == tok.encode("é ☃ ö!") + [tok.eos_id]  # the eos that ended it too
+    assert rec["new_tokens"] == len(rec["new_ids"]) and rec["prompt_ids"] == tok.encode("h")
     assert _run(capsys, *args, "--stream", "--stop", "☃") == "hé \n"
     assert _run(capsys, *args, "--stream", "--ignore-eos").startswith("hé ☃ ö!<eos>never")
 
@@ -225,8 +230,10 @@ def test_hf_directory_with_prompt_ids(tmp_path, capsys):
     # config.json's eos_token_id (2) ends generation the way HF's generate does
     eos = hf.config.eos_token_id
     rec = json.loads(_run(capsys, *base, "--max-new-tokens", "40", "--json"))
-    assert rec["tokens"] == _hf_generate(hf, [1, 2, 3], 40)
-    assert rec["stop_reason"] == ("eos" if eos in rec["tokens"][3:] else "length")
+    assert rec["prompt"] == rec["prompt_ids"] == [1, 2, 3]  # no tokenizer: the text is ids
+    assert rec["prompt_ids"] + rec["new_ids"] == _hf_generate(hf, [1, 2, 3], 40)
+    assert rec["stop_reason"] == ("eos" if eos in rec["new_ids"] else "length")
+    assert rec["completion"] == [t for t in rec["new_ids"] if t != eos]
     err = _fails(capsys, "--checkpoint", str(path), "--prompt", "hello")
     assert "no tokenizer.json" in err and "--prompt-ids" in err
     assert "out of range" in _fails(capsys, "--checkpoint", str(path), "--prompt-ids", "1,50")
@@ -247,7 +254,7 @@ def test_hf_directory_with_its_own_tokenizer_file(tmp_path, capsys):
     ids = tk.encode("to be or").ids
     ref = _hf_generate(hf, ids, 6, min_new_tokens=6)
     rec = json.loads(_run(capsys, *args, "--json"))
-    assert rec["tokens"] == ref and rec["prompt"] == "to be or"
+    assert rec["prompt_ids"] + rec["new_ids"] == ref and rec["prompt"] == "to be or"
     assert rec["prompt"] + rec["completion"] == tk.decode(ref)
     assert _run(capsys, *args, "--stream") == _run(capsys, *args) == tk.decode(ref) + "\n"
 

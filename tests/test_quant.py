@@ -278,7 +278,7 @@ def test_quantize_command_writes_a_checkpoint_generate_reads(trained, tmp_path, 
     from_file = json.loads(capsys.readouterr().out)
     assert main(["generate", "--checkpoint", str(trained), "--quantize", "int8", *args]) == 0
     in_memory = json.loads(capsys.readouterr().out)
-    assert from_file["tokens"] == in_memory["tokens"] and from_file["new_tokens"] == 20
+    assert from_file["new_ids"] == in_memory["new_ids"] and from_file["new_tokens"] == 20
     # a quantized checkpoint is not exported to HF, not quantized again, and not trained
     assert main(["convert", "--to-hf", str(out), "--out", str(tmp_path / "hf")]) == 2
     assert "convert --to-hf: " in (err := capsys.readouterr().err) and QUANTIZED in err

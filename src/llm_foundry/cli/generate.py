@@ -118,8 +118,10 @@ def _chat(ns, model, tok, info, eos_ids: set[int]) -> int:
 
 def _complete(model, tok, ids: list[int], ns, eos_ids: set[int], emit=None) -> dict:
     """Generate a continuation of ``ids``; ``emit(piece)`` receives the text (or, without a
-    tokenizer, ``" ID"`` pieces) as it is produced. Returns the --json record: ``tokens`` is
-    the whole sequence (prompt ids, then the generated ones, an eos that ended it included)."""
+    tokenizer, ``" ID"`` pieces) as it is produced. Returns the --json record: the prompt and
+    the completion as text (ids without a tokenizer), ``prompt_ids`` and ``new_ids`` (every
+    generated id: the eos that ended it, the tokens up to a stop string's end) and their
+    counts ``prompt_tokens`` and ``new_tokens``."""
     import time
 
     import torch
@@ -185,9 +187,10 @@ def _complete(model, tok, ids: list[int], ns, eos_ids: set[int], emit=None) -> d
     return {
         "prompt": ids if tok is None else prefix,
         "completion": body if tok is None else text,
-        "tokens": ids + new,
-        "new_tokens": len(new),
+        "prompt_ids": ids,
+        "new_ids": new,
         "prompt_tokens": len(ids),
+        "new_tokens": len(new),
         "stop_reason": reason,
         "tokens_per_s": round(len(new) / elapsed, 2) if elapsed > 0 else None,
     }
@@ -259,7 +262,10 @@ def _main(argv: list[str]) -> int:
         "template (an HF tokenizer's own, else USER:/ASSISTANT: lines) and stop at the end of "
         "the reply; with --interactive the conversation is kept",
     )
-    p.add_argument("--json", action="store_true", help="print a JSON line per prompt")
+    p.add_argument("--json", action="store_true", help="print a JSON line per prompt: prompt "
+                   "and completion (text; ids without a tokenizer), prompt_ids, new_ids (the "
+                   "generated ids, an eos that ended them included), prompt_tokens, "
+                   "new_tokens, stop_reason, tokens_per_s")  # fmt: skip
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--compile", action="store_true", help="compile the one-token decode step "
                    "(faster decoding on CPU after ~20 s of compilation)")  # fmt: skip
