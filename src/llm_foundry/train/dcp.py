@@ -24,7 +24,9 @@ Atomic as full checkpoints are: everything is written under ``.tmp-step_N``, DCP
 ``.metadata`` last (once every rank's files are written, itself under a temporary name), and only
 then does rank 0 rename the directory into place and point latest.json at it. A background save
 is committed when it completes: looked at every step, waited for before the next save, at the end
-of the run and when a run stops on an error.
+of the run and when a run stops on an error. A save whose writes fail on any rank (a full disk)
+is ``state.CheckpointNotWritten`` on every rank, as a full checkpoint's, its temporary directory
+removed; rank 0 failing to write state.json stops every rank before any shard is written.
 """
 
 from __future__ import annotations
@@ -62,8 +64,9 @@ from llm_foundry.checkpoint import (
     write_config,
 )
 from llm_foundry.rundir import STATE, step_name
-from llm_foundry.train.distributed import World, with_tied
+from llm_foundry.train.distributed import World, any_rank, with_tied
 from llm_foundry.train.state import (
+    CheckpointNotWritten,
     begin_checkpoint,
     commit_checkpoint,
     optimizer_from_flat,
@@ -188,12 +191,19 @@ class ShardedCheckpoints:
         self.finish()  # one save at a time: the previous one complete and committed first
         content, opt_meta = sharded_state(wrapped, optimizer)
         tmp = temporary_dir(self.root, step)
+        failed: OSError | None = None
         if self.world.main:
-            begin_checkpoint(self.root, step)
-            write_config(model, tmp)
-            write_state(tmp, step, state, opt_meta, tokenizer)
-        if self.world.distributed:
-            dist.barrier()  # the directory exists, with nothing stale in it, before any writes
+            try:
+                begin_checkpoint(self.root, step)
+                write_config(model, tmp)
+                write_state(tmp, step, state, opt_meta, tokenizer)
+            except OSError as e:  # a full disk: said below, on every rank
+                failed = e
+        # the directory exists, with nothing stale in it, before any writes; when rank 0 could
+        # not make it, no rank writes (each would wait for the others in DCP's collectives)
+        if any_rank(failed is not None, self.world, _device(wrapped)):
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointNotWritten(self.root, step, failed or OSError(RANK0_FAILED))
         writer = dcp.FileSystemWriter(tmp / DCP_DIR)
         alone = not self.world.distributed
         if self.background:
@@ -226,24 +236,55 @@ class ShardedCheckpoints:
         pending, self.pending = self.pending, None
         if pending is None:
             return None
+        try:
+            return self._commit(pending)
+        except Exception as e:
+            if not quiet:
+                raise
+            log.warning(f"warning: {e}")
+            return None
+
+    def _commit(self, pending: _Pending) -> Path | None:
+        """Wait for ``pending``'s writes; rank 0 puts it in place and prunes. A write that failed
+        on any rank (a full disk) is ``CheckpointNotWritten``, as a gathered save's, and what
+        was written is removed."""
         from torch.distributed.checkpoint.api import CheckpointException
 
         try:
             try:
                 pending.future.result()
             except CheckpointException as e:  # a BaseException, its message a traceback per rank
-                raise OSError(f"the checkpoint of step {pending.step} was not written "
-                              f"({pending.tmp}): {dcp_failure(e)}") from e  # fmt: skip
+                cause = write_failure(e)
+                if cause is None:  # not a write that failed (a bug): its own words, on one line
+                    shutil.rmtree(pending.tmp, ignore_errors=True)
+                    raise RuntimeError(f"the checkpoint of step {pending.step} was not written "
+                                       f"({pending.tmp}): {dcp_failure(e)}") from e  # fmt: skip
+                raise cause from e
             if not self.world.main:
                 return None
             path = commit_checkpoint(self.root, pending.tmp, pending.step)
             prune_checkpoints(self.root, self.keep_last, pending.keep | {path.name})
             return path
-        except Exception as e:
-            if not quiet:
-                raise
-            log.warning(f"warning: {e}")
-            return None
+        except OSError as e:  # its bytes must not stay on a full disk (every rank's, each failed)
+            shutil.rmtree(pending.tmp, ignore_errors=True)
+            raise CheckpointNotWritten(self.root, pending.step, e) from e
+
+
+RANK0_FAILED = "rank 0 could not write the checkpoint's config.json and state.json"
+
+
+def write_failure(e: BaseException) -> OSError | None:
+    """The error that stopped a DCP save when every failing rank's is a failed write (an
+    OSError: a full disk, a read-only file system): the lowest failing rank's; else None."""
+    errors = [exc for _, (exc, _) in sorted(getattr(e, "failures", {}).items())]
+    if errors and all(isinstance(exc, OSError) for exc in errors):
+        return errors[0]
+    return None
+
+
+def _device(module: torch.nn.Module) -> torch.device:
+    """Where ``module``'s parameters live (a DTensor's: its local shard's), for a collective."""
+    return next(module.parameters()).device
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,0 +1,80 @@
+"""A sharded (DCP) checkpoint that does not fit, on 2 CPU processes (torchrun, gloo, FSDP2): one
+rank's full disk stops every rank with the gathered save's one line, and no rank leaves its
+bytes behind. One process: tests/test_dcp.py."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+from test_distributed import TRAIN, _flags, torchrun
+
+pytestmark = pytest.mark.heavy  # subprocesses: left out of `make test-fast`
+
+# a script that runs the command with the disk of one rank full from the save of step 4 on:
+# WHERE is "shards" (DCP's file writes, on rank 1) or "state" (state.json, on rank 0 alone)
+FULL_DISK = """
+import errno, os, sys
+import torch.distributed as dist
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.elastic.multiprocessing.errors import record
+import llm_foundry.train.dcp as train_dcp
+from llm_foundry.cli import main
+
+WHERE = {where!r}
+
+
+def full():
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+write_data, write_state = FileSystemWriter.write_data, train_dcp.write_state
+
+
+def shards(self, plan, planner):
+    if WHERE == "shards" and dist.get_rank() == 1 and ".tmp-step_000004" in str(self.path):
+        full()
+    return write_data(self, plan, planner)
+
+
+def state(tmp, step, *args, **kwargs):
+    if WHERE == "state" and step == 4:
+        full()
+    return write_state(tmp, step, *args, **kwargs)
+
+
+FileSystemWriter.write_data, train_dcp.write_state = shards, state
+sys.exit(record(main)())
+"""
+
+
+@pytest.fixture(scope="module")
+def data_dir(char_data) -> Path:
+    return char_data(30_000)
+
+
+@pytest.mark.parametrize("where", ["shards", "state"])
+def test_one_ranks_full_disk_stops_every_rank_in_one_line(where, data_dir, tmp_path):
+    script = tmp_path / "full_disk.py"
+    script.write_text(textwrap.dedent(FULL_DISK.format(where=where)))
+    run = tmp_path / "run"
+    flags = {**TRAIN, "checkpoint_interval": 2, "eval_interval": 0, "keep_last": 1}
+    args = ["train", "--data", str(data_dir), "--out", str(run)]
+    r = torchrun(args + _flags(**flags, batch_size=4, max_steps=6, parallel="fsdp",
+                               checkpoint_format="dcp"), script=str(script))  # fmt: skip
+    root = run / "checkpoints"
+    said = (
+        f"llm-foundry train: could not write checkpoint {root / 'step_000004'}: no space left on "
+        f"device; the last complete checkpoint is {root / 'step_000002'}; free space, then "
+        f"--resume --out {run}"
+    )
+    lines = r.stderr.splitlines()
+    assert r.returncode != 0 and said in lines, r.stderr[-3000:]
+    if where == "shards":  # every rank knows the reason: DCP gathers each rank's error
+        assert lines.count(said) == 2, r.stderr[-3000:]
+    # no rank's traceback (the launcher's own says which ranks exited 1)
+    assert "CheckpointException" not in r.stderr and "CheckpointNotWritten" not in r.stderr
+    assert sorted(p.name for p in root.iterdir()) == ["latest.json", "step_000002"]
+    assert json.loads((root / "latest.json").read_text())["step"] == 2
