@@ -6,7 +6,8 @@ An export is written under a temporary sibling name of its own, ``.NAME.partial-
 exclusively and ``flock``-ed while its process writes, then put in place by a step that never
 replaces what another process put there meanwhile (a hard link for a file, a rename onto a
 missing or empty directory): of two exports racing to one ``--out`` the second is refused in one
-line and leaves nothing behind. An interrupted export leaves nothing that looks finished; what a
+line and leaves nothing behind. Its files are on disk (``fsync``) before that step, and the step
+itself after it. An interrupted export leaves nothing that looks finished; what a
 killed one leaves is removed by the next export to that path, once its process is gone (no
 lock held, the pid not running).
 """
@@ -24,6 +25,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from llm_foundry.durable import fsync, fsync_tree
 from llm_foundry.rundir import CHECKPOINTS, RUN_INFO
 
 log = logging.getLogger(__name__)
@@ -108,7 +110,9 @@ def _new_output(path: str | Path, flag: str, kind: str) -> Iterator[Path]:
         if fcntl is not None:  # held until the end: a live writer's temporary is never removed
             fcntl.flock(fd, fcntl.LOCK_EX)
         yield tmp
+        fsync_tree(tmp)  # every byte on disk before the name that publishes it
         _publish(tmp, path, flag, kind)
+        fsync(path.parent)
     except OSError as e:
         told = _unwritable(e, path, flag, name)
         if told is None:

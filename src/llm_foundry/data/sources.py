@@ -36,6 +36,8 @@ from collections.abc import Iterator, Sequence
 from http.client import HTTPException
 from pathlib import Path
 
+from llm_foundry.durable import fsync
+
 
 class DataError(ValueError):
     """Missing, empty, too short or inconsistent data; the message says what was expected."""
@@ -224,13 +226,16 @@ def remove_temporaries(out: Path, names: Sequence[str]) -> None:
 
 
 def write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` so that ``path`` is either absent or complete (never half-written)."""
+    """Write ``text`` so that ``path`` is either absent or complete (never half-written), on
+    disk when this returns (a power loss then keeps it)."""
     tmp = temporary(path)
     try:
         tmp.write_text(text, encoding="utf-8")
+        fsync(tmp)  # its bytes on disk before the name that publishes them
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+    fsync(path.parent)
 
 
 def refuse_overwriting_inputs(
@@ -254,10 +259,15 @@ def publish(out: Path, written: dict[str, Path], meta_text: str) -> None:
     """Put a prepare's output in place: ``written`` (final name -> the temporary it was written
     to) renamed over the old files, so that a process mapping an old file keeps it whole, then
     meta.json last; meta.json is removed first, so a run cut short in between leaves none (the
-    readers then refuse the directory)."""
+    readers then refuse the directory). Each step is on disk before the next (``fsync``): a
+    power loss leaves no meta.json naming files whose bytes were still in memory."""
     (out / "meta.json").unlink(missing_ok=True)
+    for tmp in written.values():
+        fsync(tmp)
+    fsync(out)  # meta.json gone before any file is replaced
     for name, tmp in written.items():
         os.replace(tmp, out / name)
+    fsync(out)
     write_atomic(out / "meta.json", meta_text)
 
 
