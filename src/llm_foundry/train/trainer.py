@@ -5,10 +5,12 @@ the step's loss is the mean over all its target tokens, whatever the ranks and m
 Everything a resumed run needs to continue bit for bit (weights, optimizer moments, RNG and
 data-sampler states: those of the batches trained on, not of those the prefetch thread built
 ahead) goes into each checkpoint; ``metrics.jsonl`` is cut back to the checkpoint's
-step on resume. With ``monitor_interval`` set, ``llm_foundry.train.monitor`` adds a
-training-dynamics record every N steps. With ``task=dpo`` a micro-batch is B preference pairs and
-its loss is DPO's (``train.dpo``) against a frozen reference (``train.reference``); the rewards
-and margins are logged with each step and validation.
+step on resume. A subclass ends a run before ``max_steps`` by overriding ``should_stop`` (e.g. at
+a target loss): that step's checkpoint is the last, and records why. With ``monitor_interval``
+set, ``llm_foundry.train.monitor`` adds a training-dynamics record every N steps. With
+``task=dpo`` a micro-batch is B preference pairs and its loss is DPO's (``train.dpo``) against a
+frozen reference (``train.reference``); the rewards and margins are logged with each step and
+validation.
 """
 
 from __future__ import annotations
@@ -104,6 +106,7 @@ class RunResult:
     val_history: list = field(default_factory=list)
     interrupted: bool = False
     stopped_by: str | None = None  # the signal that stopped the run ("SIGINT", "SIGTERM")
+    stopped_early: str | None = None  # why should_stop ended the run before max_steps
     skipped_steps: int = 0
     checkpoint: Path | None = None
 
@@ -198,6 +201,7 @@ class Trainer:
         self.best_name: str | None = None
         self.skipped = 0
         self.resumed_from: Path | None = None
+        self.stopped_early: dict | None = None  # {step, reason} once should_stop ends the run
         self.data_id = sources_fingerprint(self.sources)
         # the loss of one micro-batch, by task: (loss, its statistics to log) (train/dpo.py)
         self.batch_loss = {"lm": self._lm_loss, "dpo": self._dpo_loss}[tc.task]
@@ -310,6 +314,10 @@ class Trainer:
         self.resumed_from = path
         if self.world.main:
             log.info(f"resumed from {path} at step {self.step}")
+            early = state.get("stopped_early")
+            if early and self.step < self.tc.max_steps:  # the caller's policy, not the run's end
+                log.info(f"note: the run stopped early at step {self.step} ({early['reason']}); "
+                         f"resuming trains it on to max_steps={self.tc.max_steps}")  # fmt: skip
 
     def _sampler(self, split: str, seed: int, source: int | None = None):
         """Random windows or packed documents of every source (``source``: of that one alone),
@@ -420,6 +428,15 @@ class Trainer:
         with self.precision.autocast(self.device.type), sdpa_backend(self.tc.sdpa_backend):
             yield
 
+    def should_stop(self) -> str | None:
+        """Why to end the run after this step (a one-line reason), or None to go on: called at
+        the end of every step before the last, after its evaluation when one is due. The default
+        never stops; a subclass overrides it (a target loss, a time budget). A stop saves the
+        step's checkpoint as the last one is saved and records the reason there and in the
+        ``RunResult``; resuming the run trains on to max_steps. With several ranks the run stops
+        when any rank's says so."""
+        return None
+
     def evaluate(self) -> float:
         """Mean loss over ``eval_batches`` fixed validation batches (the same ones every time);
         with several ranks each scores its share of every batch and the means are averaged. A
@@ -491,6 +508,7 @@ class Trainer:
             expert_counts=self.experts.state_dict() if self.experts.layers else None,
             reference_weights=self.reference_weights,  # DPO's frozen copy: checked on resume
             data_parallel=self.world.dp_size,  # ranks sharing the global batch (said on resume)
+            stopped_early=self.stopped_early,  # the checkpoint should_stop ended the run at
         )
         tok = self.data_dir / "tokenizer.json"
         if self.dcp is not None:
@@ -686,16 +704,28 @@ class Trainer:
                     if val < self.best_val:  # the best model is always on disk
                         self.best_val, self.best_name = val, step_name(self.step)
                         save_now = True
+                # a subclass's reason to end here; a bare True (not a reason) still stops
+                early = None if final else self.should_stop()
+                early = (early if isinstance(early, str) else "should_stop()") if early else None
                 if self.world.distributed:  # a signal seen by one rank stops all at this step
                     if D.any_rank(stop["signal"] is not None, self.world, self.device):
                         stop["signal"] = stop["signal"] or "SIGTERM"
-                if save_now or stop["signal"]:
+                    if D.any_rank(early is not None, self.world, self.device):
+                        early = early or "should_stop() on another rank"
+                if early is not None:  # saved in this step's checkpoint
+                    self.stopped_early = dict(step=self.step, reason=early)
+                ends = final or stop["signal"] is not None or early is not None
+                if save_now or ends:
                     metrics.sync()  # the records up to a checkpoint survive whatever follows
                     # the last save and one before stopping are complete when run() returns
-                    last_ckpt = self.save(blocking=final or stop["signal"] is not None)
+                    last_ckpt = self.save(blocking=ends)
                 if stop["signal"]:
                     # how to go on is the command's to say (train: --resume; ablate: rerun)
                     say(f"{stop['signal']}: saved {last_ckpt} at step {self.step}")
+                    break
+                if early is not None:
+                    say(f"stopped at step {self.step} of {tc.max_steps}: {early}; saved "
+                        f"{last_ckpt}")  # fmt: skip
                     break
         finally:
             try:
@@ -719,6 +749,7 @@ class Trainer:
             val_history=val_history,
             interrupted=stop["signal"] is not None,
             stopped_by=stop["signal"],
+            stopped_early=self.stopped_early["reason"] if self.stopped_early else None,
             skipped_steps=self.skipped,
             checkpoint=last_ckpt,
         )
