@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import itertools
 import json
 import time
 import uuid
@@ -25,6 +24,7 @@ from llm_foundry.data.sft import check_messages
 from llm_foundry.data.sources import DataError
 from llm_foundry.messages import one_line, shown
 from llm_foundry.serve.engine import Engine, Params, QueueFull, Sequence
+from llm_foundry.serve.offsets import StreamedOffsets, text_offsets
 from llm_foundry.serve.page import add_page
 
 try:
@@ -263,14 +263,10 @@ def _prompt_ids(served: Served, body: dict, chat: bool) -> list[int]:
 
 
 # ---- responses ----------------------------------------------------------------------------------
-def text_offsets(pieces: list[str], start: int = 0) -> list[int]:
-    """Where each of ``pieces`` begins in the text they make, the first at ``start``."""
-    return list(itertools.accumulate(map(len, pieces[:-1]), initial=start)) if pieces else []
-
-
-def _logprobs_block(served: Served, records: list, chat: bool, start: int = 0):
-    """The logprobs of ``records`` ((token, logprob, top) each); a completion's ``text_offset``
-    counts from ``start``, the characters of the completion's tokens sent before these."""
+def _logprobs_block(served: Served, records: list, chat: bool, offsets: list[int] | None = None):
+    """The logprobs of ``records`` ((token, logprob, top) each); a completion's ``text_offset``:
+    ``offsets``, where each token starts in the completion's text (``serve.offsets``). Each
+    token's string is that token decoded alone (U+FFFD for bytes of an unfinished character)."""
     decode = served.tokenizer.decode
     if chat:
 
@@ -289,7 +285,7 @@ def _logprobs_block(served: Served, records: list, chat: bool, start: int = 0):
         "tokens": tokens,
         "token_logprobs": [lp for _, lp, _ in records],
         "top_logprobs": [{decode([i]): v for i, v in top} for _, _, top in records],
-        "text_offset": text_offsets(tokens, start),
+        "text_offset": offsets,
     }
 
 
@@ -495,7 +491,7 @@ def create_app(served: Served, max_request_bytes: int = MAX_REQUEST_BYTES) -> Fa
 
             async def sse():
                 done = 0
-                offset = [0] * n  # characters of each choice's tokens sent so far
+                offsets = [StreamedOffsets(served.tokenizer.decode) for _ in range(n)]
                 try:
                     if chat:
                         for i in range(n):
@@ -514,13 +510,16 @@ def create_app(served: Served, max_request_bytes: int = MAX_REQUEST_BYTES) -> Fa
                                     body = error_body(payload, kind="server_error")
                                     out.append("data: " + json.dumps(body) + "\n\n")
                                     continue
-                                choice = _choice(chat, i, "", None, _finish_reason(payload))
+                                # tokens past a stop string, sent at the end of the text
+                                left, at = offsets[i].end()
+                                lp = _logprobs_block(served, left, chat, at) if left else None
+                                choice = _choice(chat, i, "", lp, _finish_reason(payload))
                             else:
                                 piece, records = payload
-                                lp = None
-                                if records:
-                                    lp = _logprobs_block(served, records, chat, offset[i])
-                                    offset[i] += 0 if chat else sum(map(len, lp["tokens"]))
+                                at = None
+                                if not chat and seqs[i].params.logprobs is not None:
+                                    records, at = offsets[i].chunk(piece, records)
+                                lp = _logprobs_block(served, records, chat, at) if records else None
                                 choice = _choice(chat, i, piece, lp, None)
                             out.append(_sse(rid, chunk_obj, created, model, [choice]))
                         yield "".join(out)
@@ -559,11 +558,14 @@ def create_app(served: Served, max_request_bytes: int = MAX_REQUEST_BYTES) -> Fa
             return JSONResponse(error_body(failed[0], kind="server_error"), 500)
         choices = []
         for i in range(n):
-            lp = (
-                _logprobs_block(served, records[i], chat)
-                if seqs[i].params.logprobs is not None
-                else None
-            )
+            lp = None
+            if seqs[i].params.logprobs is not None:
+                ids, at = [r[0] for r in records[i]], None
+                if not chat:  # one decode per token: off the event loop
+                    at = await asyncio.to_thread(
+                        text_offsets, served.tokenizer.decode, ids, texts[i]
+                    )
+                lp = _logprobs_block(served, records[i], chat, at)
             if chat:
                 choices.append({"index": i, "message": {"role": "assistant", "content": texts[i]},
                                 "logprobs": lp, "finish_reason": _finish_reason(reasons[i])})  # fmt: skip

@@ -1,0 +1,116 @@
+"""A completion's ``logprobs.text_offset`` where a byte-level BPE splits characters over tokens
+(each piece alone decodes to U+FFFD): checked against Hugging Face ``tokenizers``' own offsets
+of the same tokens in the same text, through the real server, whole and streamed, with stop
+strings that hold text back or cut it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_serve import client, running
+
+from llm_foundry.checkpoint import save_checkpoint
+from llm_foundry.models import Transformer
+from llm_foundry.presets import get_preset
+from llm_foundry.serve.offsets import StreamedOffsets, text_offsets
+from llm_foundry.tokenizer import BPETokenizer
+
+# no CJK and no emoji: 世, 界 and 🙂 are left as bytes, each piece a U+FFFD alone
+CORPUS = "First Citizen:\nBefore we proceed any further, hear me speak. Café, naïve, über\n" * 20
+TEXT = "héllo 世界 🙂! 世界"
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return BPETokenizer.train([CORPUS], vocab_size=300)
+
+
+def _hf_starts(tok, text: str) -> tuple[list[int], list[int]]:
+    """(ids of ``text``, where Hugging Face's encoding puts each token's first character)."""
+    enc = tok.hf.encode(text, add_special_tokens=False)
+    return enc.ids, [start for start, _ in enc.offsets]
+
+
+def _check(offsets: list[int], text: str) -> None:
+    """From 0, never decreasing, inside the text, and the slices between them give it back."""
+    assert offsets[0] == 0 and offsets == sorted(offsets) and offsets[-1] <= len(text)
+    ends = [*offsets[1:], len(text)]
+    assert "".join(text[a:b] for a, b in zip(offsets, ends, strict=True)) == text
+
+
+@pytest.mark.parametrize("text", [TEXT, "🙂🙂 a", "世", "plain ascii, merged"])
+def test_offsets_are_where_hugging_face_encoding_starts_each_token(tok, text):
+    ids, want = _hf_starts(tok, text)
+    assert tok.decode(ids) == text
+    offsets = text_offsets(tok.decode, ids, text)
+    _check(offsets, text)
+    assert offsets == want
+
+
+def test_streamed_chunks_give_the_whole_offsets(tok):
+    """Fed one token at a time as the engine emits them (text ending in U+FFFD held back), the
+    chunks' offsets are the whole text's; a stop string cutting the text: the tokens past it
+    come at the end, at the text's end."""
+    ids, want = _hf_starts(tok, TEXT)
+    for cut in (len(TEXT), TEXT.index("🙂")):
+        stream, sent, got = StreamedOffsets(tok.decode), 0, []
+        for j in range(len(ids)):
+            text = tok.decode(ids[: j + 1])[:cut]
+            final = len(text.rstrip("\ufffd")) if j + 1 < len(ids) else len(text)
+            piece, sent = text[sent:final], max(sent, final)
+            got += stream.chunk(piece, [(ids[j], 0.0, [])])[1]
+        got += stream.end()[1]
+        assert got == [min(w, cut) for w in want] == text_offsets(tok.decode, ids, TEXT[:cut])
+
+
+@pytest.fixture(scope="module")
+def bpe_checkpoint(tok, tmp_path_factory):
+    path = tmp_path_factory.mktemp("serve-offsets") / "ckpt"
+    torch.manual_seed(0)
+    cfg = get_preset("llama-shakespeare-char", vocab_size=tok.vocab_size, n_layers=1, dim=32,
+                     n_heads=2, max_seq_len=64)  # fmt: skip
+    save_checkpoint(Transformer(cfg), path)
+    tok.save(path / "tokenizer.json")
+    return path
+
+
+@pytest.fixture
+def forced(tok, monkeypatch):
+    """The engine picks the tokens of TEXT in order, whatever the model's logits (a random model
+    would rarely split a character): each request starts again from its first token."""
+    from llm_foundry.serve import engine
+
+    ids, at = tok.encode(TEXT), [0]
+
+    def pick(logits, **_):  # one request at a time here
+        at[0] += 1
+        return torch.tensor([ids[at[0] - 1]])
+
+    monkeypatch.setattr(engine, "sample_next", pick)
+    return lambda: at.__setitem__(0, 0)
+
+
+@pytest.mark.parametrize("stop", [[], ["QQQQ"], ["界 "], ["🙂!"]])
+def test_server_offsets_of_split_characters_locate_them_in_the_text(
+    tok, bpe_checkpoint, forced, stop
+):
+    """Through the official client: every token's offset is where Hugging Face's encoding puts
+    it (clamped to the text a stop string cut), whole and streamed alike."""
+    ids, want = _hf_starts(tok, TEXT)
+    cut = min((TEXT.index(s) for s in stop if s in TEXT), default=len(TEXT))
+    with running(bpe_checkpoint, slots=1) as (url, _):
+        c = client(url)
+        ask = dict(model="tiny", prompt="First", max_tokens=len(ids), logprobs=1, stop=stop)
+        forced()
+        r = c.completions.create(**ask)
+        text, lp = r.choices[0].text, r.choices[0].logprobs
+        assert text == TEXT[:cut]
+        assert any(t == "\ufffd" for t in lp.tokens)  # pieces of split characters
+        _check(lp.text_offset, text)
+        assert lp.text_offset == [min(w, cut) for w in want[: len(lp.tokens)]]
+        forced()
+        chunks = list(c.completions.create(**ask, stream=True))
+        assert "".join(ch.choices[0].text for ch in chunks) == text
+        streamed = [ch.choices[0].logprobs for ch in chunks if ch.choices[0].logprobs]
+        assert [t for b in streamed for t in b.tokens] == lp.tokens
+        assert [o for b in streamed for o in b.text_offset] == lp.text_offset
