@@ -184,8 +184,8 @@ def say_eval(step: int, loss: float) -> None:
 
 
 class SpeedrunTrainer(Trainer):
-    """``Trainer`` whose evaluation scores the fixed validation set and ends the run after this
-    step once the loss is at or below ``target``."""
+    """``Trainer`` whose evaluation scores the fixed validation set and which ends the run after
+    the step whose evaluation is at or below ``target`` (the recipe's max_steps unchanged)."""
 
     def __init__(self, *args, val_chunks, target: float | None, **kwargs):
         super().__init__(*args, **kwargs)
@@ -195,11 +195,13 @@ class SpeedrunTrainer(Trainer):
         v = val_loss(self.model, self.forward, self.val_chunks)
         self.curve.append((self.step, v))
         say_eval(self.step, v)
-        if self.target is not None and v <= self.target:
-            # the recipe ends here: the loop stops after this step, and a signal caught during
-            # it still reaches the RunResult (an exception from here would lose it)
-            self.tc.max_steps = self.step
         return v
+
+    def should_stop(self) -> str | None:
+        if self.target is None or not self.curve or self.curve[-1][0] != self.step:
+            return None  # no target, or no evaluation at this step
+        v = self.curve[-1][1]
+        return f"val loss {v:.4f} <= target {self.target}" if v <= self.target else None
 
 
 def run_ours(e: Entrant, data: Path, seed: int, out: Path, chunks, eval_interval: int,
@@ -211,7 +213,6 @@ def run_ours(e: Entrant, data: Path, seed: int, out: Path, chunks, eval_interval
     tc = TrainConfig(sample_tokens=0, progress=False, seed=seed, **train)
     if max_steps:
         tc = TrainConfig(**{**tc.to_dict(), "max_steps": min(max_steps, tc.max_steps)})
-    recipe_steps = tc.max_steps  # the trainer's copy ends where the target is reached
     mc = get_preset(e.preset, max_seq_len=BLOCK, **e.model)
     trainer = SpeedrunTrainer(mc, tc, data, out, val_chunks=chunks,
                               target=TARGET if stop_at_target else None)  # fmt: skip
@@ -225,7 +226,7 @@ def run_ours(e: Entrant, data: Path, seed: int, out: Path, chunks, eval_interval
     secs = training_seconds(train_rows, tc.tokens_per_step)
     curve = [(s, s * tc.tokens_per_step, secs[s], v) for s, v in trainer.curve]
     dts = [tc.tokens_per_step / r["tokens_per_s"] * 1e3 for r in train_rows]
-    return _result(e, seed, curve, len(train_rows), recipe_steps, secs[len(train_rows)], wall,
+    return _result(e, seed, curve, len(train_rows), tc.max_steps, secs[len(train_rows)], wall,
                    _median(dts[10:] or dts), trainer.model.num_params())  # fmt: skip
 
 

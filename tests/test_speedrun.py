@@ -238,3 +238,35 @@ def test_a_quick_run_reports_and_cleans_up(nanogpt, tiny, capsys):
     (kept,) = work_folders(tmp)
     assert f"kept the working folder {kept}" in err
     assert (kept / f"{ADAMW.replace(' ', '_')}-1337" / "metrics.jsonl").is_file()
+
+
+def test_reaching_the_target_ends_the_run_at_that_step_and_keeps_its_settings(
+    nanogpt, tiny, monkeypatch, capsys
+):
+    """Our entrant stops at the first evaluation at or below the target (step 20 of 60 here):
+    the report counts 20 steps, to the target, of a 60-step recipe; the run's checkpoint at that
+    step records the stop, and its settings (state.json, run.json, what --resume would start
+    from) keep max_steps=60: the stop is no change of the recipe."""
+    from llm_foundry.rundir import RunDir, read_state
+    from llm_foundry.train.state import resume_point
+
+    monkeypatch.setattr(speedrun, "TARGET", 100.0)  # reached at the first evaluation
+    results, tmp = tiny
+    argv = ["--nanogpt", str(nanogpt), "--quick", "--json", "--only", ADAMW, "--keep"]
+    rc, out, err = run(argv, capsys)
+    assert rc == 0, err
+    (written,) = results.glob("*.json")
+    ours = json.loads(written.read_text())["runs"][1]
+    assert ours["entrant"] == ADAMW
+    assert (ours["steps_run"], ours["target_step"], ours["recipe_steps"]) == (20, 20, 60)
+    assert [c["step"] for c in ours["curve"]] == [20]
+    assert ours["target_train_s"] == ours["train_s"]  # the clock stopped at the target's step
+    (kept,) = work_folders(tmp)
+    run_dir = RunDir(kept / f"{ADAMW.replace(' ', '_')}-1337")
+    ckpt = run_dir.latest()
+    state = read_state(ckpt)
+    assert state["step"] == 20 and state["stopped_early"]["step"] == 20
+    assert "target" in state["stopped_early"]["reason"]
+    assert state["train_config"]["max_steps"] == 60
+    assert run_dir.info()["train"]["max_steps"] == 60
+    assert resume_point(run_dir.path)[2].max_steps == 60
