@@ -80,7 +80,7 @@ def _prepare(ns) -> None:
     """--data's rows tokenized with the checkpoint's tokenizer into OUT/data; --data points
     there from now on."""
     from llm_foundry.data.preference import prepare_preference
-    from llm_foundry.rundir import RunDir, checkpoint_dir
+    from llm_foundry.rundir import RunDir, read_checkpoint
 
     rows = preference_rows(ns.data)
     if rows is None:
@@ -89,12 +89,16 @@ def _prepare(ns) -> None:
     if RunDir(out).latest() is not None:  # its data is the run's: never prepared over
         raise ValueError(f"--out {out} already holds a run with checkpoints: continue it with "
                          "--resume, or pass another --out")  # fmt: skip
-    tok = checkpoint_dir(ns.checkpoint) / "tokenizer.json"
-    if not tok.is_file():
-        raise FileNotFoundError(f"--checkpoint {ns.checkpoint}: no tokenizer.json in {tok.parent}")
+
+    def tokenize(ckpt: Path) -> tuple[dict, Path]:
+        tok = ckpt / "tokenizer.json"
+        if not tok.is_file():
+            raise FileNotFoundError(f"--checkpoint {ns.checkpoint}: no tokenizer.json in {ckpt}")
+        return prepare_preference(out / DATA_DIR, rows, tok), tok
 
     def prepare():
-        meta = prepare_preference(out / DATA_DIR, rows, tok)
+        # a run's latest checkpoint, resolved and read again if its training replaces it
+        meta, tok = read_checkpoint(ns.checkpoint, tokenize)
         print(f"prepared {rows}: {meta['train_pairs']:,} train + {meta['val_pairs']:,} val pairs "
               f"in {out / DATA_DIR} (tokenizer {tok})")  # fmt: skip
 

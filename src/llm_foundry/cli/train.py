@@ -140,8 +140,9 @@ def _main(argv: list[str], finetune: bool, prog: str) -> int:
         extra_keys=("out", "resume", "data", "checkpoint"),
     )
     cfg, train_cfg = settings.model, settings.train
-    if start:
-        train_cfg = type(train_cfg).from_dict({**train_cfg.to_dict(), "init_from": str(start[0])})
+    if start:  # a run, not the step it resolved to now: its weights are read with a retry
+        init = str(Path(ns.checkpoint))  # should training replace that step (load_any)
+        train_cfg = type(train_cfg).from_dict({**train_cfg.to_dict(), "init_from": init})
         if ns.data is None:
             raise ValueError("finetune needs --data: a directory `prepare` wrote with the "
                              "checkpoint's tokenizer (prepare --input FILES or --sft ROWS, "

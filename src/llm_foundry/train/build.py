@@ -103,8 +103,9 @@ def load_initial_weights(model: Transformer, path: Path) -> None:
     merged) or an HF transformers directory, read by the one loader (``loading.load_any``). The
     model must be the one they were saved from, up to settings no weight depends on (a longer
     context for relative positions); quantized weights cannot be trained."""
-    ckpt = checkpoint_dir(path, "train.init_from")
-    source = load_any(ckpt, full_precision="train.init_from").model
+    checkpoint_dir(path, "train.init_from")  # a path that names no checkpoint: said as such
+    # a run is read through its latest checkpoint, resolved again if training replaces it
+    source = load_any(path, full_precision="train.init_from").model
     diff = model.cfg.weight_differences(source.cfg)
     if diff:
         hint = ""
