@@ -169,6 +169,9 @@ def test_the_wheel_holds_every_file_of_the_package(wheel):
         "not in the wheel: add them to [tool.setuptools.package-data] in pyproject.toml: "
         + ", ".join(missing)
     )
+    # pyproject says MIT, whose terms ask that the licence text travel with every copy
+    licence = [n for n in names if re.fullmatch(r"[^/]+\.dist-info/licenses/LICENSE", n)]
+    assert licence, "the wheel carries no LICENSE file (.dist-info/licenses/LICENSE)"
 
 
 def _requirements(whl: Path) -> list[str]:
