@@ -4,7 +4,6 @@ load (each step loaded it again)."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 import llm_foundry.tokenizer as tokenizer_module
@@ -15,11 +14,6 @@ from llm_foundry.models import Transformer
 from llm_foundry.tokenizer import CharTokenizer
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the three loads are in interop/hf/files.py (special_token_ids, copy_tokenizer, "
-    "name_special_tokens), each taking a path; they need one loaded tokenizer passed along",
-)
 def test_convert_to_hf_loads_the_tokenizer_once(tmp_path, monkeypatch, capsys):
     tok = CharTokenizer.train("to be or not to be, that is the question\n")
     torch.manual_seed(0)

@@ -102,7 +102,7 @@ def convert_to_hf(ckpt_dir: str | Path, out_dir: str | Path, family: str | None 
     (``load_checkpoint`` folds them). Returns DIR."""
     from llm_foundry.checkpoint import load_checkpoint
     from llm_foundry.interop.hf import copy_tokenizer, name_special_tokens, to_hf
-    from llm_foundry.interop.hf.files import special_token_ids
+    from llm_foundry.interop.hf.files import read_tokenizer, special_token_ids
     from llm_foundry.loading import checkpoint_kind, refuse_quantized
     from llm_foundry.outputs import check_new_output, new_directory
 
@@ -111,7 +111,8 @@ def convert_to_hf(ckpt_dir: str | Path, out_dir: str | Path, family: str | None 
     check_new_output(out_dir)
     model = load_checkpoint(ckpt_dir)
     with new_directory(out_dir) as tmp:
-        to_hf(model, tmp, family, **special_token_ids(ckpt_dir))  # generate stops at its eos
-        copy_tokenizer(ckpt_dir, tmp)
-        name_special_tokens(tmp)
+        tok = read_tokenizer(ckpt_dir)
+        to_hf(model, tmp, family, **special_token_ids(ckpt_dir, tok))  # generate stops at its eos
+        copy_tokenizer(ckpt_dir, tmp, tok)
+        name_special_tokens(tmp, tok)
     return Path(out_dir)

@@ -78,7 +78,18 @@ def read_safetensors_dir(path: str | Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def copy_tokenizer(src: Path, dst: Path) -> None:
+def read_tokenizer(src: Path):
+    """``src``'s tokenizer.json loaded once for an export (None: none there, or unreadable)."""
+    from llm_foundry.tokenizer import load_tokenizer
+
+    file = src / TOKENIZER_FILE
+    try:
+        return load_tokenizer(file) if file.exists() else None
+    except ValueError:
+        return None
+
+
+def copy_tokenizer(src: Path, dst: Path, tok=None) -> None:
     """Bring ``tokenizer.json`` along when there is one, as a file both HF and we read: our BPE
     file is an HF tokenizers file already; our character tokenizer's file is written as its HF
     equivalent (``CharTokenizer.to_hf``), which ``load_tokenizer`` reads back as the same
@@ -91,17 +102,18 @@ def copy_tokenizer(src: Path, dst: Path) -> None:
     if "model" in json.loads(file.read_text(encoding="utf-8")):
         shutil.copyfile(file, dst / TOKENIZER_FILE)
         return
-    (dst / TOKENIZER_FILE).write_text(load_tokenizer(file).to_hf().to_str(), encoding="utf-8")
+    tok = tok if tok is not None else load_tokenizer(file)
+    (dst / TOKENIZER_FILE).write_text(tok.to_hf().to_str(), encoding="utf-8")
 
 
-def special_token_ids(src: Path) -> dict[str, int]:
+def special_token_ids(src: Path, tok=None) -> dict[str, int]:
     """The bos/eos/pad ids of ``src``'s tokenizer.json as HF config fields (``eos_token_id``: where
     ``generate`` stops); none where there is no readable tokenizer, or it has no such token."""
     from llm_foundry.tokenizer import load_tokenizer
 
     file = src / TOKENIZER_FILE
     try:
-        tok = load_tokenizer(file) if file.exists() else None
+        tok = tok if tok is not None else load_tokenizer(file) if file.exists() else None
     except ValueError:
         return {}
     ids = {name: getattr(tok, f"{name}_id", None) for name in ("bos", "eos", "pad")}
@@ -115,7 +127,7 @@ SPECIAL_TOKEN_NAMES = {
 }
 
 
-def name_special_tokens(out: Path) -> None:
+def name_special_tokens(out: Path, tok=None) -> None:
     """Our tokenizer exported: tokenizer_config.json names its specials, so AutoTokenizer (and
     tools built on it, such as lm-eval's hf backend) knows BOS, EOS and padding; it loads as the
     plain PreTrainedTokenizerFast (a model's own class would add its specials) and decodes
@@ -124,7 +136,7 @@ def name_special_tokens(out: Path) -> None:
 
     file = out / TOKENIZER_FILE
     try:
-        tok = load_tokenizer(file) if file.exists() else None
+        tok = tok if tok is not None else load_tokenizer(file) if file.exists() else None
     except ValueError:
         return
     names = SPECIAL_TOKEN_NAMES.get(getattr(tok, "kind", None))
