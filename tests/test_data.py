@@ -525,6 +525,37 @@ def test_prepare_cli(tmp_path, capsys):
     assert "missing.txt" in capsys.readouterr().err
 
 
+def test_prepare_flags_given_twice_take_every_value(tmp_path, capsys):
+    """``--text A --text B`` is ``--text A B`` (argparse's default kept only B, silently)."""
+    from llm_foundry.cli import main
+
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text("first file, its own words\n" * 40)
+    b.write_text("second file: other letters QXZ\n" * 40)
+    assert main(["prepare", "--text", str(a), "--text", str(b), "--out", str(tmp_path / "2")]) == 0
+    assert main(["prepare", "--text", str(a), str(b), "--out", str(tmp_path / "1")]) == 0
+    for split in ("train.bin", "val.bin", "tokenizer.json"):
+        assert (tmp_path / "2" / split).read_bytes() == (tmp_path / "1" / split).read_bytes()
+    capsys.readouterr()
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(6):
+        (docs / f"{i}.txt").write_text(f"document {i} says hello to the corpus\n" * 20)
+    argv = ["prepare", "--vocab-size", "300", "--val-fraction", "0.2", "--json", "--input"]
+    assert main([*argv, str(docs / "[0-2].txt"), "--input", str(docs / "[3-5].txt"),
+                 "--out", str(tmp_path / "d")]) == 0  # fmt: skip
+    meta = json.loads(capsys.readouterr().out)
+    assert meta["train_documents"] + meta["val_documents"] == 6 and len(meta["inputs"]) == 2
+
+
+def test_prepare_text_given_a_directory_says_so(tmp_path, capsys):
+    from llm_foundry.cli import main
+
+    assert main(["prepare", "--text", str(tmp_path), "--out", str(tmp_path / "d")]) == 2
+    err = capsys.readouterr().err
+    assert "is a directory" in err and "--input" in err and err.count("\n") == 1
+
+
 # ----------------------------------------------------------------------------------------------
 # streaming prepare: chunk and read boundaries never change the ids; memory does not grow
 

@@ -69,7 +69,11 @@ def main(argv: list[str]) -> int:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--dataset", choices=DATASETS, help="a known corpus (fetched and cached)")
     src.add_argument(
-        "--text", nargs="+", metavar="FILE", help="your own UTF-8 text files, as one stream"
+        "--text",
+        nargs="+",
+        action="extend",
+        metavar="FILE",
+        help="your own UTF-8 text files, as one stream (repeat the flag or list several)",
     )
     src.add_argument(
         "--sft",
@@ -123,6 +127,7 @@ def main(argv: list[str]) -> int:
     d.add_argument(
         "--input",
         nargs="+",
+        action="extend",
         metavar="PATH",
         help="files, globs (quote them) or directories of .txt (one document per file), .jsonl, "
         ".jsonl.gz, .jsonl.zst, .parquet (one per row), or saved `datasets` directories",
@@ -130,6 +135,7 @@ def main(argv: list[str]) -> int:
     d.add_argument(
         "--hf-dataset",
         nargs="+",
+        action="extend",
         metavar="NAME",
         help="Hugging Face hub datasets (NAME or NAME:CONFIG), read through the datasets cache",
     )
@@ -147,6 +153,7 @@ def main(argv: list[str]) -> int:
     d.add_argument(
         "--val-source",
         nargs="+",
+        action="extend",
         metavar="PATH",
         help="validation documents from these inputs instead of --val-fraction",
     )

@@ -283,6 +283,11 @@ class TextSource:
         self.n_chars: int | None = None
         self.n_bytes = len(text.encode("utf-8")) if text is not None else 0
         for f in self.files:
+            if f.is_dir():
+                raise DataError(
+                    f"text file {f} is a directory: a text stream reads files (a folder of "
+                    "documents is prepare --input DIR)"
+                )
             if not f.is_file():
                 raise DataError(f"text file {f} does not exist (or is not a file)")
             self.n_bytes += f.stat().st_size
