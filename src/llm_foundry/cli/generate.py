@@ -237,7 +237,12 @@ def _main(argv: list[str]) -> int:
     p.add_argument("--repetition-penalty", type=float, default=None)
     p.add_argument("--seed", type=int, default=None, help="sampling seed (reproducible output)")
     p.add_argument(
-        "--stop", nargs="+", default=[], metavar="STR", help="end at any of these (cut from output)"
+        "--stop",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="STR",
+        help="end at any of these (cut from output; repeat the flag or list several)",
     )
     p.add_argument(
         "--context",
