@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import sys
 
 import numpy as np
 import pytest
@@ -708,6 +709,21 @@ def test_without_the_gguf_package_the_install_line_is_given(tmp_path, monkeypatc
     monkeypatch.setitem(sys.modules, "gguf", None)
     with pytest.raises(SystemExit, match=re.escape(install_line("gguf"))):
         main(["convert", "--to-gguf", str(tmp_path), "--out", str(tmp_path / "x.gguf")])
+
+
+def test_convert_help_works_without_transformers(monkeypatch, capsys):
+    """``convert --help`` (and its dcp conversions) need no [hf] extra: the HF families are read
+    for --family's choices only when transformers is there (the import failed before argparse)."""
+    from llm_foundry.cli import main
+
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    for name in [m for m in sys.modules if m.startswith("llm_foundry.interop.hf")]:
+        monkeypatch.delitem(sys.modules, name)
+    with pytest.raises(ImportError, match=re.escape(install_line("hf"))):
+        import llm_foundry.interop.hf  # noqa: F401  (the absence is simulated)
+    with pytest.raises(SystemExit) as done:
+        main(["convert", "--help"])
+    assert done.value.code == 0 and "--from-dcp" in capsys.readouterr().out
 
 
 def test_an_out_that_is_a_directory_is_refused(tmp_path):

@@ -10,7 +10,10 @@ from pathlib import Path
 
 
 def main(argv: list[str]) -> int:
-    from llm_foundry.interop.hf import FAMILIES
+    try:  # --help and the dcp conversions work without the [hf] extra; HF work says what to install
+        from llm_foundry.interop.hf import FAMILIES
+    except ImportError:
+        FAMILIES = None
 
     p = argparse.ArgumentParser(
         prog="llm-foundry convert",
@@ -55,9 +58,10 @@ def main(argv: list[str]) -> int:
     )
     p.add_argument(
         "--family",
-        choices=list(FAMILIES),
+        choices=list(FAMILIES) if FAMILIES is not None else None,
         default=None,
-        help="HF architecture for --to-hf and --to-peft (default: inferred from the config)",
+        help="HF architecture for --to-hf and --to-peft (default: inferred from the config)"
+        + ("" if FAMILIES is not None else "; the families need the [hf] extra"),
     )
     p.add_argument(
         "--outtype",
