@@ -33,12 +33,13 @@ try:
     from lm_eval.api.registry import register_model
     from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs
 except ImportError as e:  # the optional [eval] extra
-    from llm_foundry.package import install_line
+    from llm_foundry.package import missing_extra
 
-    raise ImportError(
-        f"the evaluation harness is not installed: {install_line('eval')} "
-        f"(or pip install lm-eval); {e}"
-    ) from None
+    missing = missing_extra("the evaluation harness (lm-eval) is not installed", "eval", str(e))
+    if __name__ == "__main__":  # `python -m llm_foundry.harness`: one line, as a usage error
+        print(f"python -m llm_foundry.harness: error: {missing}", file=sys.stderr)
+        sys.exit(2)
+    raise missing from None
 from tqdm import tqdm
 
 from llm_foundry.evaluate import windows

@@ -29,6 +29,18 @@ def source_dir() -> tuple[str, bool] | None:
     return unquote(url.path), bool(dir_info.get("editable"))
 
 
+class MissingExtra(ImportError):
+    """An optional part (an extra) this installation lacks. Its message names what needs it and
+    the line that installs it: the command line prints it as one line and exits 2, where any
+    other ImportError (a bug) keeps its traceback."""
+
+
+def missing_extra(needs: str, extra: str, detail: str = "") -> MissingExtra:
+    """``MissingExtra`` for ``needs`` (what lacks the package, e.g. "train.tensorboard=true needs
+    TensorBoard") and the ``extra`` that installs it; ``detail`` (the import's own error) after."""
+    return MissingExtra(f"{needs}: {install_line(extra)}" + (f" ({detail})" if detail else ""))
+
+
 def install_line(extra: str) -> str:
     """The command that installs the optional part ``extra``: into the local directory this
     installation came from, else from the package index by the distribution's name."""

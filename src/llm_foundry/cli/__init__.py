@@ -2,8 +2,9 @@
 ``main(argv) -> int``, imported only when its command runs (so ``--help`` stays fast).
 
 Commands parse, print and plot; the library modules they call compute and return. Errors the
-user can fix are one line (``llm-foundry CMD: error: ...``) and exit 2; a run stopped for a reason
-it names (a diverged run, a busy directory) exits 1.
+user can fix are one line (``llm-foundry CMD: error: ...``) and exit 2, an optional part not
+installed among them (``package.MissingExtra``: the line that installs it); a run stopped for a
+reason it names (a diverged run, a busy directory) exits 1.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import logging
 import os
 import sys
 
-from llm_foundry.messages import capped, shown
+from llm_foundry.messages import MAX_ERROR, capped, one_line, shown
 
 # name -> (module in this package, one line of help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -73,10 +74,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     show_library_messages()
     from llm_foundry.config import ConfigError
+    from llm_foundry.package import MissingExtra
 
     try:
         command = importlib.import_module(f"llm_foundry.cli.{COMMANDS[name][0]}")
         return command.main(rest) or 0
+    except MissingExtra as e:  # an optional part not installed: its install line, no traceback
+        print(f"llm-foundry {name}: error: {one_line(e, MAX_ERROR)}", file=sys.stderr)
+        return 2
     except BrokenPipeError:  # `llm-foundry ... | head`: the reader has what it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
         return 0

@@ -205,11 +205,7 @@ def main(argv: list[str]) -> int:
 
 def run_tasks(ns) -> int:
     """``eval --tasks``: the harness runs the tasks on our model; prints its table."""
-    try:
-        from llm_foundry.harness import evaluate_tasks
-    except ImportError as e:
-        raise SystemExit(f"eval --tasks: {e}") from None
-    from lm_eval.utils import make_table
+    from llm_foundry.harness import evaluate_tasks  # MissingExtra without the [eval] extra
 
     tasks = [t.strip() for t in ns.tasks.split(",") if t.strip()]
     if not tasks:
@@ -231,5 +227,7 @@ def run_tasks(ns) -> int:
     if ns.json:
         print(json.dumps({"results": results["results"]}, indent=2, default=str))
     else:
+        from lm_eval.utils import make_table
+
         print(make_table(results))
     return 0

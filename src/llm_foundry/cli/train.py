@@ -140,6 +140,10 @@ def _main(argv: list[str], finetune: bool, prog: str) -> int:
         extra_keys=("out", "resume", "data", "checkpoint"),
     )
     cfg, train_cfg = settings.model, settings.train
+    if train_cfg.tensorboard:  # a missing extra is said before the run directory is made
+        from llm_foundry.train.metrics import require_tensorboard
+
+        require_tensorboard()
     if start:  # a run, not the step it resolved to now: its weights are read with a retry
         init = str(Path(ns.checkpoint))  # should training replace that step (load_any)
         train_cfg = type(train_cfg).from_dict({**train_cfg.to_dict(), "init_from": init})

@@ -51,11 +51,9 @@ from llm_foundry.outputs import new_file
 try:
     import gguf
 except ImportError as e:  # pragma: no cover - depends on the environment
-    from llm_foundry.package import install_line
+    from llm_foundry.package import missing_extra
 
-    raise ImportError(
-        f"llm_foundry.interop.gguf needs the gguf package: {install_line('gguf')}"
-    ) from e
+    raise missing_extra("llm_foundry.interop.gguf needs the gguf package", "gguf") from e
 
 log = logging.getLogger(__name__)
 Q = gguf.GGMLQuantizationType

@@ -47,18 +47,22 @@ class MetricsLog:
             self.file.close()
 
 
-def tensorboard(out: Path, purge_step: int | None):
-    """A TensorBoard writer in ``out/tensorboard``; events past ``purge_step`` (those a resumed
-    run trains again) hidden."""
+def require_tensorboard():
+    """TensorBoard's ``SummaryWriter`` class; ``MissingExtra`` with the install line when the
+    [tensorboard] extra is missing (a command checks this before it creates the run directory)."""
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError as e:
-        from llm_foundry.package import install_line
+        from llm_foundry.package import missing_extra
 
-        raise ImportError(
-            f"train.tensorboard=true needs TensorBoard: {install_line('tensorboard')}"
-        ) from e
-    return SummaryWriter(str(out / "tensorboard"), purge_step=purge_step)
+        raise missing_extra("train.tensorboard=true needs TensorBoard", "tensorboard") from e
+    return SummaryWriter
+
+
+def tensorboard(out: Path, purge_step: int | None):
+    """A TensorBoard writer in ``out/tensorboard``; events past ``purge_step`` (those a resumed
+    run trains again) hidden."""
+    return require_tensorboard()(str(out / "tensorboard"), purge_step=purge_step)
 
 
 def tb_write(tb, group: str, rec: dict) -> None:

@@ -12,11 +12,9 @@ from llm_foundry.config import ModelConfig
 try:
     import transformers
 except ImportError as e:  # pragma: no cover - depends on the environment
-    from llm_foundry.package import install_line
+    from llm_foundry.package import missing_extra
 
-    raise ImportError(
-        f"llm_foundry.interop.hf needs the transformers package: {install_line('hf')}"
-    ) from e
+    raise missing_extra("llm_foundry.interop.hf needs the transformers package", "hf") from e
 
 # transformers 5 keeps rope_theta and the scaling in one ``rope_parameters`` dict
 HF_V5 = int(transformers.__version__.split(".")[0]) >= 5
