@@ -96,6 +96,31 @@ def test_bpe_vocab_size_honoured():
         assert BPETokenizer.train([CORPUS], vocab_size=size).vocab_size == size
 
 
+def test_a_vocabulary_the_corpus_cannot_fill_is_a_logged_note_not_a_python_warning():
+    import logging
+    import warnings
+
+    got = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            got.append((record.name, record.levelno, record.getMessage()))
+
+    log, keep = logging.getLogger("llm_foundry"), Keep()
+    log.addHandler(keep)  # the logger the command line prints (propagating or not)
+    try:
+        with warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
+            tok = BPETokenizer.train([CORPUS], vocab_size=5000)
+    finally:
+        log.removeHandler(keep)
+    assert warned == [] and tok.vocab_size < 5000
+    assert got == [
+        ("llm_foundry.tokenizer", logging.WARNING, f"note: BPE training stopped at "
+         f"{tok.vocab_size:,} ids (asked for 5,000): the corpus has no more pairs to merge")
+    ]  # fmt: skip
+
+
 def test_bpe_vocab_size_below_bytes_plus_specials_rejected():
     with pytest.raises(ValueError, match=r">= 259 .*got 258"):
         BPETokenizer.train([CORPUS], vocab_size=258)

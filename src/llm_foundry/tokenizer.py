@@ -20,8 +20,8 @@
 from __future__ import annotations
 
 import json
+import logging
 import numbers
-import warnings
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -34,6 +34,9 @@ CHAT_TOKENS = ("<|im_start|>", "<|im_end|>")
 BYTE_ALPHABET = 256
 MIN_BPE_VOCAB = BYTE_ALPHABET + len(SPECIAL_TOKENS)  # every byte and the specials
 DEFAULT_BPE_VOCAB = 4096
+
+log = logging.getLogger(__name__)
+
 # a character tokenizer's HF form: every code point its own piece (Oniguruma's "." skips "\n")
 ANY_CHAR = r"[\s\S]"
 # WordLevel's unknown token, never in a vocabulary of single characters: an unknown one is refused
@@ -174,7 +177,8 @@ class BPETokenizer(Tokenizer):
         """Learn merges from ``texts`` until ``vocab_size`` ids (256 bytes + the specials +
         merges); ``chat_tokens``: reserve ``CHAT_TOKENS`` too (ids 3, 4).
 
-        A corpus too small to supply that many merges yields a smaller vocabulary (with a warning).
+        A corpus too small to supply that many merges yields a smaller vocabulary (with a note,
+        logged as a warning).
         """
         from tokenizers import Tokenizer as HFTokenizer
         from tokenizers import decoders, models, pre_tokenizers, trainers
@@ -198,10 +202,9 @@ class BPETokenizer(Tokenizer):
         hf.train_from_iterator([texts] if isinstance(texts, str) else texts, trainer=trainer)
         got = hf.get_vocab_size()
         if got < vocab_size:
-            warnings.warn(
-                f"BPE training stopped at {got} ids (asked for {vocab_size}): the corpus has no "
-                "more pairs to merge",
-                stacklevel=2,
+            log.warning(
+                f"note: BPE training stopped at {got:,} ids (asked for {vocab_size:,}): the "
+                "corpus has no more pairs to merge"
             )
         return cls(hf)
 
