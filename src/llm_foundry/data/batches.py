@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import os
 import shlex
 import weakref
 from pathlib import Path
@@ -22,6 +24,8 @@ from llm_foundry import lock
 from llm_foundry.data.sources import DataError
 from llm_foundry.messages import shown
 from llm_foundry.tokenizer import json_type
+
+log = logging.getLogger(__name__)
 
 SPLITS = ("train", "val")
 IGNORE = -100  # the target of positions that do not count (the model's ignore_index)
@@ -231,7 +235,8 @@ class Windows:
     """The windows of ``block_size + 1`` tokens inside one or several token arrays (the shards of
     a split), numbered 0 .. ``count`` - 1 through a cumulative table: shard 0's starts first, then
     shard 1's, ... A window never crosses from one array into the next; an array shorter than a
-    window holds none. With one array, window ``g`` starts at token ``g``."""
+    window holds none (``unused``: their names and lengths; a note says so, once, not by every
+    torchrun rank). With one array, window ``g`` starts at token ``g``."""
 
     def __init__(self, arrays: list[np.ndarray], block_size: int, name: str):
         self.arrays, self.block_size = arrays, block_size
@@ -246,6 +251,11 @@ class Windows:
                 f"{where} has {n:,} tokens; one window needs block_size + 1 = "
                 f"{block_size + 1:,}: use block_size <= {max(n - 1, 0):,} or more text"
             )
+        self.unused = [(_array_name(a, k), len(a)) for k, a in enumerate(arrays)
+                       if len(a) <= block_size]  # fmt: skip
+        note = unused_note(self.unused, block_size, name)
+        if note and int(os.environ.get("RANK", "0")) == 0:
+            log.warning(note)
         self._window = np.arange(block_size + 1)
 
     def locate(self, g: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -263,6 +273,28 @@ class Windows:
             rows = shard == k
             out[rows] = self.arrays[k][offset[rows][:, None] + self._window]
         return out
+
+
+def _array_name(array: np.ndarray, k: int) -> str:
+    """A token array's file name (a memmapped shard), else its place in the list."""
+    filename = getattr(array, "filename", None)
+    return Path(filename).name if filename else f"array {k}"
+
+
+def unused_note(unused: list[tuple[str, int]], block_size: int, name: str) -> str | None:
+    """One line naming the arrays too short to hold a window (never sampled), or None."""
+    if not unused:
+        return None
+    window = f"a window of block_size + 1 = {block_size + 1:,} tokens"
+    if len(unused) == 1:
+        ((shard, n),) = unused
+        what = f"shard {shard} ({n:,} tokens) is"
+    else:
+        listed = ", ".join(f"{s} ({n:,})" for s, n in unused[:3])
+        more = f", and {len(unused) - 3:,} more" if len(unused) > 3 else ""
+        total = sum(n for _, n in unused)
+        what = f"{len(unused):,} shards ({total:,} tokens in all: {listed}{more}) are"
+    return f"note: {name}: {what} shorter than {window}, so never sampled"
 
 
 class BatchSampler:
