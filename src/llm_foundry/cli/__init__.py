@@ -82,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     except MissingExtra as e:  # an optional part not installed: its install line, no traceback
         print(f"llm-foundry {name}: error: {one_line(e, MAX_ERROR)}", file=sys.stderr)
         return 2
-    except BrokenPipeError:  # `llm-foundry ... | head`: the reader has what it wanted
+    except BrokenPipeError:  # `llm-foundry ... | head`: the reader has what it wanted (train and
+        # finetune outlive their reader: cli/streams.py)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
         return 0
     except argparse.ArgumentError as e:  # a settings flag unknown or mistyped

@@ -21,6 +21,7 @@ from llm_foundry.cli.options import (
     settings_from,
     stopped,
 )
+from llm_foundry.cli.streams import outliving_reader
 from llm_foundry.presets import preset_names
 from llm_foundry.settings import read_config_file
 
@@ -99,11 +100,14 @@ def _base_model(checkpoint: str):
 
 def main(argv: list[str], finetune: bool = False) -> int:
     prog = f"llm-foundry {'finetune' if finetune else 'train'}"
-    try:
-        return _main(argv, finetune, prog)
-    except KeyboardInterrupt:  # Ctrl-C outside the training loop (which saves and says so)
-        return stopped(prog, "SIGINT", "interrupted outside the training steps; nothing was saved "
-                       "then (checkpoints written before it stay)")  # fmt: skip
+    # a reader that goes away (`| head`) neither ends the run nor costs it a checkpoint: why
+    # going on silently rather than stopping is in cli/streams.py
+    with outliving_reader(prog):
+        try:
+            return _main(argv, finetune, prog)
+        except KeyboardInterrupt:  # Ctrl-C outside the training loop (which saves and says so)
+            return stopped(prog, "SIGINT", "interrupted outside the training steps; nothing was "
+                           "saved then (checkpoints written before it stay)")  # fmt: skip
 
 
 def _main(argv: list[str], finetune: bool, prog: str) -> int:
