@@ -1,7 +1,8 @@
 """A corpus of documents read from many inputs, in one fixed order, as a stream.
 
-Inputs (``resolve_inputs``): files, globs and directories (walked recursively in name order,
-hidden names skipped) of
+Inputs (``resolve_inputs``): files, globs and directories (walked recursively in name order;
+what a walk leaves out is listed in ``Group.skipped``: other types, hidden names, broken links,
+linked directories, which are not followed, and links to a file read already) of
 
   .txt                          one file = one document
   .jsonl, .jsonl.gz, .jsonl.zst one row = one document, its text in field ``text_field``
@@ -14,10 +15,13 @@ and Hugging Face hub datasets by name (``NAME`` or ``NAME:CONFIG``, loaded throu
 groups one after another, so the same inputs always give the same documents in the same order.
 
 ``read_records`` yields every record (a row, or a text file) as a ``Record``: a document, an
-empty one, or one with bytes that are not UTF-8 (``on_bad_utf8="skip"``; ``"fail"`` raises a
-one-line DataError naming the file and row). It starts at any ``(file, record)`` position, so an
-interrupted prepare resumes without reading again what it had already written. A text file
-past ``LONG_TEXT_BYTES`` comes as a ``LongText`` whose pieces are read when asked for.
+empty one (an empty text, or null), a file holding no document at all, or one with bytes that
+are not UTF-8 (``on_bad_utf8="skip"``; ``"fail"`` raises a one-line DataError naming the file
+and row). A UTF-8 byte order mark opening a file is not text: it is dropped. It starts at any
+``(file, record)`` position, so an interrupted prepare resumes without reading again what it
+had already written. A text file past ``LONG_TEXT_BYTES`` comes as a ``LongText`` whose pieces
+are read when asked for. Each file read to its end is checked against its identity when it was
+resolved (``check_unchanged``): one changed meanwhile is an ``InputChanged`` error.
 
 ``draw_sample`` keeps a bounded, deterministic sample of a corpus's text spread over all of it,
 for training a tokenizer.
@@ -25,12 +29,14 @@ for training a tokenizer.
 
 from __future__ import annotations
 
+import codecs
 import glob
 import gzip
 import heapq
 import io
 import json
 import os
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,9 +49,18 @@ SUFFIXES = (".jsonl.gz", ".jsonl.zst", ".jsonl", ".parquet", ".txt")  # longest 
 HF_DISK, HF_HUB = "datasets", "hub"  # the formats of a saved dataset and of a hub one
 LONG_TEXT_BYTES = 16 << 20  # a .txt file past this is read in pieces, never held whole
 PARQUET_BATCH_ROWS = 1024
+BOM = "\ufeff"  # a UTF-8 byte order mark, as decoded
 HF_BATCH_ROWS = 1024
 BAD_UTF8 = ("fail", "skip")
 LISTED_PATHS = 64  # a group of more files lists none of them in meta.json (their count only)
+NAMED = 3  # a note names this many of the files it counts, at most
+# what a directory's walk leaves out, by reason (meta.json counts each)
+SKIP_REASONS = ("type", "hidden", "broken_link", "linked_directory", "duplicate_link")
+COMPRESSED = (".gz", ".zst", ".bz2", ".xz", ".zip")  # a type is named with the suffix before it
+
+
+class InputChanged(DataError):
+    """An input file changed while it was being prepared."""
 
 
 @dataclass
@@ -60,6 +75,8 @@ class InputFile:
     bytes: int
     stamp: list
     handle: Any = None  # a loaded datasets.Dataset
+    inode: int | None = None  # a file's: one replaced by another keeps no inode
+    name: str = ""  # the path as found (a link's own name), for messages
 
 
 @dataclass
@@ -70,13 +87,16 @@ class Group:
     input: str
     split: str
     files: list[InputFile] = field(default_factory=list)
+    skipped: dict[str, list[str]] = field(default_factory=dict)  # reason -> what, as found
 
 
 @dataclass
 class Record:
     """One record of the corpus: ``kind`` "doc" (``text`` is a str or a ``LongText``), "empty"
-    or "bad" (not UTF-8, skipped; ``where`` says where). ``file``: its index among all the
-    files; ``next``: the record index after it in that file (where reading resumes)."""
+    (an empty or null text), "empty_file" (a file with no document: 0 bytes, or no row) or
+    "bad" (not UTF-8, skipped); ``where`` names the file (and row) of one that is not a "doc".
+    ``file``: its index among all the files; ``next``: the record index after it in that file
+    (where reading resumes)."""
 
     kind: str
     text: str | LongText | None
@@ -92,7 +112,10 @@ class LongText:
         self.path, self.size = path, size
 
     def pieces(self) -> Iterator[str]:
+        first = True
         for text, _ in _read_utf8_blocks(self.path, READ_BYTES):
+            if first and text:
+                text, first = text.removeprefix(BOM), False
             if text:
                 yield text
 
@@ -140,16 +163,19 @@ def resolve_inputs(
         groups.append(group)
     for arg in val_sources:
         groups.append(_group(str(arg), "val", len(groups), split, column, "--val-source"))
-    seen: dict[str, str] = {}
+    seen: dict[str, tuple[str, InputFile]] = {}
     for g in groups:
         for f in g.files:
             if f.path in seen:
+                first, before = seen[f.path]
+                link = next((x for x in (f, before) if x.name and Path(x.name).is_symlink()), None)
+                what = (f"{f.path} is named twice" if link is None else
+                        f"{link.name} is a link to {f.path}, so that file is named twice")  # fmt: skip
                 raise DataError(
-                    f"{f.path} is named twice (by {seen[f.path]!r} and {g.input!r}); name each "
-                    "input once"
+                    f"{what} (by {first!r} and {g.input!r}); name each input once"
                     + (" (a --val-source must not also be an input)" if g.split == "val" else "")
                 )
-            seen[f.path] = g.input
+            seen[f.path] = (g.input, f)
     if split is not None and not any(
         f.format in (HF_DISK, HF_HUB) for g in groups for f in g.files
     ):
@@ -197,18 +223,12 @@ def _group(arg: str, split: str, number: int, hf_split, column, flag: str) -> Gr
         paths = [Path(os.path.expanduser(arg))]
         if not paths[0].exists():
             raise DataError(f"{flag} {arg}: no such file or directory")
+    found: list[Path] = []
     for path in paths:
         if is_saved_dataset(path):
             group.files.append(_dataset(str(path), number, hf_split, column, flag))
         elif path.is_dir():
-            found = [
-                p
-                for p in sorted(path.rglob("*"))
-                if p.is_file()
-                and file_format(p)
-                and not any(part.startswith(".") for part in p.relative_to(path).parts)
-            ]
-            group.files += [_file(p, number) for p in found]
+            found += _walk(path, group.skipped)
         elif path.is_file():
             if file_format(path) is None:
                 raise DataError(
@@ -216,21 +236,131 @@ def _group(arg: str, split: str, number: int, hf_split, column, flag: str) -> Gr
                     f"{', '.join(SUFFIXES)} files, directories of them, or a saved datasets "
                     "directory"
                 )
-            group.files.append(_file(path, number))
+            found.append(path)
+    group.files += [_file(p, number) for p in _once(found, group.skipped)]
     if not group.files:
+        left = skipped_summary(group.skipped)
         raise DataError(
             f"{flag} {arg}: no {', '.join(SUFFIXES)} file there (nor a saved datasets directory)"
+            + (f"; skipped {left}" if left else "")
         )
     return group
 
 
+def _walk(directory: Path, skipped: dict[str, list[str]]) -> list[Path]:
+    """The files of a type prepare reads under ``directory``, in name order (a folder's files
+    where its name sorts, as ``sorted(rglob)`` orders them); what is left out goes to
+    ``skipped`` by reason."""
+    found = []
+    for entry in sorted(directory.iterdir(), key=lambda p: p.name):
+        name = str(entry)
+        if entry.name.startswith("."):  # hidden, and not walked into (.git, .cache, ...)
+            skipped.setdefault("hidden", []).append(name)
+        elif entry.is_symlink() and not entry.exists():
+            skipped.setdefault("broken_link", []).append(name)
+        elif entry.is_dir():
+            if entry.is_symlink():  # followed, a link could lead back up and never end
+                skipped.setdefault("linked_directory", []).append(name)
+            else:
+                found += _walk(entry, skipped)
+        elif entry.is_file() and file_format(entry):
+            found.append(entry)
+        else:
+            skipped.setdefault("type", []).append(name)
+    return found
+
+
+def _once(paths: list[Path], skipped: dict[str, list[str]]) -> list[Path]:
+    """``paths`` without the links to a file that another of them names (the file itself kept
+    where it is found, else the first link to it); those go to ``skipped``."""
+    by_target: dict[Path, list[Path]] = {}
+    for p in paths:
+        by_target.setdefault(p.resolve(), []).append(p)
+    kept = {t: next((p for p in ps if not p.is_symlink()), ps[0]) for t, ps in by_target.items()}
+    out = []
+    for p in paths:
+        keep = kept[p.resolve()]
+        if p is keep:
+            out.append(p)
+        else:
+            skipped.setdefault("duplicate_link", []).append(f"{p} -> {keep}")
+    return out
+
+
+def _type(name: str) -> str:
+    """A file's type as a note names it: its suffix (with the one before a compression's)."""
+    suffixes = Path(name).suffixes
+    if not suffixes:
+        return "no suffix"
+    n = 2 if len(suffixes) > 1 and suffixes[-1].lower() in COMPRESSED else 1
+    return "".join(suffixes[-n:]).lower()
+
+
+def skipped_summary(skipped: dict[str, list[str]]) -> str:
+    """What a walk left out, in words (empty: nothing): its count, then each reason with its
+    count and the first few it names."""
+    parts = []
+    if skipped.get("type"):
+        kinds = Counter(_type(n) for n in skipped["type"])
+        listed = ", ".join(f"{k} x{n}" for k, n in sorted(kinds.items()))
+        parts.append(f"{len(skipped['type'])} of other types ({listed})")
+    words = {"hidden": ("hidden", "hidden"), "broken_link": ("broken link", "broken links"),
+             "linked_directory": ("linked directory, not followed",
+                                  "linked directories, not followed"),
+             "duplicate_link": ("link to a file read already", "links to a file read already")}  # fmt: skip
+    for reason, (one, many) in words.items():
+        names = skipped.get(reason) or []
+        if names:
+            parts.append(f"{len(names)} {one if len(names) == 1 else many} ({_first(names)})")
+    total = sum(len(v) for v in skipped.values())
+    if not total:
+        return ""
+    return f"{total} {'entry' if total == 1 else 'entries'}: " + ", ".join(parts)
+
+
+def _first(names: list[str]) -> str:
+    more = len(names) - NAMED
+    return ", ".join(names[:NAMED]) + (f", and {more} more" if more > 0 else "")
+
+
+def skipped_note(group: Group) -> str | None:
+    """One line saying what a directory input left out, or None."""
+    summary = skipped_summary(group.skipped)
+    flag = "--val-source" if group.split == "val" else "--input"
+    return f"note: {flag} {group.input}: skipped {summary}" if summary else None
+
+
+def skipped_counts(group: Group) -> dict[str, int]:
+    """How many entries a group's walk left out, by reason (every reason, 0 included)."""
+    return {r: len(group.skipped.get(r, [])) for r in SKIP_REASONS}
+
+
 def _file(path: Path, group: int) -> InputFile:
     st = path.stat()
-    fmt = file_format(path)
-    f = InputFile(str(path.resolve()), fmt, group, st.st_size, [st.st_size, st.st_mtime_ns])
-    if st.st_size == 0:
-        raise DataError(f"{f.path} is empty (0 bytes): it holds no document; remove it")
-    return f
+    return InputFile(str(path.resolve()), file_format(path), group, st.st_size,
+                     [st.st_size, st.st_mtime_ns], inode=st.st_ino, name=str(path))  # fmt: skip
+
+
+def check_unchanged(f: InputFile) -> None:
+    """An ``InputChanged`` error (one line, naming the file) when the file ``f`` is no longer
+    what it was when it was resolved: its size, modification time or inode differ (a saved or
+    hub dataset is not checked: its files are the ``datasets`` cache's)."""
+    if f.format in (HF_DISK, HF_HUB):
+        return
+    try:
+        st = os.stat(f.path)
+    except FileNotFoundError:
+        how = "removed"
+    else:
+        if st.st_size != f.bytes:
+            how = f"{f.bytes:,} bytes then, {st.st_size:,} now"
+        elif st.st_mtime_ns != f.stamp[1]:
+            how = "modified"
+        elif f.inode is not None and st.st_ino != f.inode:
+            how = "replaced by another file"
+        else:
+            return
+    raise InputChanged(f"{f.path} changed while it was being prepared ({how}); run again")
 
 
 def _import(module: str, what: str):
@@ -322,7 +452,8 @@ def read_records(
 ) -> Iterator[Record]:
     """Every record of every file of ``groups``, in order, from position ``start`` (the index
     of a file among all of them, and of a record in it). ``progress(n)``: n more input bytes read
-    (compressed bytes for compressed files; a table's bytes in proportion to its rows)."""
+    (compressed bytes for compressed files; a table's bytes in proportion to its rows). Each file
+    read to its end is checked unchanged since it was resolved (``check_unchanged``)."""
     if on_bad_utf8 not in BAD_UTF8:
         raise ValueError(f"on_bad_utf8 must be one of {', '.join(BAD_UTF8)}; got {on_bad_utf8!r}")
     files = [f for g in groups for f in g.files]
@@ -350,11 +481,13 @@ def read_records(
             yield from _table_records(f, i, at, _dataset_batches(f, at, text_column), on_bad_utf8,
                                       moved, text_column)  # fmt: skip
         moved(f.bytes)
+        check_unchanged(f)  # what was read is what the identity recorded names
 
 
-def _bad(f: InputFile, row: str, raw: bytes, e: UnicodeDecodeError, policy: str) -> str:
-    """Where a record's bytes stop being UTF-8 (a DataError under the "fail" policy)."""
-    where = f"{f.path}{row}: byte {raw[e.start]:#04x} at offset {e.start} is not UTF-8"
+def _bad(f: InputFile, row: str, what: str, policy: str) -> str:
+    """Where a record stops being UTF-8 (``what``: the byte or character, and where): the one
+    wording of every format, a one-line DataError under the "fail" policy."""
+    where = f"{f.path}{row}: {what}"
     if policy == "fail":
         raise DataError(
             f"{where}; convert the input to UTF-8, or pass --on-bad-utf8 skip to leave such "
@@ -363,25 +496,45 @@ def _bad(f: InputFile, row: str, raw: bytes, e: UnicodeDecodeError, policy: str)
     return where
 
 
+def _byte(raw: bytes, e: UnicodeDecodeError, offset: int = 0) -> str:
+    """The first byte of ``raw`` that is not UTF-8 in words; ``offset``: ``raw``'s in its file."""
+    return f"byte {raw[e.start]:#04x} at offset {offset + e.start} is not UTF-8"
+
+
+def _first_bad_byte(path: Path) -> str | None:
+    """The first byte of a file that is not UTF-8, in words (``_byte``), or None; read block by
+    block (a character cut between two blocks is decoded whole)."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0
+    with open(path, "rb") as file:
+        while True:
+            raw = file.read(READ_BYTES)
+            pending = decoder.getstate()[0]  # the last block's unfinished character
+            try:
+                decoder.decode(raw, final=not raw)
+            except UnicodeDecodeError as e:  # e.start counts from the pending bytes
+                return _byte(pending + raw, e, offset - len(pending))
+            if not raw:
+                return None
+            offset += len(raw)
+
+
 def _txt_record(f: InputFile, i: int, policy: str) -> Record:
     path = Path(f.path)
     if f.bytes > LONG_TEXT_BYTES:
-        try:
-            for _ in _read_utf8_blocks(path, READ_BYTES):  # checked whole before any piece goes
-                pass
-        except DataError as e:
-            if policy == "fail":
-                raise DataError(
-                    f"{e}, or pass --on-bad-utf8 skip to leave such documents out"
-                ) from None
-            return Record("bad", None, i, 1, str(e))
+        bad = _first_bad_byte(path)  # checked whole before any piece goes
+        if bad is not None:
+            return Record("bad", None, i, 1, _bad(f, "", bad, policy))
         return Record("doc", LongText(path, f.bytes), i, 1)
     raw = path.read_bytes()
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        return Record("bad", None, i, 1, _bad(f, "", raw, e, policy))
-    return Record("doc" if text else "empty", text, i, 1)
+        return Record("bad", None, i, 1, _bad(f, "", _byte(raw, e), policy))
+    if not raw:
+        return Record("empty_file", None, i, 1, f.path)
+    text = text.removeprefix(BOM)
+    return Record("doc" if text else "empty", text, i, 1, f.path)
 
 
 class _Counted(io.RawIOBase):
@@ -413,12 +566,15 @@ def _open_lines(f: InputFile):
 
 def _jsonl_records(f, i, at, field, policy, moved) -> Iterator[Record]:
     reader, raw = _open_lines(f)
-    rows = 0
+    rows = lines = 0
     with reader:
         for n, line in enumerate(_lines(reader, f), start=0):
+            lines = n + 1
             if n < at:
                 continue
             moved(raw.count)
+            if n == 0:
+                line = line.removeprefix(codecs.BOM_UTF8)  # written by some editors: not text
             if not line.strip():
                 continue  # a blank line is no row
             rows += 1
@@ -426,7 +582,7 @@ def _jsonl_records(f, i, at, field, policy, moved) -> Iterator[Record]:
             try:
                 text = line.decode("utf-8")
             except UnicodeDecodeError as e:
-                yield Record("bad", None, i, n + 1, _bad(f, row, line, e, policy))
+                yield Record("bad", None, i, n + 1, _bad(f, row, _byte(line, e), policy))
                 continue
             try:
                 obj = json.loads(text)
@@ -440,13 +596,14 @@ def _jsonl_records(f, i, at, field, policy, moved) -> Iterator[Record]:
                     "(choose with --text-field)"
                 )
             value = obj[field]
-            if not isinstance(value, str):
+            if value is not None and not isinstance(value, str):
                 raise DataError(
-                    f"{f.path}{row}: field {field!r} is {shown(value)}; expected a string"
+                    f"{f.path}{row}: field {field!r} is {shown(value)}; expected a string (or "
+                    "null, left out as an empty text)"
                 )
             yield _text_record(value, f, i, n + 1, row, policy)
     if at == 0 and rows == 0:
-        raise DataError(f"{f.path} holds no row: no document; remove it")
+        yield Record("empty_file", None, i, max(lines, 1), f.path)
 
 
 def _lines(reader, f: InputFile) -> Iterator[bytes]:
@@ -463,25 +620,22 @@ def _lines(reader, f: InputFile) -> Iterator[bytes]:
 
 
 def _text_record(value, f: InputFile, i: int, nxt: int, row: str, policy: str) -> Record:
-    """A text value read from a row: bytes decoded, lone surrogates (a JSON escape such as
-    ``\\ud800``: no UTF-8 encodes them) counted as bad UTF-8."""
+    """A text value read from a row: null is an empty text, bytes decoded, lone surrogates (a
+    JSON escape such as ``\\ud800``: no UTF-8 encodes them) counted as bad UTF-8."""
+    if value is None:
+        return Record("empty", "", i, nxt, f"{f.path}{row}")
     if isinstance(value, bytes):
         try:
             value = value.decode("utf-8")
         except UnicodeDecodeError as e:
-            return Record("bad", None, i, nxt, _bad(f, row, value, e, policy))
+            return Record("bad", None, i, nxt, _bad(f, row, _byte(value, e), policy))
     if not value.isascii():
         try:
             value.encode("utf-8")
         except UnicodeEncodeError as e:
-            where = f"{f.path}{row}: character {e.object[e.start]!r} at {e.start} (a lone " \
-                    "surrogate) cannot be UTF-8"  # fmt: skip
-            if policy == "fail":
-                raise DataError(
-                    f"{where}; pass --on-bad-utf8 skip to leave such documents out"
-                ) from None
-            return Record("bad", None, i, nxt, where)
-    return Record("doc" if value else "empty", value, i, nxt)
+            what = f"character {e.object[e.start]!r} at {e.start} (a lone surrogate) is not UTF-8"
+            return Record("bad", None, i, nxt, _bad(f, row, what, policy))
+    return Record("doc" if value else "empty", value, i, nxt, f"{f.path}{row}")
 
 
 def _parquet_batches(f: InputFile, at: int, column: str) -> Iterator[tuple[int, int, list]]:
@@ -520,14 +674,12 @@ def _table_records(f, i, at, batches, policy, moved, column) -> Iterator[Record]
                 continue
             rows += 1
             row = f" row {n} (column {column!r})"
-            if value is None:
-                raise DataError(f"{f.path}{row} is null; expected text")
-            if not isinstance(value, (str, bytes)):
+            if value is not None and not isinstance(value, (str, bytes)):
                 raise DataError(f"{f.path}{row} is {shown(value)}; expected text")
             yield _text_record(value, f, i, n + 1, row, policy)
         moved(f.bytes * (first + len(values)) // max(total, 1))
     if at == 0 and rows == 0:
-        raise DataError(f"{f.path} holds no row: no document; remove it")
+        yield Record("empty_file", None, i, 1, f.path)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -25,13 +25,20 @@ calling it again with the same inputs and settings goes on from the last closed 
 (``shard_writer``). meta.json, written last, lists every shard and every file's size and check,
 with the inputs and settings (``"inputs"``, ``"settings"``): called again on a complete
 directory, it does nothing with the same ones (``shard_writer.AlreadyPrepared``) and is refused
-with others, as a resume is (``restart`` prepares it again from scratch).
+with others, as a resume is (``restart`` prepares it again from scratch). An input file that
+changes while it is prepared (``corpus.InputChanged``) stops it with nothing left to resume:
+what was written came partly from the file as it was.
+
+Notes (``note: ...`` lines, logged as warnings on the ``llm_foundry`` logger, which the command
+line prints): what a directory input left out, a resume and where it goes on from, the files
+left out as empty.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import multiprocessing
 import os
 import shutil
@@ -52,11 +59,16 @@ from llm_foundry.data.batches import SPLITS, file_entry
 from llm_foundry.data.corpus import (
     BAD_UTF8,
     LISTED_PATHS,
+    NAMED,
     Group,
+    InputChanged,
     LongText,
+    check_unchanged,
     draw_sample,
     read_records,
     resolve_inputs,
+    skipped_counts,
+    skipped_note,
 )
 from llm_foundry.data.encode import (
     MERGING,
@@ -103,6 +115,8 @@ BATCH_OPS = 4 * BATCH_PIECES  # what a batch records (pieces, document ends, ski
 DTYPES = ("auto", "uint16", "uint32")
 TOKENIZER_TMP = ".tokenizer.json.partial"
 HF_EOT_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>")
+
+log = logging.getLogger(__name__)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -373,7 +387,11 @@ def _check_arguments(a: dict) -> None:
 
 
 def _stats() -> dict:
-    return {"documents": 0, "tokens": 0, "empty": 0, "bad_utf8": 0, "bad_utf8_first": None}
+    return {"documents": 0, "tokens": 0, "empty": 0, "bad_utf8": 0, "bad_utf8_first": None,
+            "empty_files": 0, "empty_files_first": []}  # fmt: skip
+
+
+SKIPS = {"empty": "empty", "bad": "bad_utf8", "empty_file": "empty_files"}  # a record's counter
 
 
 class _Job:
@@ -397,9 +415,20 @@ class _Job:
                     disable=not show)  # fmt: skip
 
     def run(self, restart: bool) -> dict:
-        out = self.out
         if not restart:  # again under the lock: one may have completed since
-            check_prepared(out, self.identity)
+            check_prepared(self.out, self.identity)
+        for g in self.groups:
+            if note := skipped_note(g):
+                log.warning(note)
+        try:
+            return self._run(restart)
+        except InputChanged:
+            # its shards and tokenizer came partly from the file as it was: nothing to resume
+            clear_outputs(self.out)
+            raise
+
+    def _run(self, restart: bool) -> dict:
+        out = self.out
         remove_temporaries(out, ["meta.json", PROGRESS_FILE])
         record = load_progress(out)
         if record is not None and restart:
@@ -407,6 +436,10 @@ class _Job:
         if record is not None:
             check_resumable(out, record, self.identity)
             tok_json = self._saved_tokenizer(record)
+            for st in record["groups"]:  # a record written before these counters were kept
+                for key, value in _stats().items():
+                    st.setdefault(key, value)
+            log.warning(self._resume_note(record))
         else:
             t0 = time.monotonic()
             tok_json, info = self._tokenizer()
@@ -439,13 +472,29 @@ class _Job:
         finally:
             for w in writers.values():
                 w.abandon()
+        for f in (f for g in self.groups for f in g.files):  # those read before changed since?
+            check_unchanged(f)
         record["splits"] = {s: w.state() for s, w in writers.items()}
         save_progress(out, record)
         self.seconds["encode"] = time.monotonic() - t0
         meta = self._meta(record, writers, dtype, resumed)
         publish(out, {"tokenizer.json": out / TOKENIZER_TMP}, json.dumps(meta, indent=2) + "\n")
         remove_unlisted(out, set(meta["files"]))  # the progress record last
+        if note := _empty_files_note(meta["sources"]):
+            log.warning(note)
         return meta
+
+    def _resume_note(self, record: dict) -> str:
+        """What a resume keeps, and where it goes on from."""
+        files = [f for g in self.groups for f in g.files]
+        done, rows = record["position"]
+        shards = sum(len(s["done"]) for s in record["splits"].values())
+        if [done, rows] == [0, 0]:
+            return (f"note: resuming {self.out}: its tokenizer is trained already; no document "
+                    "was written yet")  # fmt: skip
+        at = f" after its record {rows:,}" if rows else ""
+        return (f"note: resuming {self.out}: {done:,} of {len(files):,} input files already "
+                f"written ({shards:,} shards kept); going on from {files[done].path}{at}")  # fmt: skip
 
     # -- the tokenizer
     def _saved_tokenizer(self, record: dict) -> str:
@@ -481,12 +530,14 @@ class _Job:
         """Byte-level BPE trained on ``draw_sample`` of the training documents; every input is
         read through (and checked) once."""
         counts = {"train": 0, "val": 0}
+        left = dict.fromkeys(SKIPS.values(), 0)
         with self._bar("read sample", self.groups) as bar:
 
             def texts() -> Iterator[str]:
                 i = 0
                 for r in read_records(self.groups, progress=bar.update, **self.read):
                     if r.kind != "doc":
+                        left[SKIPS[r.kind]] += 1
                         continue
                     if self.file_group[r.file] in self.val_groups or self.is_val(i):
                         counts["val"] += 1
@@ -496,7 +547,7 @@ class _Job:
                     i += self.file_group[r.file] not in self.val_groups
 
             sample, kept, seen = draw_sample(texts(), self.settings["tokenizer_sample"])
-        self._check_counts(counts["train"], counts["val"])
+        self._check_counts(counts["train"], counts["val"], left)
         # the trainer reads the sample as it goes; the bar runs until the merges are done too
         show = self.progress and seen >= PROGRESS_MIN_CHARS
         with tqdm(total=kept, unit="B", unit_scale=True, desc="train BPE",
@@ -505,10 +556,16 @@ class _Job:
             tok = BPETokenizer.train(pieces, self.settings["vocab_size"], chat_tokens=True)
         return tok, kept, seen
 
-    def _check_counts(self, train: int, val: int) -> None:
+    def _check_counts(self, train: int, val: int, left: dict[str, int]) -> None:
+        """Refuse a corpus with no training or no validation document; ``left``: how many
+        records were left out, by counter ("empty", "bad_utf8", "empty_files")."""
         f = self.settings["val_fraction"]
         if train == 0:
-            raise DataError("the inputs hold no training document (all are empty, skipped or val)")
+            words = {"empty_files": "empty file{}", "empty": "empty text{}",
+                     "bad_utf8": "text{} not UTF-8", "val": "val document{}"}  # fmt: skip
+            what = ", ".join(f"{n:,} {w.format('' if n == 1 else 's')}" for k, w in words.items()
+                             if (n := {**left, "val": val}.get(k, 0)))  # fmt: skip
+            raise DataError(f"the inputs hold no training document ({what or 'nothing read'})")
         if val == 0:
             how = (f"--val-fraction {f} picks none of {train:,} documents (one needs at least "
                    f"{int(np.ceil(1 / f)):,})") if f else "the --val-source holds no document"  # fmt: skip
@@ -562,10 +619,12 @@ class _Job:
                         save_progress(self.out, record)
                 else:
                     _, group, kind, file, nxt, where = op
-                    key = "empty" if kind == "empty" else "bad_utf8"
+                    key = SKIPS[kind]
                     stats[group][key] += 1
                     if key == "bad_utf8" and stats[group]["bad_utf8_first"] is None:
                         stats[group]["bad_utf8_first"] = where
+                    if key == "empty_files" and len(stats[group]["empty_files_first"]) < NAMED:
+                        stats[group]["empty_files_first"].append(where)
                     record["position"] = [file, nxt]
 
         with self._bar("tokenize", self.groups, done) as bar:
@@ -574,7 +633,9 @@ class _Job:
                                self.is_val, cut)  # fmt: skip
             _run(batches, consume, encoder, self.workers, tok_json, dtype)
         try:
-            self._check_counts(writers["train"].total_documents, writers["val"].total_documents)
+            left = {k: sum(st[k] for st in stats) for k in SKIPS.values()}
+            self._check_counts(writers["train"].total_documents, writers["val"].total_documents,
+                               left)  # fmt: skip
         except DataError:
             clear_outputs(self.out)  # these settings can never complete: nothing left to resume
             raise
@@ -596,7 +657,8 @@ class _Job:
                      "split": "val" if g.split == "val" else
                               ("train" if self.val_groups else "train+val"),
                      "formats": sorted({f.format for f in g.files}), "files": len(g.files),
-                     "bytes": sum(f.bytes for f in g.files), **st}  # fmt: skip
+                     "bytes": sum(f.bytes for f in g.files), **st,
+                     "skipped": skipped_counts(g)}  # fmt: skip
             if len(g.files) <= LISTED_PATHS:
                 entry["paths"] = [f.path for f in g.files]
             sources.append(entry)
@@ -650,6 +712,17 @@ class _Job:
                 "input_mb_per_second": round(in_bytes / 1e6 / seconds, 3) if seconds else None,
             },
         }
+
+
+def _empty_files_note(sources: list[dict]) -> str | None:
+    """One line naming how many input files held no document (and the first few), or None."""
+    n = sum(s["empty_files"] for s in sources)
+    if not n:
+        return None
+    names = [p for s in sources for p in s["empty_files_first"]][:NAMED]
+    more = f", and {n - len(names):,} more" if n > len(names) else ""
+    return (f"note: left out {n:,} empty input file{'s' if n != 1 else ''} (0 bytes, or no row): "
+            f"{', '.join(names)}{more}")  # fmt: skip
 
 
 _NO_IDS = (np.zeros(0, np.uint32), np.zeros(0, np.int64))
