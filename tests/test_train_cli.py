@@ -1,5 +1,6 @@
 """``llm-foundry train`` as a command: a reader of its output that goes away (``| head``) costs
-the run nothing (it trains on silently to its checkpoint and summary.json, exit 0)."""
+the run nothing (it trains on silently to its checkpoint and summary.json, exit 0), and
+summary.json says why a run ended early."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import time
 import pytest
 
 from llm_foundry.cli import main
+from llm_foundry.train.trainer import Trainer
 
 STEPS = 6
 
@@ -34,6 +36,7 @@ def _finished(out) -> dict:
     assert (out / "checkpoints" / f"step_{STEPS:06d}" / "model.safetensors").is_file()
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert sorted(set(steps)) == list(range(1, STEPS + 1))
+    assert summary["stopped_early"] is None  # max_steps reached: no early stop
     return summary
 
 
@@ -93,3 +96,12 @@ def test_train_piped_to_head_trains_to_its_checkpoint(char_data, tmp_path):
     assert rc == 0, f"exit {rc} after {time.monotonic() - start:.0f} s"
     _finished(out)
     assert (out / "sample.txt").is_file() and (out / "loss.png").is_file()
+
+
+def test_summary_records_why_should_stop_ended_the_run(char_data, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(Trainer, "should_stop", lambda self: "goal met" if self.step == 2 else None)
+    out = tmp_path / "run"
+    assert main(_argv(char_data(3000), out)) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["step"] == 2 and summary["stopped_early"] == "goal met"
+    assert summary["checkpoint"] == str((out / "checkpoints" / "step_000002").resolve())

@@ -359,7 +359,9 @@ def train_and_report(model_cfg, train_cfg, data: str | Path, out: Path, resume: 
 def summary(result, out: Path) -> dict:
     """summary.json of run directory ``out`` after ``result`` (a ``RunResult``): the last train
     loss the run logged (``metrics.jsonl``'s, when this attempt trained no step) and the
-    checkpoint as an absolute path (symbolic links resolved), however --out was spelled."""
+    checkpoint as an absolute path (symbolic links resolved), however --out was spelled;
+    ``stopped_early``: why ``Trainer.should_stop`` ended the run before max_steps (None: no
+    such stop)."""
     from llm_foundry.rundir import METRICS, RunDir
 
     loss = result.last_train_loss
@@ -374,5 +376,6 @@ def summary(result, out: Path) -> dict:
         best_val_loss=result.best_val_loss,
         skipped_steps=result.skipped_steps,
         interrupted=result.interrupted,
+        stopped_early=result.stopped_early,
         checkpoint=str(Path(result.checkpoint).resolve()) if result.checkpoint else None,
     )
