@@ -4,6 +4,7 @@ result is compared with the library's own ``generate`` of the same prompt alone.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import string
@@ -404,6 +405,36 @@ def test_a_soak_of_hundreds_of_requests_leaks_no_slot_and_no_memory(checkpoint):
         assert served.engine.busy() == 0 and served.engine.queue_length() == 0
         assert sum(r is not None for r in results) == 200
         assert grew < 50, f"resident memory grew {grew:.0f} MiB over 300 requests ({took:.0f} s)"
+
+
+def test_a_client_gone_before_its_body_is_sent_is_counted_not_logged_as_a_failure(checkpoint):
+    """A body cut short by the client's close is a 499 in /metrics, never the 60-line 'Exception
+    in ASGI application' (the catch-all 500 handler re-raises into uvicorn's log)."""
+    errors: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = errors.append
+    with running(checkpoint) as (url, served):
+        logging.getLogger("uvicorn.error").addHandler(handler)
+        try:
+            port = int(url.rsplit(":", 1)[1])
+            for _ in range(3):
+                with socket.create_connection(("127.0.0.1", port)) as s:
+                    s.sendall(
+                        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                        b'application/json\r\nContent-Length: 1000\r\n\r\n{"prompt"'
+                    )
+            line = 'llm_foundry_requests_total{endpoint="completions",status="499"} 3'
+            deadline = time.monotonic() + 10
+            while line not in httpx.get(url + "/metrics").text and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert line in httpx.get(url + "/metrics").text
+            r = client(url).completions.create(
+                model="tiny", prompt="RO", max_tokens=3, temperature=0
+            )
+            assert r.choices[0].text == solo(checkpoint, "RO", 3)  # the server goes on
+        finally:
+            logging.getLogger("uvicorn.error").removeHandler(handler)
+    assert not errors, [r.getMessage() for r in errors]
 
 
 @pytest.mark.heavy

@@ -31,6 +31,7 @@ try:
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
     from starlette.exceptions import HTTPException
+    from starlette.requests import ClientDisconnect
 except ImportError as e:  # the optional [serve] extra
     from llm_foundry.package import install_line
 
@@ -334,10 +335,16 @@ def create_app(served: Served, max_request_bytes: int = MAX_REQUEST_BYTES) -> Fa
         if declared.isdigit() and int(declared) > max_request_bytes:
             raise too_big(f"{int(declared):,} bytes")
         data = bytearray()
-        async for chunk in request.stream():
-            data += chunk
-            if len(data) > max_request_bytes:
-                raise too_big(f"more than {max_request_bytes:,} bytes")
+        try:
+            async for chunk in request.stream():
+                data += chunk
+                if len(data) > max_request_bytes:
+                    raise too_big(f"more than {max_request_bytes:,} bytes")
+        except ClientDisconnect:  # counted under 499 (nginx's "client closed request"), no trace
+            raise BadRequest(
+                f"the client closed the connection after {len(data):,} bytes of its request",
+                status=499, code="client_closed_request",
+            ) from None  # fmt: skip
         try:
             return json.loads(data)
         except RecursionError:
