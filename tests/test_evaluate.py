@@ -352,3 +352,32 @@ def test_progress_is_told_every_batch_and_a_context_past_max_seq_len_gets_a_note
                      "trained at (extrapolation)"]  # fmt: skip
     assert main([*args, "--context", "16"]) == 0
     assert "past the model's max_seq_len" not in capsys.readouterr().out
+
+
+def test_cli_default_context_is_the_trained_block_size_and_past_it_gets_a_note(char_data,
+                                                                               tmp_path, capsys):  # fmt: skip
+    """A run trained on windows of 16 with 64 learned positions: eval scores windows of 16 by
+    default (what its val loss measured; rows 16..63 of the table never trained), as --context
+    16 does, and a longer context given gets a note."""
+    from conftest import make_trainer
+
+    data = char_data(3000)
+    trainer = make_trainer(data, tmp_path / "run", model=dict(pos_encoding="learned",
+                           max_seq_len=64), block_size=16, max_steps=2, eval_interval=2,
+                           checkpoint_interval=2)  # fmt: skip
+    trainer.run()
+    capsys.readouterr()
+    args = ["--checkpoint", str(tmp_path / "run"), "--data", str(data), "--json"]
+    assert main(args) == 0
+    default = json.loads(capsys.readouterr().out)
+    assert [r["context"] for r in default["results"]] == [16]
+    assert default["trained_block_size"] == 16 and default["trained_context"] == 64
+    assert default["context_default"] is True and default["notes"] == []
+    assert main([*args, "--context", "16,64"]) == 0
+    given = json.loads(capsys.readouterr().out)
+    assert given["results"][0] == default["results"][0]
+    assert given["notes"] == ["note: context 64 is past the trained context 16 (the model was "
+                              "trained on windows of 16 tokens): rows of its learned position "
+                              "table 16..63 were never trained, and quality may drop"]  # fmt: skip
+    assert main(args[:-1]) == 0
+    assert "context 16 by default (the windows it was trained on)" in capsys.readouterr().out

@@ -73,6 +73,35 @@ def _load_tokens(ns, tok, ckpt: Path, data: tuple | None) -> tuple[np.ndarray, s
     return np.asarray(open_token_file(path)), str(path)
 
 
+def trained_block_size(ckpt: Path) -> int | None:
+    """The window length (train.block_size) checkpoint ``ckpt``'s weights were last trained on,
+    from its state.json; None where it records none (an HF directory, a bare or quantized copy,
+    a damaged state.json: the weights are still evaluated, at max_seq_len by default)."""
+    from llm_foundry.rundir import STATE, read_state
+
+    if not (ckpt / STATE).is_file():
+        return None
+    try:
+        block = read_state(ckpt)["train_config"]["block_size"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return block if isinstance(block, int) and not isinstance(block, bool) and block > 0 else None
+
+
+def past_trained_note(context: int, max_seq_len: int, block: int | None, pos: str) -> str | None:
+    """The note on a ``context`` past what the model was trained at: its max_seq_len, or the
+    windows of ``block`` tokens it was trained on (None: within both)."""
+    if context > max_seq_len:
+        return (f"note: context {context} is past the model's max_seq_len {max_seq_len}: "
+                "positions it was never trained at (extrapolation)")  # fmt: skip
+    if block is not None and context > block:
+        never = "rows of its learned position table" if pos == "learned" else f"{pos} positions"
+        return (f"note: context {context} is past the trained context {block} (the model was "
+                f"trained on windows of {block} tokens): {never} {block}..{context - 1} were "
+                "never trained, and quality may drop")  # fmt: skip
+    return None
+
+
 def format_table(rows: list[dict]) -> str:
     lines = [f"{'context':>8} {'stride':>7} {'loss':>8} {'ppl':>9} {'tokens':>10}", "-" * 46]
     for r in rows:
@@ -116,7 +145,10 @@ def main(argv: list[str]) -> int:
     harness.add_argument("--include-path", default=None, help="a directory of more task YAMLs")
     harness.add_argument("--out", default=None, help="write the harness's results JSON here")
     p.add_argument("--context", default=None, help="comma-separated context lengths (default: "
-                   "the model's max_seq_len, the context it was built for)")  # fmt: skip
+                   "the windows the model was trained on, train.block_size in its checkpoint's "
+                   "state.json, else its max_seq_len: past those windows it scores positions it "
+                   "never trained at); a perplexity depends on its context, so compare models "
+                   "at one --context")  # fmt: skip
     p.add_argument("--stride", type=int, default=None, help="sliding windows with this stride")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--max-windows", type=int, default=None, help="evaluate at most N windows")
@@ -147,9 +179,10 @@ def main(argv: list[str]) -> int:
         if note and not ns.json:
             print(note)
     trained = model.cfg.max_seq_len
+    block = trained_block_size(ckpt)
     context_default = contexts is None
-    if context_default:  # the context the model was built for
-        contexts = [trained]
+    if context_default:  # the windows the model was trained on: what its val loss measured
+        contexts = [block or trained]
     if ns.rope_scaling:
         if ns.rope_factor is None:
             raise ValueError("--rope-scaling needs --rope-factor F (e.g. 2 for twice the context)")
@@ -161,9 +194,9 @@ def main(argv: list[str]) -> int:
             f"{source} holds token id {top}, past the model's vocab_size {model.cfg.vocab_size}: "
             "it was tokenized with another tokenizer than the one the model was trained with"
         )
-    past = [f"note: context {c} is past the model's max_seq_len {trained}: positions it was "
-            "never trained at (extrapolation)" for c in contexts
-            if c > trained and not ns.rope_scaling]  # fmt: skip
+    past = [past_trained_note(c, trained, block, model.cfg.pos_encoding) for c in contexts
+            if not ns.rope_scaling]  # fmt: skip
+    past = [note for note in past if note]
     notes += past
     for note in past if not ns.json else ():
         print(note)
@@ -187,6 +220,7 @@ def main(argv: list[str]) -> int:
         rope_scaling=ns.rope_scaling,
         rope_factor=ns.rope_factor,
         trained_context=trained,
+        trained_block_size=block,
         context_default=context_default,
         notes=notes,
         results=rows,
@@ -194,11 +228,12 @@ def main(argv: list[str]) -> int:
     if ns.json:
         print(json.dumps(report, indent=2))
     else:
-        print(f"{ckpt} on {source} (max_seq_len {trained})")
+        windows = f", trained on windows of {block}" if block else ""
+        print(f"{ckpt} on {source} (max_seq_len {trained}{windows})")
         if context_default:
-            print(
-                f"context {trained} by default (the model's max_seq_len); --context N,M for others"
-            )
+            why = "the windows it was trained on" if block else "the model's max_seq_len"
+            print(f"context {contexts[0]} by default ({why}); --context N,M for others (the "
+                  "same for every model compared)")  # fmt: skip
         print(format_table(rows))
     return 0
 
