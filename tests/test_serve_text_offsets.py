@@ -6,23 +6,15 @@ strings that hold text back or cut it."""
 from __future__ import annotations
 
 import pytest
-import torch
+from _bytes_bpe import TEXT, bpe_model_checkpoint, bytes_bpe, force_tokens
 from test_serve import client, running
 
-from llm_foundry.checkpoint import save_checkpoint
-from llm_foundry.models import Transformer
-from llm_foundry.presets import get_preset
 from llm_foundry.serve.offsets import StreamedOffsets, text_offsets
-from llm_foundry.tokenizer import BPETokenizer
-
-# no CJK and no emoji: 世, 界 and 🙂 are left as bytes, each piece a U+FFFD alone
-CORPUS = "First Citizen:\nBefore we proceed any further, hear me speak. Café, naïve, über\n" * 20
-TEXT = "héllo 世界 🙂! 世界"
 
 
 @pytest.fixture(scope="module")
 def tok():
-    return BPETokenizer.train([CORPUS], vocab_size=300)
+    return bytes_bpe()
 
 
 def _hf_starts(tok, text: str) -> tuple[list[int], list[int]]:
@@ -65,32 +57,17 @@ def test_streamed_chunks_give_the_whole_offsets(tok):
 
 @pytest.fixture(scope="module")
 def bpe_checkpoint(tok, tmp_path_factory):
-    path = tmp_path_factory.mktemp("serve-offsets") / "ckpt"
-    torch.manual_seed(0)
-    cfg = get_preset("llama-shakespeare-char", vocab_size=tok.vocab_size, n_layers=1, dim=32,
-                     n_heads=2, max_seq_len=64)  # fmt: skip
-    save_checkpoint(Transformer(cfg), path)
-    tok.save(path / "tokenizer.json")
-    return path
+    return bpe_model_checkpoint(tok, tmp_path_factory.mktemp("serve-offsets") / "ckpt")
 
 
 @pytest.fixture
 def forced(tok, monkeypatch):
-    """The engine picks the tokens of TEXT in order, whatever the model's logits (a random model
-    would rarely split a character): each request starts again from its first token."""
-    from llm_foundry.serve import engine
-
-    ids, at = tok.encode(TEXT), [0]
-
-    def pick(logits, **_):  # one request at a time here
-        at[0] += 1
-        return torch.tensor([ids[at[0] - 1]])
-
-    monkeypatch.setattr(engine, "sample_next", pick)
-    return lambda: at.__setitem__(0, 0)
+    """Each call: the engine's next request picks the tokens of TEXT in order."""
+    play = force_tokens(monkeypatch)
+    return lambda: play(tok.encode(TEXT))
 
 
-@pytest.mark.parametrize("stop", [[], ["QQQQ"], ["界 "], ["🙂!"]])
+@pytest.mark.parametrize("stop", [[], ["🙂! 世界?"], ["界 "], ["🙂!"]])
 def test_server_offsets_of_split_characters_locate_them_in_the_text(
     tok, bpe_checkpoint, forced, stop
 ):

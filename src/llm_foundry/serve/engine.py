@@ -43,6 +43,7 @@ import torch
 
 from llm_foundry.messages import one_line
 from llm_foundry.sampling import check_sampling, sample_next
+from llm_foundry.stops import settle
 
 LOGPROB_FLOOR = -9999.0  # OpenAI's stand-in for a token the model rules out (JSON has no -inf)
 CUDA_GRAPH_ADAPTERS = ("--cuda-graph with --adapter: a graph holds one adapter layout, not each "
@@ -486,24 +487,14 @@ class Engine:
 
     def _flush(self, seq: Sequence, final: bool) -> str | None:
         """Emit the text that can no longer change: all of it when ``final``; else hold back
-        what could still begin a stop string or an unfinished character. Returns "stop" when
-        a stop string appeared (the text is emitted up to it)."""
+        what could still begin a stop string or an unfinished character (``stops.settle``).
+        Returns "stop" when a stop string appeared (the text is emitted up to it)."""
         text = self.tok.decode(seq.tokens)
-        cut = len(text)
-        reason = None
-        for stop in seq.params.stop:
-            at = text.find(stop, max(0, seq.sent - len(stop) + 1))
-            if at != -1 and at < cut:
-                cut, reason = at, "stop"
-        if reason is None and not final:
-            hold = max((len(s) - 1 for s in seq.params.stop), default=0)
-            cut = len(text) - hold
-            while cut > seq.sent and text[cut - 1] == "\ufffd":  # bytes of a character to come
-                cut -= 1
-        if cut > seq.sent or (seq.pending and (final or reason)):
+        cut, stopped = settle(text, seq.params.stop, final=final, released=seq.sent)
+        if cut > seq.sent or (seq.pending and (final or stopped)):
             seq.emit("text", (text[seq.sent : max(cut, seq.sent)], seq.pending))
             seq.sent, seq.pending = max(cut, seq.sent), []
-        return reason
+        return "stop" if stopped else None
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         if seq.finished:
