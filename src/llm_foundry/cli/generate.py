@@ -10,6 +10,7 @@ from pathlib import Path
 
 from llm_foundry.cli.options import add_quantize_flags, quantize_choice
 from llm_foundry.messages import shown
+from llm_foundry.stops import settle
 
 
 def _parse_ids(text: str, vocab_size: int) -> list[int]:
@@ -21,25 +22,6 @@ def _parse_ids(text: str, vocab_size: int) -> list[int]:
     if bad:
         raise ValueError(f"prompt id {bad[0]} is out of range for vocab_size={vocab_size}")
     return ids
-
-
-def _stop_at(text: str, stops: list[str]) -> int | None:
-    """Where the first stop string starts in ``text`` (None if none occurs)."""
-    found = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return min(found) if found else None
-
-
-def _held_back(text: str, stops: list[str]) -> int:
-    """How many trailing characters of ``text`` may not be printed yet: an incomplete UTF-8
-    sequence (decoded as U+FFFD) or the start of a stop string that the next tokens may finish."""
-    n = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), n, -1):
-            if text.endswith(s[:k]):
-                n = k
-                break
-    stripped = text[: len(text) - n]
-    return n + len(stripped) - len(stripped.rstrip("\ufffd"))
 
 
 def _context(model, n_prompt: int, ns) -> tuple[int | None, list[str]]:
@@ -170,14 +152,13 @@ def _complete(model, tok, ids: list[int], ns, eos_ids: set[int], emit=None) -> d
                 continue
             full = tok.decode(ids + body)
             text = full[len(prefix) :] if full.startswith(prefix) else tok.decode(body)
-            cut = _stop_at(text, ns.stop)
-            if cut is not None:
-                text, reason = text[:cut], "stop"
+            end, stopped = settle(text, ns.stop, released=shown)
+            if stopped:
+                text, reason = text[:end], "stop"
                 break
-            ready = len(text) - _held_back(text, ns.stop)
-            if emit and ready > shown:
-                emit(text[shown:ready])
-                shown = ready
+            if emit and end > shown:
+                emit(text[shown:end])
+                shown = end
     finally:
         steps.close()
     _say(notes)  # no step taken (--max-new-tokens 0): checked all the same
