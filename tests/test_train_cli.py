@@ -105,3 +105,42 @@ def test_summary_records_why_should_stop_ended_the_run(char_data, tmp_path, monk
     summary = json.loads((out / "summary.json").read_text())
     assert summary["step"] == 2 and summary["stopped_early"] == "goal met"
     assert summary["checkpoint"] == str((out / "checkpoints" / "step_000002").resolve())
+
+
+def test_the_end_sample_reads_a_hugging_face_tokenizer(tmp_path, capsys):
+    """Data prepared with a model's own tokenizer (a plain HF byte-level BPE, no <bos>/<eos>/<pad>
+    of ours): the run's closing sample decodes with it (the sample's reader took our files only
+    and refused it before training, so fine-tuning an imported model needed --train.sample_tokens
+    0)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    text = "the king and the queen sing of a horse at night\n" * 200
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    bpe = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
+                              initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    tok.train_from_iterator([text], bpe)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "docs").mkdir()
+    for i in range(10):
+        (tmp_path / "docs" / f"{i}.txt").write_text(text[: 500 * (i + 1)])
+    data, out = tmp_path / "data", tmp_path / "run"
+    argv = ["prepare", "--input", str(tmp_path / "docs"), "--tokenizer-from",
+            str(tmp_path / "tokenizer.json"), "--out", str(data)]  # fmt: skip
+    assert main(argv) == 0
+    capsys.readouterr()
+    argv = _argv(data, out)
+    argv[argv.index("--model.dim") : argv.index("--model.dim")] = ["--model.vocab_size", "300"]
+    assert main(argv) == 0, capsys.readouterr().err
+    _finished(out)
+    # the sample is the run's draw decoded by the tokenizers library itself
+    import torch
+
+    from llm_foundry.checkpoint import load_checkpoint
+    from llm_foundry.generate import generate
+
+    model = load_checkpoint(out / "checkpoints" / f"step_{STEPS:06d}")
+    prompt = torch.tensor([tok.encode("\n").ids])
+    ids = generate(model, prompt, 20, temperature=0.8, top_k=50, seed=1337, context=16)
+    assert (out / "sample.txt").read_text() == tok.decode(ids[0].tolist())

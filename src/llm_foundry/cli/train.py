@@ -290,15 +290,15 @@ def train_and_report(model_cfg, train_cfg, data: str | Path, out: Path, resume: 
     from llm_foundry.generate import sample_text
     from llm_foundry.plots import plot_losses
     from llm_foundry.rundir import METRICS
-    from llm_foundry.tokenizer import load_tokenizer
+    from llm_foundry.tokenizer import load_any_tokenizer
     from llm_foundry.train.trainer import Trainer
 
     trainer = Trainer(model_cfg, train_cfg, data, out, resume=resume)
-    # the sample at the end needs the tokenizer: a missing one fails now, not after training
+    # the sample at the end needs the tokenizer (ours, or the HF one of a model the data was
+    # prepared with): a missing one fails now, not after training
     try:
-        tok = (
-            load_tokenizer(trainer.data_dir / "tokenizer.json") if train_cfg.sample_tokens else None
-        )
+        file = trainer.data_dir / "tokenizer.json"
+        tok = load_any_tokenizer(file) if train_cfg.sample_tokens else None
     except BaseException:
         trainer.release()
         raise
