@@ -10,9 +10,11 @@ from pathlib import Path
 
 
 def main(argv: list[str]) -> int:
+    from llm_foundry.package import MissingExtra, missing_extra
+
     try:  # --help and the dcp conversions work without the [hf] extra; HF work says what to install
         from llm_foundry.interop.hf import FAMILIES
-    except ImportError:
+    except MissingExtra:
         FAMILIES = None
 
     p = argparse.ArgumentParser(
@@ -97,11 +99,7 @@ def main(argv: list[str]) -> int:
         try:
             import gguf  # noqa: F401
         except ImportError:
-            from llm_foundry.package import install_line
-
-            raise SystemExit(
-                f"convert --to-gguf needs the gguf package: {install_line('gguf')}"
-            ) from None
+            raise missing_extra("convert --to-gguf needs the gguf package", "gguf") from None
         from llm_foundry.export import convert_to_gguf
 
         out, merged = convert_to_gguf(ns.to_gguf, ns.out, ns.outtype)

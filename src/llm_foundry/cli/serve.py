@@ -9,6 +9,7 @@ import threading
 import time
 
 from llm_foundry.cli.options import add_quantize_flags, quantize_choice
+from llm_foundry.package import missing_extra
 
 MAX_SLOTS = 4096  # sequences decoded together: far past what one forward batches usefully
 MAX_QUEUE = 1_000_000  # requests waiting
@@ -86,15 +87,11 @@ def main(argv: list[str]) -> int:
         raise ValueError(CUDA_GRAPH_ADAPTERS)
     try:
         import uvicorn
-
-        from llm_foundry.serve import load_served
-        from llm_foundry.serve.app import MAX_REQUEST_BYTES, create_app
     except ImportError as e:
-        from llm_foundry.package import install_line
+        raise missing_extra("serve needs FastAPI and uvicorn", "serve", str(e)) from None
+    from llm_foundry.serve import load_served
+    from llm_foundry.serve.app import MAX_REQUEST_BYTES, create_app  # MissingExtra without FastAPI
 
-        raise SystemExit(
-            f"serve needs FastAPI and uvicorn: {install_line('serve')} ({e})"
-        ) from None
     scheme, group = quantize_choice(ns.quantize, ns.group_size)
     served = load_served(ns.checkpoint, ns.slots, ns.max_queue, ns.model_name, ns.device,
                          ns.compile, scheme, group, ns.max_context, adapters,

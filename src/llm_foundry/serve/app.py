@@ -33,9 +33,9 @@ try:
     from starlette.exceptions import HTTPException
     from starlette.requests import ClientDisconnect
 except ImportError as e:  # the optional [serve] extra
-    from llm_foundry.package import install_line
+    from llm_foundry.package import missing_extra
 
-    raise ImportError(f"serving needs FastAPI and uvicorn: {install_line('serve')}; {e}") from None
+    raise missing_extra("serve needs FastAPI and uvicorn", "serve", str(e)) from None
 
 MAX_LOGPROBS = 5  # OpenAI's bound for completions
 COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for completions
