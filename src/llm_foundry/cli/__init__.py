@@ -39,11 +39,15 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 class _Console(logging.Handler):
     """The library's log records as plain lines: info to stdout, warnings to stderr (looked up
-    at each record, so a redirected or captured stream is honoured)."""
+    at each record, so a redirected or captured stream is honoured). Written through tqdm, which
+    lifts a progress bar on that stream off its line first (a note would share the bar's line)."""
 
     def emit(self, record: logging.LogRecord) -> None:
+        from tqdm import tqdm
+
         stream = sys.stderr if record.levelno >= logging.WARNING else sys.stdout
-        print(record.getMessage(), file=stream, flush=True)
+        tqdm.write(record.getMessage(), file=stream)
+        stream.flush()
 
 
 def show_library_messages() -> None:
