@@ -598,6 +598,25 @@ def test_a_variant_too_large_for_the_machine_is_refused_before_any_variant_train
     assert not (tmp_path / "out" / "runs").exists()
 
 
+def test_a_missing_tensorboard_is_refused_before_any_variant_trains(
+    data_dir, tmp_path, monkeypatch
+):
+    import re
+    import sys
+
+    from llm_foundry.package import MissingExtra, install_line
+
+    def never(*args, **kwargs):
+        raise AssertionError("a variant trained before the study was checked")
+
+    monkeypatch.setattr(Trainer, "run", never)
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # the extra's absence
+    study = tiny_study(variants=[Variant("a"), Variant("b", train={"tensorboard": True})])
+    with pytest.raises(MissingExtra, match=re.escape(install_line("tensorboard"))):
+        ablation.run_study(study, data_dir, tmp_path / "out")
+    assert not (tmp_path / "out" / "runs").exists()
+
+
 def test_an_extrapolation_longer_than_the_validation_split_is_refused_up_front(data_dir, tmp_path):
     val = len(split_stream(data_dir, "val"))
     factor = (val // TINY_TRAIN["block_size"]) + 1

@@ -240,6 +240,10 @@ def preflight(study: Study, variants: list[Variant], data: Path) -> None:
     val = sum(len(t) for t in PreparedSplit(data, "val").tokens)
     for v in variants:
         mc, tc = configs(study, v, 0)
+        if tc.tensorboard:  # MissingExtra now, not after the variants before it trained
+            from llm_foundry.train.metrics import require_tensorboard
+
+            require_tensorboard()
         try:
             device = resolve_device(tc.device)
         except ValueError as e:  # a GPU recipe on a machine without one
