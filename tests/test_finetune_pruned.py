@@ -61,7 +61,7 @@ def test_dpo_rows_are_tokenized_with_the_newer_checkpoint_when_training_deletes_
     pair = {"prompt": "to be", "chosen": " or not to be", "rejected": " that is the"}
     rows.write_text("".join(json.dumps(pair) + "\n" for _ in range(8)))
     # the run saves step 20 (deleting 10) as the tokenizer of step 10 is about to be read
-    saves_while_reading(monkeypatch, run, preference, "load_any_tokenizer", times=1)
+    saves_while_reading(monkeypatch, run, preference, "open_tokenizer", times=1)
     ns = argparse.Namespace(data=str(rows), out=str(tmp_path / "dpo"), checkpoint=str(run.path))
     _prepare(ns)
     data = tmp_path / "dpo" / DATA_DIR

@@ -25,6 +25,7 @@ import functools
 import json
 import sys
 import time
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
@@ -93,10 +94,51 @@ def load_chat_template(directory: str | Path) -> tuple[str | None, dict[str, str
     return template, special_tokens(config)
 
 
+@dataclass(frozen=True)
+class ChatFormat:
+    """How a model's chats are written (``chat_format``)."""
+
+    template: str  # the Jinja template
+    variables: dict[str, str]  # its variables: the special tokens' texts
+    end: str  # what ends an assistant turn (``end_of_turn``)
+    end_id: int | None  # that end's id when it is one special token (else a stop string)
+    note: str | None = None  # one line: the built-in template stands in for a missing one
+
+
+def chat_format(directory: str | Path, tok) -> ChatFormat:
+    """The chat format of the model whose tokenizer ``tok`` was read from ``directory``: an HF
+    tokenizer's own template and special tokens, from the files beside it
+    (``tokenizer_files.read_tokenizer_meta``); our char and BPE tokenizers' built-in template.
+    An HF tokenizer without a template gets the built-in one, with a ``note`` saying so."""
+    from llm_foundry.tokenizer_files import read_tokenizer_meta
+
+    hf = getattr(tok, "kind", "") == "hf"
+    template, variables, note = BUILTIN_TEMPLATE, {}, None
+    if hf:
+        meta = read_tokenizer_meta(directory, tok)
+        variables = meta.tokens
+        if meta.template is not None:
+            template = meta.template
+        else:
+            note = (
+                f"note: {directory} has no chat template ({CONFIG_FILE}'s chat_template or "
+                f"{TEMPLATE_FILE} beside tokenizer.json): chats are written in the built-in "
+                "'ROLE: content' template, which the model may not have been tuned on"
+            )
+    end = end_of_turn(template, **variables)
+    return ChatFormat(template, variables, end, tok.hf.token_to_id(end) if hf else None, note)
+
+
 def tokenizer_config(directory: str | Path) -> dict:
     """An HF tokenizer directory's tokenizer_config.json ({} when it has none); a file that is
     not a JSON object is a one-line error naming it."""
-    path = Path(directory) / CONFIG_FILE
+    return json_object(Path(directory) / CONFIG_FILE, "tokenizer settings")
+
+
+def json_object(path: str | Path, what: str = "settings") -> dict:
+    """The JSON object in ``path`` ({} when there is no such file); a file that is not one is a
+    one-line error naming it."""
+    path = Path(path)
     if not path.is_file():
         return {}
     try:
@@ -106,9 +148,7 @@ def tokenizer_config(directory: str | Path) -> dict:
             f"{path} is not valid JSON ({e.msg}: line {e.lineno} column {e.colno})"
         ) from None
     if not isinstance(config, dict):
-        raise ValueError(
-            f"{path} holds {json_type(config)}, not a JSON object of tokenizer settings"
-        )
+        raise ValueError(f"{path} holds {json_type(config)}, not a JSON object of {what}")
     return config
 
 

@@ -6,43 +6,45 @@ chat template; and a LoRA run's adapters alone. The file formats themselves are 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 
 def convert_to_gguf(
     src: str | Path, out_path: str | Path, outtype: str = "f32"
 ) -> tuple[Path, str | None]:
     """``llm-foundry convert --to-gguf SRC --out OUT.gguf``: a run directory (a LoRA run with its
-    adapters merged), one of our checkpoints or an HF directory, with its tokenizer and chat
-    template (the HF directory's own, else the built-in one our chat commands use), as one GGUF
-    file. Returns the file and the line saying what was merged (None: nothing)."""
-    from llm_foundry.chat import BUILTIN_TEMPLATE, load_chat_template
+    adapters merged), one of our checkpoints or an HF directory, with its tokenizer, special ids
+    and chat template as the files beside its tokenizer.json give them (``tokenizer_files``; the
+    built-in template our chat commands use for our tokenizers, and, with a note, for an HF
+    tokenizer that has none), as one GGUF file. Returns the file and the line saying what was
+    merged (None: nothing)."""
+    from llm_foundry.chat import chat_format
     from llm_foundry.interop.gguf import export_gguf, gguf_types
-    from llm_foundry.loading import checkpoint_kind, load_any
+    from llm_foundry.loading import load_any
     from llm_foundry.outputs import check_new_output
     from llm_foundry.rundir import read_checkpoint
+    from llm_foundry.tokenizer_files import read_tokenizer_meta
 
     gguf_types(outtype)  # a bad outtype is named before anything loads
     check_new_output(out_path, "--out", kind="file")
 
     def read(ckpt: Path):
-        return *checkpoint_kind(ckpt), load_any(ckpt, full_precision="convert --to-gguf")
+        model, tok, info = load_any(ckpt, full_precision="convert --to-gguf")
+        if tok is None:
+            return model, tok, info, None, {}
+        chat = chat_format(ckpt, tok)
+        return model, tok, info, chat, read_tokenizer_meta(ckpt, tok).ids
 
     # a run directory means its latest checkpoint, read again if a training run replaces it
-    kind, meta, (model, tok, info) = read_checkpoint(src, read, "--to-gguf")
-    hf_tokenizer = getattr(tok, "kind", "") == "hf"
-    template = load_chat_template(info.checkpoint)[0] if hf_tokenizer else None
-    token_ids = {}
-    if kind == "hf":  # an HF config.json names the special ids
-        for key in ("bos", "eos", "pad"):
-            value = meta.get(f"{key}_token_id")
-            value = value[0] if isinstance(value, list) and value else value
-            if isinstance(value, int):
-                token_ids[key] = value
+    model, tok, info, chat, token_ids = read_checkpoint(src, read, "--to-gguf")
+    if chat is not None and chat.note:
+        log.warning(chat.note)
     name = Path(src).resolve().name
-    out = export_gguf(
-        model, tok, out_path, outtype, template or BUILTIN_TEMPLATE, name, token_ids=token_ids
-    )
+    template = chat.template if chat is not None else None
+    out = export_gguf(model, tok, out_path, outtype, template, name, token_ids=token_ids)
     return out, info.merged_note()
 
 
@@ -80,10 +82,13 @@ def convert_to_peft(src: str | Path, out_dir: str | Path, family: str | None = N
 
 def convert_from_hf(src_dir: str | Path, out_ckpt: str | Path) -> Path:
     """``llm-foundry convert --from-hf DIR --out CKPT``: an HF checkpoint directory to our
-    checkpoint format (``llm_foundry.checkpoint``), its tokenizer alongside. Returns CKPT."""
+    checkpoint format (``llm_foundry.checkpoint``), its tokenizer alongside with the files that
+    carry its chat template and special tokens (``tokenizer_files``; the special ids of its
+    config.json in a generation_config.json where it has none). Returns CKPT."""
     from llm_foundry.checkpoint import FORMAT, save_checkpoint
     from llm_foundry.interop.hf import copy_tokenizer, from_hf
     from llm_foundry.outputs import check_new_output, new_directory
+    from llm_foundry.tokenizer_files import keep_config_ids
 
     config = Path(src_dir) / "config.json"
     if config.is_file() and json.loads(config.read_text()).get("format") == FORMAT:
@@ -92,19 +97,25 @@ def convert_from_hf(src_dir: str | Path, out_ckpt: str | Path) -> Path:
     model = from_hf(src_dir)
     with new_directory(out_ckpt) as tmp:
         copy_tokenizer(Path(src_dir), save_checkpoint(model, tmp))
+        if (tmp / "tokenizer.json").is_file():
+            keep_config_ids(src_dir, tmp)
     return Path(out_ckpt)
 
 
 def convert_to_hf(ckpt_dir: str | Path, out_dir: str | Path, family: str | None = None) -> Path:
     """``llm-foundry convert --to-hf CKPT --out DIR``: our checkpoint directory to an HF one
     (``llm_foundry.rundir.checkpoint_dir`` finds a run directory's latest checkpoint), its
-    tokenizer alongside; a LoRA checkpoint is written with its adapters merged
-    (``load_checkpoint`` folds them). Returns DIR."""
+    tokenizer alongside with its metadata files (``tokenizer_files``): config.json's
+    bos/eos/pad ids are those the files name, so transformers' generate stops where ours does;
+    a LoRA checkpoint is written with its adapters merged (``load_checkpoint`` folds them).
+    What the checkpoint does not carry (an HF tokenizer's eos, its chat template) is said in a
+    note. Returns DIR."""
     from llm_foundry.checkpoint import load_checkpoint
     from llm_foundry.interop.hf import copy_tokenizer, name_special_tokens, to_hf
-    from llm_foundry.interop.hf.files import read_tokenizer, special_token_ids
+    from llm_foundry.interop.hf.files import read_tokenizer
     from llm_foundry.loading import checkpoint_kind, refuse_quantized
     from llm_foundry.outputs import check_new_output, new_directory
+    from llm_foundry.tokenizer_files import read_tokenizer_meta
 
     ckpt_dir = Path(ckpt_dir)
     refuse_quantized(ckpt_dir, checkpoint_kind(ckpt_dir)[1], "convert --to-hf")
@@ -112,7 +123,17 @@ def convert_to_hf(ckpt_dir: str | Path, out_dir: str | Path, family: str | None 
     model = load_checkpoint(ckpt_dir)
     with new_directory(out_dir) as tmp:
         tok = read_tokenizer(ckpt_dir)
-        to_hf(model, tmp, family, **special_token_ids(ckpt_dir, tok))  # generate stops at its eos
+        carried = read_tokenizer_meta(ckpt_dir, tok) if tok is not None else None
+        ids = carried.ids if carried is not None else {}
+        to_hf(model, tmp, family, **(carried.hf_config_ids() if carried else {}))
         copy_tokenizer(ckpt_dir, tmp, tok)
-        name_special_tokens(tmp, tok)
+        name_special_tokens(tmp, tok, ids)
+    if getattr(tok, "kind", "") == "hf":  # an HF tokenizer: what its files do not say is lost
+        lost = [] if "eos" in ids else ["eos token (transformers' generate runs to max_new_tokens)"]
+        if carried.template is None:
+            lost.append("chat template (AutoTokenizer's chat_template is None)")
+        if lost:
+            log.warning(f"note: {ckpt_dir} names no {' and no '.join(lost)}: no such file or "
+                        "field beside its tokenizer.json (tokenizer_config.json, "
+                        "chat_template.jinja, generation_config.json)")  # fmt: skip
     return Path(out_dir)

@@ -102,7 +102,7 @@ def load_any(
 def _load(given: Path, ckpt: Path, device, tokenizer, quantize, group_size, adapter,
           full_precision) -> Loaded:  # fmt: skip
     """``load_any`` of checkpoint directory ``ckpt``, which ``given`` names."""
-    from llm_foundry.tokenizer import load_any_tokenizer
+    from llm_foundry.tokenizer_files import open_tokenizer
 
     kind, meta = checkpoint_kind(ckpt)
     use = full_precision or (f"--quantize {quantize}" if quantize else None)
@@ -135,7 +135,8 @@ def _load(given: Path, ckpt: Path, device, tokenizer, quantize, group_size, adap
     tok_file = Path(tokenizer) if tokenizer else ckpt / "tokenizer.json"
     if tokenizer and not tok_file.is_file():
         raise FileNotFoundError(f"--tokenizer {tok_file}: no such file")
-    tok = load_any_tokenizer(tok_file, hf_eos[0] if hf_eos else None) if tok_file.exists() else None
+    # the special ids the files beside it name (tokenizer_config.json, generation_config.json)
+    tok, carried = open_tokenizer(tok_file) if tok_file.exists() else (None, None)
     if tok is None and replaced(ckpt):  # not "no tokenizer": its run deleted the directory
         raise missing_file(tok_file)
     vocab = model.cfg.vocab_size
@@ -144,9 +145,7 @@ def _load(given: Path, ckpt: Path, device, tokenizer, quantize, group_size, adap
             f"{tok_file} has {tok.vocab_size:,} tokens but the model's vocab_size is {vocab:,} "
             f"(ids >= {vocab:,} have no embedding): use the tokenizer the model was trained with"
         )
-    eos = set(hf_eos)
-    if tok is not None and tok.eos_id is not None:
-        eos.add(tok.eos_id)
+    eos = set(hf_eos) | set(carried.eos_ids if carried else ())
     run = given if ckpt != given and (given / CHECKPOINTS).is_dir() else None
     info = CheckpointInfo(kind, ckpt, run, eos, meta, lora, Path(adapter) if adapter else None)
     return Loaded(model.eval(), tok, info)

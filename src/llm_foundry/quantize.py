@@ -5,14 +5,11 @@ with its adapters merged, one of our checkpoints, an HF directory) written as ou
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 from llm_foundry.checkpoint import CONFIG_FILE, WEIGHTS_FILE, save_checkpoint
 from llm_foundry.models.quant import quantize_model, weight_bytes
-
-# files that travel with the weights: the tokenizer, its specials and the chat template
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+from llm_foundry.tokenizer_files import copy_tokenizer_files
 
 
 def quantize_checkpoint(
@@ -30,9 +27,7 @@ def quantize_checkpoint(
     settings = quantize_model(model, scheme, group_size)
     with new_directory(out) as tmp:
         save_checkpoint(model, tmp)
-        for name in TOKENIZER_FILES:
-            if (info.checkpoint / name).is_file():
-                shutil.copyfile(info.checkpoint / name, tmp / name)
+        copy_tokenizer_files(info.checkpoint, tmp)  # with its chat template and special tokens
         if info.eos_ids:  # an HF model's end-of-sequence ids live in its config.json: keep them
             meta = json.loads((tmp / CONFIG_FILE).read_text())
             meta["eos_token_id"] = sorted(info.eos_ids)

@@ -13,8 +13,9 @@ template or an HF tokenizer's own chat template); the loss mask covers the compl
 text and end-of-sequence token, or the content of its assistant messages). ``prepare_preference``
 writes the SFT layout with pair i's chosen sequence as example 2i and its rejected one as 2i + 1:
 
-  train.bin, train.mask.bin, train.offsets.bin, val.* (see data/sft.py), tokenizer.json,
-  meta.json with "kind": "preference", "train_pairs" and "val_pairs"
+  train.bin, train.mask.bin, train.offsets.bin, val.* (see data/sft.py), tokenizer.json (and
+  its metadata files, as SFT rows), meta.json with "kind": "preference", "train_pairs" and
+  "val_pairs"
 
 The rows are encoded in memory (preference sets are small next to pretraining text).
 ``PreferenceSampler`` draws pairs (seeded, resumable like ``BatchSampler``), each sequence cut to
@@ -30,7 +31,7 @@ import numpy as np
 import torch
 
 from llm_foundry import lock
-from llm_foundry.chat import load_chat_template, response_spans
+from llm_foundry.chat import response_spans
 from llm_foundry.data.batches import (
     IGNORE,
     BatchSampler,
@@ -49,7 +50,7 @@ from llm_foundry.data.sft import (
 )
 from llm_foundry.data.sources import DataError
 from llm_foundry.messages import shown
-from llm_foundry.tokenizer import load_any_tokenizer
+from llm_foundry.tokenizer_files import METADATA_FILES, open_tokenizer
 
 KIND = "preference"
 FIELDS = ("prompt", "chosen", "rejected")
@@ -161,12 +162,10 @@ def prepare_preference(
     if n_val >= len(rows):
         raise DataError(f"{jsonl} has {len(rows)} rows: val_fraction={val_fraction} leaves none "
                         "to train on; use a smaller val_fraction or more rows")  # fmt: skip
-    tok = load_any_tokenizer(tokenizer_file)
-    template, specials = (None, {})
-    if getattr(tok, "kind", "") == "hf":
-        template, specials = load_chat_template(tokenizer_file.parent)
-        if tok.eos_id is None and "eos_token" in specials:
-            tok.eos_id = tok.hf.token_to_id(specials["eos_token"])
+    # an HF tokenizer's chat template and special tokens: the files beside it (tokenizer_files)
+    tok, carried = open_tokenizer(tokenizer_file)
+    hf = getattr(tok, "kind", "") == "hf"
+    template, specials = (carried.template, carried.tokens) if hf else (None, {})
     enc = Encoder(tok, template, specials)
     splits = {"train": rows[: len(rows) - n_val], "val": rows[len(rows) - n_val :]}
     encoded = {}
@@ -236,7 +235,8 @@ class PreferenceSampler(BatchSampler):
                 raise DataError(f"{data_dir / 'meta.json'} holds preference pairs without an "
                                 f"integer '{split}_pairs' ({shown(meta.get(f'{split}_pairs'))}); "
                                 "prepare them again")  # fmt: skip
-            names = [f"{split}.bin", f"{split}.mask.bin", f"{split}.offsets.bin", "tokenizer.json"]
+            names = [f"{split}{k}.bin" for k in ("", ".mask", ".offsets")]
+            names += ["tokenizer.json", *METADATA_FILES]
             check_files(data_dir, meta, names)
             n_tokens, self.pairs = meta[f"{split}_tokens"], meta[f"{split}_pairs"]
             tokens = open_tokens(data_dir / f"{split}.bin", meta["dtype"], n_tokens)

@@ -18,6 +18,9 @@ encoded on its own, so a mask boundary is also a token boundary. ``prepare_sft``
   train.offsets.bin, val.offsets.bin  int64, where each example starts (and one past the end)
   tokenizer.json, meta.json           the tokenizer used; meta.json with "kind": "sft" and
                                       each file's size and check digest ("files")
+  tokenizer_config.json, ...          an HF tokenizer's chat template and special tokens, as
+                                      they were beside it (``tokenizer_files``): checkpoints
+                                      trained on the rows carry them on
 
 It streams: the rows are read one line at a time (twice: checked and counted, then encoded) and
 the tokens written as they come, so memory stays flat whatever the file's size. Lines end at
@@ -47,7 +50,7 @@ import numpy as np
 import torch
 
 from llm_foundry import lock
-from llm_foundry.chat import load_chat_template, response_spans
+from llm_foundry.chat import response_spans
 from llm_foundry.data.batches import (
     IGNORE,
     BatchSampler,
@@ -66,7 +69,7 @@ from llm_foundry.data.sources import (
     temporary,
 )
 from llm_foundry.messages import shown
-from llm_foundry.tokenizer import load_any_tokenizer
+from llm_foundry.tokenizer_files import METADATA_FILES, metadata_files, open_tokenizer
 
 ROLES = ("system", "user", "assistant")
 TOKEN_FILES = tuple(f"{s}.{k}bin" for s in ("train", "val") for k in ("", "mask.", "offsets."))
@@ -279,13 +282,10 @@ def prepare_sft(
     refuse_overwriting_inputs(
         [("the tokenizer file", tokenizer_file)], out, [o for o in OUTPUTS if o != "tokenizer.json"]
     )
-    tok = load_any_tokenizer(tokenizer_file)
-    template, specials = (None, {})
+    # an HF tokenizer's chat template and special tokens: the files beside it (tokenizer_files)
+    tok, carried = open_tokenizer(tokenizer_file)
     hf = getattr(tok, "kind", "") == "hf"
-    if hf:
-        template, specials = load_chat_template(tokenizer_file.parent)
-        if tok.eos_id is None and "eos_token" in specials:
-            tok.eos_id = tok.hf.token_to_id(specials["eos_token"])
+    template, specials = (carried.template, carried.tokens) if hf else (None, {})
     # first pass: every row checked and counted before anything is written
     digest, n_rows, chats = hashlib.sha256(), 0, False
     for _, row in iter_rows(jsonl, digest):
@@ -369,24 +369,33 @@ def _write_sft(out, jsonl, tokenizer_file, tok, encode, n_train, first_digest) -
 
 def temporaries(out: Path, tokenizer_file: Path) -> tuple[dict, bool]:
     """(name -> temporary path of each file a prepared directory gets, whether the tokenizer is
-    copied in: not when it is ``out``'s own already); earlier runs' leftovers removed first."""
-    remove_temporaries(out, OUTPUTS)
+    copied in: not when it is ``out``'s own already); earlier runs' leftovers removed first.
+    The tokenizer comes with the files beside it that carry its chat template and special
+    tokens (``tokenizer_files``), so that a model fine-tuned on the rows chats as they read."""
+    remove_temporaries(out, [*OUTPUTS, *METADATA_FILES])
     written = {name: temporary(out / name) for name in TOKEN_FILES}
     copy_tokenizer = tokenizer_file.resolve() != (out / "tokenizer.json").resolve()
     if copy_tokenizer:
-        written["tokenizer.json"] = temporary(out / "tokenizer.json")
+        for name in ("tokenizer.json", *metadata_files(tokenizer_file.parent)):
+            written[name] = temporary(out / name)
     return written, copy_tokenizer
 
 
 def publish_prepared(out: Path, written: dict, meta: dict, tokenizer_file: Path,
                      copy_tokenizer: bool) -> dict:  # fmt: skip
-    """The tokenizer copied in (unless it is ``out``'s already), every file's size and digest
-    recorded in ``meta``, the directory published (meta.json last); returns ``meta``."""
+    """The tokenizer and its metadata files copied in (unless they are ``out``'s already; an
+    earlier tokenizer's metadata removed), every file's size and digest recorded in ``meta``,
+    the directory published (meta.json last); returns ``meta``."""
+    kept = [] if copy_tokenizer else ["tokenizer.json", *metadata_files(out)]
     if copy_tokenizer:
         shutil.copyfile(tokenizer_file, written["tokenizer.json"])
+        for name in METADATA_FILES:
+            if name in written:
+                shutil.copyfile(tokenizer_file.parent / name, written[name])
+            else:  # another tokenizer's, from an earlier prepare into ``out``
+                (out / name).unlink(missing_ok=True)
     meta["files"] = {name: file_entry(tmp) for name, tmp in written.items()}
-    if not copy_tokenizer:
-        meta["files"]["tokenizer.json"] = file_entry(out / "tokenizer.json")
+    meta["files"].update({name: file_entry(out / name) for name in kept})
     publish(out, written, json.dumps(meta, indent=2) + "\n")
     return meta
 
@@ -421,7 +430,8 @@ class SFTSampler(BatchSampler):
                     f"{data_dir / 'meta.json'} is not fine-tuning data (kind 'sft' with {need}); "
                     "prepare it with `llm-foundry prepare --sft`"
                 )
-            names = [f"{split}.bin", f"{split}.mask.bin", f"{split}.offsets.bin", "tokenizer.json"]
+            names = [f"{split}{k}.bin" for k in ("", ".mask", ".offsets")]
+            names += ["tokenizer.json", *METADATA_FILES]
             check_files(data_dir, meta, names)
             n_tokens, n = meta[f"{split}_tokens"], meta[f"{split}_examples"]
             tokens = open_tokens(data_dir / f"{split}.bin", meta["dtype"], n_tokens)

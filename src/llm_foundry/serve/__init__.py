@@ -3,7 +3,10 @@ continuous batching (``engine.py``: the model loop; ``app.py``: the HTTP API).""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 
 def check_device(device: str) -> None:
@@ -54,7 +57,7 @@ def load_served(checkpoint: str | Path, slots: int = 8, max_queue: int = 64,
     if adapters and quantize:
         raise ValueError(f"--adapter with --quantize {quantize}: adapters are served over the "
                          "full-precision base only; leave out --quantize")  # fmt: skip
-    from llm_foundry.chat import BUILTIN_TEMPLATE, end_of_turn, load_chat_template
+    from llm_foundry.chat import chat_format
     from llm_foundry.loading import load_any
     from llm_foundry.serve.app import Served
     from llm_foundry.serve.engine import Engine
@@ -67,16 +70,14 @@ def load_served(checkpoint: str | Path, slots: int = 8, max_queue: int = 64,
         rows = load_adapters(model, adapters)
     if tok is None:
         raise FileNotFoundError(f"{info.checkpoint} has no tokenizer.json: the server needs one")
-    hf = getattr(tok, "kind", "") == "hf"
-    template, specials = load_chat_template(info.checkpoint) if hf else (None, {})
-    template = template or BUILTIN_TEMPLATE
+    chat = chat_format(info.checkpoint, tok)
+    if chat.note:
+        log.warning(chat.note)
     eos = set(info.eos_ids)
-    eot = end_of_turn(template, **specials)
-    eot_id = tok.hf.token_to_id(eot) if hf else None
-    if eot_id is not None:
-        eos.add(eot_id)  # a special token ends the reply by its id
+    if chat.end_id is not None:
+        eos.add(chat.end_id)  # a special token ends the reply by its id
     engine = Engine(model, tok, slots=slots, max_queue=max_queue, eos_ids=eos, compile=compile,
                     max_context=max_context, adapters=rows, cuda_graph=cuda_graph)  # fmt: skip
-    served = Served(engine, tok, name, template, specials, adapters=list(adapters))
-    served.chat_stop = () if eot_id is not None else (eot,)  # a plain-text end of turn
+    served = Served(engine, tok, name, chat.template, chat.variables, adapters=list(adapters))
+    served.chat_stop = () if chat.end_id is not None else (chat.end,)  # a plain-text end of turn
     return served

@@ -64,6 +64,7 @@ from llm_foundry.checkpoint import (
     write_config,
 )
 from llm_foundry.rundir import STATE, step_name
+from llm_foundry.tokenizer_files import METADATA_FILES
 from llm_foundry.train.distributed import World, any_rank, with_tied
 from llm_foundry.train.state import (
     CheckpointNotWritten,
@@ -349,8 +350,8 @@ def full_to_dcp(src: Path, out: Path) -> None:
 
 
 def _copy_rest(src: Path, out: Path) -> None:
-    """state.json and tokenizer.json, when ``src`` has them."""
-    for name in (STATE, TOKENIZER_FILE):
+    """state.json, tokenizer.json and its metadata files, when ``src`` has them."""
+    for name in (STATE, TOKENIZER_FILE, *METADATA_FILES):
         if (src / name).exists():
             shutil.copyfile(src / name, out / name)
 

@@ -6,6 +6,8 @@ A checkpoint is a directory ``step_000500/`` holding
   state.json                        step, configs, optimizer hyper-parameters, RNG and data-sampler
                                     states, best validation loss: plain JSON
   tokenizer.json                    the tokenizer, so the checkpoint can decode its own samples
+  tokenizer_config.json, ...        an HF tokenizer's chat template and special tokens, as the
+                                    data directory carries them (``tokenizer_files``)
 It is written to a hidden temporary directory, every file fsynced, then renamed into place;
 ``latest.json`` (written the same way) names the newest complete one. A save that fails (a full
 disk) removes its temporary directory and says so in one line (``CheckpointNotWritten``); a
@@ -45,6 +47,7 @@ from llm_foundry.rundir import (
     step_dirs,
     step_name,
 )
+from llm_foundry.tokenizer_files import METADATA_FILES, copy_tokenizer_files
 from llm_foundry.train.config import TrainConfig
 
 
@@ -205,11 +208,14 @@ def write_state(
     tmp: Path, step: int, state: dict, opt_meta: dict, tokenizer_path: Path | None = None
 ) -> None:
     """``state.json`` (the trainer's ``state``, the step, the optimizer's JSON part and this
-    process's RNG states) and a copy of the tokenizer, in checkpoint directory ``tmp``."""
+    process's RNG states) and a copy of the tokenizer and its metadata files
+    (``tokenizer_files``), in checkpoint directory ``tmp``."""
     with open(tmp / STATE, "w") as f:
         json.dump({**state, "step": step, "optimizer": opt_meta, "rng": rng_state()}, f)
     if tokenizer_path is not None and Path(tokenizer_path).exists():
         shutil.copyfile(tokenizer_path, tmp / "tokenizer.json")
+        # with the chat template and special tokens the files beside it carry
+        copy_tokenizer_files(Path(tokenizer_path).parent, tmp, METADATA_FILES)
 
 
 def commit_checkpoint(ckpt_root: Path, tmp: Path, step: int) -> Path:

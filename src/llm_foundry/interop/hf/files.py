@@ -79,12 +79,13 @@ def read_safetensors_dir(path: str | Path) -> dict[str, torch.Tensor]:
 
 
 def read_tokenizer(src: Path):
-    """``src``'s tokenizer.json loaded once for an export (None: none there, or unreadable)."""
-    from llm_foundry.tokenizer import load_tokenizer
+    """``src``'s tokenizer.json loaded once for an export, ours or any HF one
+    (``tokenizer.load_any_tokenizer``; None: none there, or unreadable)."""
+    from llm_foundry.tokenizer import load_any_tokenizer
 
     file = src / TOKENIZER_FILE
     try:
-        return load_tokenizer(file) if file.exists() else None
+        return load_any_tokenizer(file) if file.exists() else None
     except ValueError:
         return None
 
@@ -93,31 +94,20 @@ def copy_tokenizer(src: Path, dst: Path, tok=None) -> None:
     """Bring ``tokenizer.json`` along when there is one, as a file both HF and we read: our BPE
     file is an HF tokenizers file already; our character tokenizer's file is written as its HF
     equivalent (``CharTokenizer.to_hf``), which ``load_tokenizer`` reads back as the same
-    ``CharTokenizer``."""
+    ``CharTokenizer``. The files beside it that carry an HF tokenizer's chat template and
+    special tokens come too (``tokenizer_files.copy_tokenizer_files``)."""
     from llm_foundry.tokenizer import load_tokenizer
+    from llm_foundry.tokenizer_files import METADATA_FILES, copy_tokenizer_files
 
     file = src / TOKENIZER_FILE
     if not file.exists():
         return
+    copy_tokenizer_files(src, dst, METADATA_FILES)
     if "model" in json.loads(file.read_text(encoding="utf-8")):
         shutil.copyfile(file, dst / TOKENIZER_FILE)
         return
     tok = tok if tok is not None else load_tokenizer(file)
     (dst / TOKENIZER_FILE).write_text(tok.to_hf().to_str(), encoding="utf-8")
-
-
-def special_token_ids(src: Path, tok=None) -> dict[str, int]:
-    """The bos/eos/pad ids of ``src``'s tokenizer.json as HF config fields (``eos_token_id``: where
-    ``generate`` stops); none where there is no readable tokenizer, or it has no such token."""
-    from llm_foundry.tokenizer import load_tokenizer
-
-    file = src / TOKENIZER_FILE
-    try:
-        tok = tok if tok is not None else load_tokenizer(file) if file.exists() else None
-    except ValueError:
-        return {}
-    ids = {name: getattr(tok, f"{name}_id", None) for name in ("bos", "eos", "pad")}
-    return {f"{name}_token_id": i for name, i in ids.items() if i is not None}
 
 
 # tokenizer kind -> the tokenizer_config.json fields naming its special tokens
@@ -127,29 +117,33 @@ SPECIAL_TOKEN_NAMES = {
 }
 
 
-def name_special_tokens(out: Path, tok=None) -> None:
-    """Our tokenizer exported: tokenizer_config.json names its specials, so AutoTokenizer (and
-    tools built on it, such as lm-eval's hf backend) knows BOS, EOS and padding; it loads as the
-    plain PreTrainedTokenizerFast (a model's own class would add its specials) and decodes
-    without transformers' clean-up of spaces before punctuation."""
+def name_special_tokens(out: Path, tok=None, ids: dict[str, int] | None = None) -> None:
+    """An exported tokenizer's tokenizer_config.json, naming its specials so that AutoTokenizer
+    (and tools built on it, such as lm-eval's hf backend) knows BOS, EOS and padding: ours by
+    their fixed names; an HF tokenizer by the texts of ``ids`` ("bos", "eos", "pad" -> id, as
+    ``tokenizer_files.read_tokenizer_meta`` found them). It loads as the plain
+    PreTrainedTokenizerFast (a model's own class would add its specials) and decodes without
+    transformers' clean-up of spaces before punctuation. A tokenizer_config.json carried from
+    an HF model is its own already: kept as it is."""
     from llm_foundry.tokenizer import load_tokenizer
 
     file = out / TOKENIZER_FILE
+    if (out / "tokenizer_config.json").exists():
+        return
     try:
         tok = tok if tok is not None else load_tokenizer(file) if file.exists() else None
     except ValueError:
         return
-    names = SPECIAL_TOKEN_NAMES.get(getattr(tok, "kind", None))
-    if names is None:
+    kind = getattr(tok, "kind", None)
+    if kind == "hf":
+        names = {f"{role}_token": tok.hf.id_to_token(i) for role, i in (ids or {}).items()}
+        names = {k: v for k, v in names.items() if v is not None}
+    else:
+        names = SPECIAL_TOKEN_NAMES.get(kind)
+    if names is None or (kind == "hf" and not names):
         return
-    (out / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "tokenizer_class": "PreTrainedTokenizerFast",
-                **names,
-                "add_bos_token": False,
-                "clean_up_tokenization_spaces": False,
-            },
-            indent=2,
-        )
-    )
+    # ours add no BOS; an HF tokenizer.json's post-processor says what it adds
+    adds = {} if kind == "hf" else {"add_bos_token": False}
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", **names, **adds}
+    config["clean_up_tokenization_spaces"] = False
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
