@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from llm_foundry.checkpoint import CONFIG_FILE, WEIGHTS_FILE, save_checkpoint
-from llm_foundry.models.quant import quantize_model, weight_bytes
+from llm_foundry.models.quant import GROUP_SIZES, quantize_model, weight_bytes
 from llm_foundry.tokenizer_files import copy_tokenizer_files
 
 
@@ -16,8 +16,10 @@ def quantize_checkpoint(
     src: str | Path, out: str | Path, scheme: str, group_size: int = 64, adapter=None
 ) -> dict:
     """Write ``src`` (with ``adapter``, a PEFT adapter or LoRA run, merged in first) quantized
-    to ``scheme`` (int8 | int4 in groups of ``group_size``) into the directory ``out``. Returns what was done: the settings recorded in config.json, the bytes a
-    decoded token reads for weights before and after, and the weight file's bytes."""
+    to ``scheme`` (int8 | int4 in groups of ``group_size``) into the directory ``out``; a
+    group size that fits no projection is refused. Returns what was done: the settings
+    recorded in config.json, the bytes a decoded token reads for weights before and after, and
+    the weight file's bytes."""
     from llm_foundry.loading import load_any
     from llm_foundry.outputs import check_new_output, new_directory
 
@@ -25,6 +27,7 @@ def quantize_checkpoint(
     model, _, info = load_any(src, full_precision="quantize", adapter=adapter)
     before = weight_bytes(model)
     settings = quantize_model(model, scheme, group_size)
+    refuse_nothing_quantized(src, model, settings)
     with new_directory(out) as tmp:
         save_checkpoint(model, tmp)
         copy_tokenizer_files(info.checkpoint, tmp)  # with its chat template and special tokens
@@ -40,3 +43,20 @@ def quantize_checkpoint(
         "weight_bytes_per_token": {"before": before, "after": weight_bytes(model)},
         "file_bytes": (Path(out) / WEIGHTS_FILE).stat().st_size,
     }
+
+
+def refuse_nothing_quantized(src: str | Path, model, settings: dict) -> None:
+    """One line, before anything is written, when ``quantize_model`` quantized no projection
+    (int4 groups wider than every projection's inputs or not dividing them): the group size,
+    the input widths and the group sizes that would fit."""
+    if settings["layers"] or not settings["kept_fp32"]:
+        return
+    group = settings.get("group_size")
+    widths = sorted({model.get_submodule(name).in_features for name in settings["kept_fp32"]})
+    fit = [g for g in GROUP_SIZES if any(w % g == 0 for w in widths)]
+    hint = f"--group-size {' or '.join(map(str, fit))} fits" if fit else "--to int8 takes any width"
+    raise ValueError(
+        f"{src}: int4 in groups of {group} inputs quantizes none of its "
+        f"{len(settings['kept_fp32'])} projections: their input widths "
+        f"({', '.join(map(str, widths))}) are not multiples of {group}; {hint}"
+    )
