@@ -19,8 +19,9 @@ def convert_to_gguf(
     adapters merged), one of our checkpoints or an HF directory, with its tokenizer, special ids
     and chat template as the files beside its tokenizer.json give them (``tokenizer_files``; the
     built-in template our chat commands use for our tokenizers, and, with a note, for an HF
-    tokenizer that has none), as one GGUF file. Returns the file and the line saying what was
-    merged (None: nothing)."""
+    tokenizer that has none), as one GGUF file; a template's end of turn that is a special token
+    other than eos is named as llama.cpp's eot, one that is text is said in a note. Returns the
+    file and the line saying what was merged (None: nothing)."""
     from llm_foundry.chat import chat_format
     from llm_foundry.interop.gguf import export_gguf, gguf_types
     from llm_foundry.loading import load_any
@@ -42,6 +43,14 @@ def convert_to_gguf(
     model, tok, info, chat, token_ids = read_checkpoint(src, read, "--to-gguf")
     if chat is not None and chat.note:
         log.warning(chat.note)
+    if chat is not None and chat.end_id is not None and chat.end_id != token_ids.get("eos"):
+        token_ids = {**token_ids, "eot": chat.end_id}  # llama.cpp ends a reply at it too
+    elif chat is not None and chat.end_id is None:
+        log.warning(
+            f"note: the chat template ends a turn with {chat.end!r}, text and not a token: "
+            "llama.cpp's chat (llama-cpp-python's create_chat_completion, llama-server) does not "
+            f"stop at the end of a turn unless given stop=[{chat.end!r}]"
+        )
     name = Path(src).resolve().name
     template = chat.template if chat is not None else None
     out = export_gguf(model, tok, out_path, outtype, template, name, token_ids=token_ids)

@@ -26,10 +26,14 @@ routers and GPT-2's position table stay f32 (as llama.cpp's converter keeps them
 tensor whose rows are not whole 32-value blocks falls back to f16 (logged).
 
 Known differences, all llama.cpp's: a vocabulary always has a BOS and an EOS id there, so one
-without (the character tokenizer) names its last token, after which llama.cpp stops generating;
-for "gpt-2" vocabularies its whole-text detokenize drops the space before , . ! ? 's (token
-pieces, as streamed, are exact); characters outside a character vocabulary are dropped, not
-refused.
+without (the character tokenizer) names its last token, after which llama.cpp stops generating
+(named none, llama.cpp would take id 11, a common character); a chat template whose turn ends
+in text (the built-in template's newline) has no token llama.cpp's chat stops at, so its chat
+runs past a turn's end unless given that text as a stop string (``convert_to_gguf`` says so; an
+end of turn that is a special token other than eos is written as the eot id, where llama.cpp
+stops); for "gpt-2" vocabularies its whole-text detokenize drops the space before , . ! ? 's
+(token pieces, as streamed, are exact); characters outside a character vocabulary are dropped,
+not refused.
 """
 
 from __future__ import annotations
@@ -346,7 +350,7 @@ class Vocab:
     model: str  # "gpt2": byte-level BPE
     tokens: list[str]
     types: list[int]  # gguf.TokenType per token
-    special: dict[str, int]  # "bos", "eos", "unk", "pad" -> id
+    special: dict[str, int]  # "bos", "eos", "unk", "pad", "eot" -> id
     add_bos: bool = False
     add_eos: bool = False
     pre: str | None = None  # the pre-tokenizer, by llama.cpp's name
@@ -355,12 +359,19 @@ class Vocab:
 
 def _stop_id(tokens: list[str], missing: list[str], what: str) -> int:
     """An id for llama.cpp's bos/eos when the tokenizer has none: llama.cpp always has both and
-    would otherwise take id 11 (its BPE default), a real token. The last token: for a character
-    vocabulary the highest code point, for BPE the last merge learned, both rare."""
+    would otherwise take id 11 (its BPE default), a real token (for a character vocabulary a
+    common letter). The last token: for a character vocabulary the highest code point, for BPE
+    the last merge learned, both rare. As eos it ends llama.cpp's generation wherever the model
+    writes it: the note says so (a bos alone is never added: add_bos_token is false)."""
     i = len(tokens) - 1
+    after = (
+        ": llama.cpp stops generating after it"
+        if "eos" in missing
+        else " (llama.cpp adds no bos to a prompt: add_bos_token is false)"
+    )
     log.warning(
-        f"note: the {what} has no {'/'.join(missing)} token; llama.cpp needs one, so "
-        f"the GGUF names id {i} ({tokens[i]!r}): llama.cpp stops generating after it"
+        f"note: the {what} has no {'/'.join(missing)} token; llama.cpp needs one, so the GGUF "
+        f"names id {i} ({tokens[i]!r}){after}"
     )
     return i
 
@@ -567,6 +578,7 @@ SPECIAL_KEYS = {
     "eos": "add_eos_token_id",
     "unk": "add_unk_token_id",
     "pad": "add_pad_token_id",
+    "eot": "add_eot_token_id",  # a chat template's end of turn: llama.cpp stops there too
 }
 
 
@@ -599,7 +611,7 @@ def export_gguf(
 ) -> Path:
     """Write ``model`` (our ``Transformer``) with ``tokenizer`` as one GGUF file llama.cpp runs.
     ``outtype``: f32, f16, bf16, q8_0 or q4_0 for the 2-D weights; ``token_ids`` ("bos", "eos",
-    "pad" -> id) adds special ids the tokenizer does not know (an HF config.json's). Written as
+    "pad", "eot" -> id) adds special ids the tokenizer does not know (an HF model's). Written as
     ``outputs.new_file`` writes: never over a file that exists, nor one another process wrote
     meanwhile."""
     qtype, file_type = gguf_types(outtype)
