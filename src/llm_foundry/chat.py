@@ -6,7 +6,10 @@ An HF tokenizer directory carries its template as Jinja (``chat_template`` in
 Hub are untrusted code) with ``trim_blocks``/``lstrip_blocks``, loop controls, a ``tojson`` that
 keeps non-ASCII text, ``raise_exception`` and ``strftime_now``, and the tokenizer's special tokens
 as variables. This project's char and BPE tokenizers use the built-in template of
-``llm_foundry.data.sft`` (``ROLE: content`` lines).
+``llm_foundry.data.sft`` (``ROLE: content`` lines). ``chat_format`` picks a model's template and
+its end of turn for serve and the GGUF export, from the files that travel beside its
+tokenizer.json (``llm_foundry.tokenizer_files``); an HF tokenizer without a template gets the
+built-in one with a note, never silently.
 
 ``response_spans`` finds which characters of a rendered chat are each assistant reply (render
 the conversation up to a reply with the generation prompt, then with the reply: the difference),

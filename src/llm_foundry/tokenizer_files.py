@@ -5,7 +5,7 @@ each fine-tuning checkpoint, ``quantize``, ``convert --to-hf`` and ``--to-gguf``
 
   tokenizer_config.json    the special tokens' texts (bos_token, eos_token, pad_token, unk_token)
                            and maybe ``chat_template``: what ``AutoTokenizer`` reads
-  chat_template.jinja      the chat template, where transformers >= 4.43 writes it
+  chat_template.jinja      the chat template, where recent transformers write it
   special_tokens_map.json  older transformers' names of the special tokens
   generation_config.json   the ids transformers' ``generate`` stops at (``eos_token_id``: one id
                            or a list, e.g. Llama 3's end of text and end of turn)
@@ -13,7 +13,9 @@ each fine-tuning checkpoint, ``quantize``, ``convert --to-hf`` and ``--to-gguf``
 ``copy_tokenizer_files(src, dst)`` copies those present; ``read_tokenizer_meta(dir, tok)`` reads
 them (and the ``*_token_id`` fields of ``config.json``) as a ``TokenizerMeta``: the chat template,
 the special tokens' texts (template variables) and ids, and every id that ends a sequence.
-``open_tokenizer(file)`` loads a tokenizer with the ids the files beside it name.
+``open_tokenizer(file)`` loads a tokenizer with the ids the files beside it name;
+``keep_config_ids`` keeps an imported HF config.json's special ids (our checkpoint's config.json
+has no place for them) in a generation_config.json.
 
 Our own tokenizers need none of these files: the BPE one's ids are its own (<bos>, <eos>, <pad>),
 the character one has no special token, and both chat in the built-in template
@@ -53,7 +55,7 @@ class TokenizerMeta:
     template: ChatTemplate | None = None  # the Jinja chat template (None: none there)
     tokens: dict[str, str] = field(default_factory=dict)  # bos_token, eos_token, ... -> text
     ids: dict[str, int] = field(default_factory=dict)  # "bos", "eos", "pad" -> id (those known)
-    eos_ids: frozenset[int] = frozenset()  # every id that ends a sequence (eos first among them)
+    eos_ids: frozenset[int] = frozenset()  # every id that ends a sequence, eos among them
 
     def hf_config_ids(self) -> dict[str, int]:
         """The ids as an HF config.json's fields (``bos_token_id``, ...): where ``generate``
