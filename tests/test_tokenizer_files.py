@@ -84,10 +84,9 @@ def test_an_hf_chat_model_keeps_its_template_and_specials_through_a_fine_tune(tm
     _cli(capsys, "convert", "--from-hf", str(hf_dir), "--out", str(base))
     _cli(capsys, "prepare", "--sft", str(tmp_path / "rows.jsonl"), "--tokenizer-from", str(base),
          "--out", str(sft))  # fmt: skip
-    # sample_tokens 0: the end-of-run sample reads the data's tokenizer as ours (train.py)
     _cli(capsys, "finetune", "--checkpoint", str(base), "--data", str(sft), "--out", str(run),
          "--train.lora_r", "4", "--train.max_steps", "3", "--train.batch_size", "2",
-         "--train.eval_interval", "3", "--train.eval_batches", "1", "--train.sample_tokens", "0",
+         "--train.eval_interval", "3", "--train.eval_batches", "1", "--train.sample_tokens", "8",
          "--train.progress", "false")  # fmt: skip
     want = list(hf_tok.apply_chat_template(CHAT, add_generation_prompt=True, return_dict=False))
     eos = hf_tok.eos_token_id

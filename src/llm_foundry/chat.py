@@ -6,10 +6,10 @@ An HF tokenizer directory carries its template as Jinja (``chat_template`` in
 Hub are untrusted code) with ``trim_blocks``/``lstrip_blocks``, loop controls, a ``tojson`` that
 keeps non-ASCII text, ``raise_exception`` and ``strftime_now``, and the tokenizer's special tokens
 as variables. This project's char and BPE tokenizers use the built-in template of
-``llm_foundry.data.sft`` (``ROLE: content`` lines). ``chat_format`` picks a model's template and
-its end of turn for serve and the GGUF export, from the files that travel beside its
-tokenizer.json (``llm_foundry.tokenizer_files``); an HF tokenizer without a template gets the
-built-in one with a note, never silently.
+``llm_foundry.data.sft`` (``ROLE: content`` lines). ``tokenizer_files.chat_format`` picks a
+model's template and its end of turn for serve and the GGUF export, from the files that travel
+beside its tokenizer.json; an HF tokenizer without a template gets the built-in one with a
+note, never silently.
 
 ``response_spans`` finds which characters of a rendered chat are each assistant reply (render
 the conversation up to a reply with the generation prompt, then with the reply: the difference),
@@ -28,7 +28,6 @@ import functools
 import json
 import sys
 import time
-from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
@@ -95,41 +94,6 @@ def load_chat_template(directory: str | Path) -> tuple[str | None, dict[str, str
     if template is not None:
         template = ChatTemplate(template, origin)
     return template, special_tokens(config)
-
-
-@dataclass(frozen=True)
-class ChatFormat:
-    """How a model's chats are written (``chat_format``)."""
-
-    template: str  # the Jinja template
-    variables: dict[str, str]  # its variables: the special tokens' texts
-    end: str  # what ends an assistant turn (``end_of_turn``)
-    end_id: int | None  # that end's id when it is one special token (else a stop string)
-    note: str | None = None  # one line: the built-in template stands in for a missing one
-
-
-def chat_format(directory: str | Path, tok) -> ChatFormat:
-    """The chat format of the model whose tokenizer ``tok`` was read from ``directory``: an HF
-    tokenizer's own template and special tokens, from the files beside it
-    (``tokenizer_files.read_tokenizer_meta``); our char and BPE tokenizers' built-in template.
-    An HF tokenizer without a template gets the built-in one, with a ``note`` saying so."""
-    from llm_foundry.tokenizer_files import read_tokenizer_meta
-
-    hf = getattr(tok, "kind", "") == "hf"
-    template, variables, note = BUILTIN_TEMPLATE, {}, None
-    if hf:
-        meta = read_tokenizer_meta(directory, tok)
-        variables = meta.tokens
-        if meta.template is not None:
-            template = meta.template
-        else:
-            note = (
-                f"note: {directory} has no chat template ({CONFIG_FILE}'s chat_template or "
-                f"{TEMPLATE_FILE} beside tokenizer.json): chats are written in the built-in "
-                "'ROLE: content' template, which the model may not have been tuned on"
-            )
-    end = end_of_turn(template, **variables)
-    return ChatFormat(template, variables, end, tok.hf.token_to_id(end) if hf else None, note)
 
 
 def tokenizer_config(directory: str | Path) -> dict:

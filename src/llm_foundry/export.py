@@ -22,12 +22,11 @@ def convert_to_gguf(
     tokenizer that has none), as one GGUF file; a template's end of turn that is a special token
     other than eos is named as llama.cpp's eot, one that is text is said in a note. Returns the
     file and the line saying what was merged (None: nothing)."""
-    from llm_foundry.chat import chat_format
     from llm_foundry.interop.gguf import export_gguf, gguf_types
     from llm_foundry.loading import load_any
     from llm_foundry.outputs import check_new_output
     from llm_foundry.rundir import read_checkpoint
-    from llm_foundry.tokenizer_files import read_tokenizer_meta
+    from llm_foundry.tokenizer_files import chat_format, read_tokenizer_meta
 
     gguf_types(outtype)  # a bad outtype is named before anything loads
     check_new_output(out_path, "--out", kind="file")

@@ -15,7 +15,8 @@ them (and the ``*_token_id`` fields of ``config.json``) as a ``TokenizerMeta``: 
 the special tokens' texts (template variables) and ids, and every id that ends a sequence.
 ``open_tokenizer(file)`` loads a tokenizer with the ids the files beside it name;
 ``keep_config_ids`` keeps an imported HF config.json's special ids (our checkpoint's config.json
-has no place for them) in a generation_config.json.
+has no place for them) in a generation_config.json. ``chat_format(dir, tok)``: the template a
+model's chats are written in, and where a turn ends, for serve and the GGUF export.
 
 Our own tokenizers need none of these files: the BPE one's ids are its own (<bos>, <eos>, <pad>),
 the character one has no special token, and both chat in the built-in template
@@ -30,13 +31,21 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from llm_foundry.chat import ChatTemplate, json_object, load_chat_template, special_tokens
+from llm_foundry.chat import (
+    BUILTIN_TEMPLATE,
+    CONFIG_FILE,
+    TEMPLATE_FILE,
+    ChatTemplate,
+    end_of_turn,
+    json_object,
+    load_chat_template,
+    special_tokens,
+)
 
 log = logging.getLogger(__name__)
 
 TOKENIZER_FILE = "tokenizer.json"
-TOKENIZER_CONFIG = "tokenizer_config.json"
-TEMPLATE_FILE = "chat_template.jinja"
+TOKENIZER_CONFIG = CONFIG_FILE
 SPECIAL_TOKENS_MAP = "special_tokens_map.json"
 GENERATION_CONFIG = "generation_config.json"
 # the files beside tokenizer.json that carry its metadata, in the order they are read
@@ -154,3 +163,36 @@ def keep_config_ids(src: str | Path, dst: str | Path) -> dict[str, list[int]]:
         fields = {key: found[0] if len(found) == 1 else found for key, found in ids.items()}
         (dst / GENERATION_CONFIG).write_text(json.dumps(fields, indent=2) + "\n")
     return ids
+
+
+@dataclass(frozen=True)
+class ChatFormat:
+    """How a model's chats are written (``chat_format``)."""
+
+    template: str  # the Jinja template
+    variables: dict[str, str]  # its variables: the special tokens' texts
+    end: str  # what ends an assistant turn (``end_of_turn``)
+    end_id: int | None  # that end's id when it is one special token (else a stop string)
+    note: str | None = None  # one line: the built-in template stands in for a missing one
+
+
+def chat_format(directory: str | Path, tok) -> ChatFormat:
+    """The chat format of the model whose tokenizer ``tok`` was read from ``directory``: an HF
+    tokenizer's own template and special tokens, from the files beside it
+    (``read_tokenizer_meta``); our char and BPE tokenizers' built-in template.
+    An HF tokenizer without a template gets the built-in one, with a ``note`` saying so."""
+    hf = getattr(tok, "kind", "") == "hf"
+    template, variables, note = BUILTIN_TEMPLATE, {}, None
+    if hf:
+        meta = read_tokenizer_meta(directory, tok)
+        variables = meta.tokens
+        if meta.template is not None:
+            template = meta.template
+        else:
+            note = (
+                f"note: {directory} has no chat template ({TOKENIZER_CONFIG}'s chat_template or "
+                f"{TEMPLATE_FILE} beside tokenizer.json): chats are written in the built-in "
+                "'ROLE: content' template, which the model may not have been tuned on"
+            )
+    end = end_of_turn(template, **variables)
+    return ChatFormat(template, variables, end, tok.hf.token_to_id(end) if hf else None, note)

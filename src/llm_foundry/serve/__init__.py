@@ -57,10 +57,10 @@ def load_served(checkpoint: str | Path, slots: int = 8, max_queue: int = 64,
     if adapters and quantize:
         raise ValueError(f"--adapter with --quantize {quantize}: adapters are served over the "
                          "full-precision base only; leave out --quantize")  # fmt: skip
-    from llm_foundry.chat import chat_format
     from llm_foundry.loading import load_any
     from llm_foundry.serve.app import Served
     from llm_foundry.serve.engine import Engine
+    from llm_foundry.tokenizer_files import chat_format
 
     model, tok, info = load_any(checkpoint, device, quantize=quantize, group_size=group_size)
     rows = None
