@@ -184,10 +184,12 @@ def test_a_prepared_directory_drops_an_earlier_tokenizers_files(tmp_path):
     SFTSampler(tmp_path / "sft", "train", block_size=16, batch_size=2).next()
 
 
-def test_an_hf_tokenizer_without_a_template_is_said_once_not_silently_replaced(tmp_path, caplog):
-    """No chat template beside an HF tokenizer: serve (and the GGUF export) take the built-in
-    one and say so in one line; convert --to-hf says what the export lacks."""
-    from llm_foundry.chat import BUILTIN_TEMPLATE
+def test_an_hf_tokenizer_without_a_template_is_said_once_not_silently_replaced(
+    tmp_path, caplog, capsys
+):
+    """No chat template beside an HF tokenizer: serve, generate --chat (and the GGUF export)
+    take the built-in one and say so in one line; convert --to-hf says what the export lacks."""
+    from llm_foundry.chat import BUILTIN_TEMPLATE, render_chat
     from llm_foundry.checkpoint import save_checkpoint
     from llm_foundry.export import convert_to_hf
     from llm_foundry.interop.hf import from_hf
@@ -208,3 +210,13 @@ def test_an_hf_tokenizer_without_a_template_is_said_once_not_silently_replaced(t
     (note,) = [r.getMessage() for r in caplog.records]
     assert note.startswith(f"note: {ckpt} names no eos token") and "no chat template" in note
     assert read_tokenizer_meta(tmp_path / "out").ids == {}
+
+    # generate --chat (last: the command routes the library's log to the console, not caplog):
+    # the same note on stderr, then the prompt in the built-in template
+    capsys.readouterr()
+    argv = ["generate", "--checkpoint", str(ckpt), "--chat", "--prompt", CHAT[1]["content"]]
+    assert main([*argv, "--max-new-tokens", "1", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert [line for line in err.splitlines() if "chat template" in line] == [notes[0]], err
+    prompt = render_chat(BUILTIN_TEMPLATE, CHAT[1:2], add_generation_prompt=True)
+    assert json.loads(out)["prompt"] == prompt

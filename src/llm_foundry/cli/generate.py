@@ -55,19 +55,19 @@ def _context(model, n_prompt: int, ns) -> tuple[int | None, list[str]]:
 
 def _chat(ns, model, tok, info, eos_ids: set[int]) -> int:
     """--chat: one reply to --prompt, or a conversation read from stdin (--interactive)."""
-    from llm_foundry.chat import BUILTIN_TEMPLATE, end_of_turn, load_chat_template, render_chat
+    from llm_foundry.chat import render_chat
+    from llm_foundry.tokenizer_files import chat_format
 
     if tok is None or ns.prompt_ids is not None:
         raise ValueError("--chat needs a tokenizer and text prompts (--prompt or --interactive)")
     hf = getattr(tok, "kind", "") == "hf"
-    template, specials = load_chat_template(info.checkpoint) if hf else (None, {})
-    template = template or BUILTIN_TEMPLATE
-    eot = end_of_turn(template, **specials)
-    eot_id = tok.hf.token_to_id(eot) if hf else None
-    if eot_id is not None:
-        eos_ids.add(eot_id)  # a special token: generation ends on its id
-    elif eot not in ns.stop:
-        ns.stop = [*ns.stop, eot]  # plain text: a stop string
+    chat = chat_format(info.checkpoint, tok)
+    _say([chat.note] if chat.note else [])  # the built-in template stands in for a missing one
+    template, specials = chat.template, chat.variables
+    if chat.end_id is not None:
+        eos_ids.add(chat.end_id)  # a special token: generation ends on its id
+    elif chat.end not in ns.stop:
+        ns.stop = [*ns.stop, chat.end]  # plain text: a stop string
     messages: list[dict] = []
 
     def reply(user: str) -> None:
