@@ -143,8 +143,33 @@ def test_gradient_accumulation_with_ddp_matches_one_process(data_dir, reference,
     r = torchrun(args)
     assert r.returncode == 0, r.stderr[-3000:]
     # 2 ranks x 2 micro-batches of 2 = the same 8 windows a step (the sampler draws in order),
-    # and the gradient only synchronised on the second micro-batch
+    # and the gradient only synchronised on the second micro-batch; validation too scores
+    # global batches of 8
     assert_close(losses(run), losses(reference))
+    assert_close(val_losses(run), val_losses(reference))
+
+
+def test_two_ranks_checkpoint_validates_alike_in_one_process_with_accumulation(data_dir,
+                                                                              reference, tmp_path):  # fmt: skip
+    """A checkpoint of 2 DDP ranks at batch 4, resumed in one process at batch 4 x 2
+    micro-batches (what the resume note advises): the same weights get the same val loss, and
+    the run goes on with the uninterrupted run's train and val losses."""
+    run = tmp_path / "run"
+    args = ["train", "--data", str(data_dir), "--out", str(run)]
+    r = torchrun(args + _flags(**TRAIN, batch_size=GLOBAL_BATCH // 2, max_steps=5, parallel="ddp"))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    cfg = get_preset("llama-shakespeare-char", **MODEL)
+    tc = TrainConfig(**{**TRAIN, "batch_size": GLOBAL_BATCH // 2, "grad_accum": 2, "max_steps": 10})
+    trainer = Trainer(cfg, tc, data_dir, run, resume=True)
+    try:
+        val = trainer.evaluate()  # the step-5 weights, as the 2 ranks validated them
+    except BaseException:
+        trainer.release()
+        raise
+    assert_close({5: val}, {5: val_losses(run)[5]})
+    trainer.run()
+    assert_close(losses(run), losses(reference))
+    assert_close(val_losses(run), val_losses(reference))
 
 
 def _per_rank_batch(parallel: str, nproc: int) -> int:

@@ -99,7 +99,7 @@ class TrainConfig:
     beta2: float = 0.99
     grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
     eval_interval: int = 250  # steps between validation passes
-    eval_batches: int = 20  # batches per validation pass
+    eval_batches: int = 20  # global batches (batch_size x grad_accum x ranks) per validation pass
     checkpoint_interval: int = 500  # steps between checkpoints (and one at the end)
     keep_last: int = 2  # checkpoints kept besides the best-by-validation one
     # full: whole tensors in safetensors (sharded runs gather them to rank 0) | dcp: each rank

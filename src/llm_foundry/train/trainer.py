@@ -438,10 +438,11 @@ class Trainer:
         return None
 
     def evaluate(self) -> float:
-        """Mean loss over ``eval_batches`` fixed validation batches (the same ones every time);
-        with several ranks each scores its share of every batch and the means are averaged. A
-        mixture: each source's own batches, and the mean of their losses weighted by the
-        sources' shares (each one's in ``val_by_source``)."""
+        """Mean loss over ``eval_batches`` fixed validation batches (the same ones every time),
+        each a global batch: batch_size x grad_accum x data-parallel ranks sequences, so the same
+        weights score the same sequences and loss however the global batch is split between
+        ranks and accumulation. A mixture: each source's own batches, and the mean of their
+        losses weighted by the sources' shares (each one's in ``val_by_source``)."""
         if len(self.sources) == 1:
             return self._evaluate()
         losses = [self._evaluate(k) for k in range(len(self.sources))]
@@ -450,24 +451,29 @@ class Trainer:
 
     @torch.no_grad()
     def _evaluate(self, source: int | None = None) -> float:
+        """The mean loss of ``source``'s validation batches (None: the run's sampler over all
+        sources); each rank scores its share of every global batch in ``grad_accum``
+        micro-batches of ``batch_size`` (a training step's memory), weighed as a step's are."""
         self.model.eval()
-        w = self.world
-        sampler = self._sampler("val", self.tc.seed + 1, source)
+        w, tc = self.world, self.tc
+        sampler = self._sampler("val", tc.seed + 1, source)
         total = torch.zeros((), device=self.device)
         stats = torch.zeros(len(STAT_NAMES), device=self.device)
-        for _ in range(self.tc.eval_batches):
-            batch = [t.to(self.device) for t in sampler.next()]
-            share = self._target_shares([batch[1]])[0] if self.weighted else 1
-            with self.loss_context(), self._autocast():
-                loss, st = self.batch_loss(batch, "val")
-                total += loss.float() * share
-            if st:
-                stats += torch.stack([st[k] for k in STAT_NAMES])
+        for _ in range(tc.eval_batches):
+            batches = [[t.to(self.device) for t in sampler.next()] for _ in range(tc.grad_accum)]
+            shares = self._target_shares([b[1] for b in batches]) if self.weighted else None
+            for micro, batch in enumerate(batches):
+                with self.loss_context(), self._autocast():
+                    loss, st = self.batch_loss(batch, "val")
+                    share = 1 / tc.grad_accum if shares is None else shares[micro]
+                    total += loss.float() * share
+                if st:
+                    stats += torch.stack([st[k] for k in STAT_NAMES]) / tc.grad_accum
         self.model.train()
         if self.reference is not None:  # DPO: the rewards of the validation pairs too
-            means = (D.mean(stats, w) / self.tc.eval_batches).tolist()
+            means = (D.mean(stats, w) / tc.eval_batches).tolist()
             self.val_stats = {f"val_{k}": v for k, v in zip(STAT_NAMES, means, strict=True)}
-        return D.mean(total, w).item() / self.tc.eval_batches
+        return D.mean(total, w).item() / tc.eval_batches
 
     def _lm_loss(self, batch: list[torch.Tensor], split: str):
         """x, y (B, T) [, doc (B, T)] -> (the mean next-token loss over y's targets, {})."""
