@@ -8,7 +8,9 @@ document boundary at or past ``shard_tokens``. Validation holds whole documents:
 floor((i+1) f) > floor(i f), spread evenly through the corpus.
 
 Tokenizer: ``tokenizer_from`` (a model's tokenizer.json, one of our runs or checkpoints, or an
-HF directory; its end-of-sequence token ends the documents), or byte-level BPE trained with the
+HF directory; its end-of-sequence token ends the documents; the files beside it that carry an HF
+tokenizer's chat template and special tokens (``tokenizer_files``) are published beside the
+shards, so that a model trained on them keeps its chat format), or byte-level BPE trained with the
 chat markers reserved (``tokenizer.CHAT_TOKENS``) on a sample of at most ``tokenizer_sample``
 bytes of the training documents drawn evenly over all of them (``corpus.draw_sample``). Special
 tokens written in a document are text: only the end-of-text id between documents is special.
@@ -94,6 +96,7 @@ from llm_foundry.data.sources import (
     publish,
     refuse_overwriting_inputs,
     remove_temporaries,
+    temporary,
 )
 from llm_foundry.messages import one_line
 from llm_foundry.tokenizer import (
@@ -104,6 +107,7 @@ from llm_foundry.tokenizer import (
     encode_in_worker,
     start_encoding_worker,
 )
+from llm_foundry.tokenizer_files import METADATA_FILES, metadata_files
 
 DEFAULT_SHARD_TOKENS = 100_000_000
 DEFAULT_TOKENIZER_SAMPLE = 200_000_000  # bytes of text the BPE is trained on, at most
@@ -159,6 +163,7 @@ class ModelTokenizer(NamedTuple):
     eot_id: int  # what ends each document
     eot: str  # that token
     special_ids: dict[str, int]
+    metadata: dict[str, bytes]  # the tokenizer_files metadata files beside it: name -> bytes
 
 
 def model_tokenizer(path: str | Path) -> ModelTokenizer:
@@ -182,8 +187,10 @@ def model_tokenizer(path: str | Path) -> ModelTokenizer:
             "end-of-text token to end documents with; give a BPE or Hugging Face tokenizer"
         )
     text = file.read_text(encoding="utf-8")
+    # read once: what is published is what the settings' digests name
+    metadata = {name: (file.parent / name).read_bytes() for name in metadata_files(file.parent)}
     if tok.kind == "bpe":
-        return ModelTokenizer(file, text, "bpe", tok.eos_id, END_OF_TEXT, tok.special_ids)
+        return ModelTokenizer(file, text, "bpe", tok.eos_id, END_OF_TEXT, tok.special_ids, metadata)
     eot = _hf_end_of_text(file.parent, tok.hf)
     if eot is None:
         raise DataError(
@@ -192,7 +199,7 @@ def model_tokenizer(path: str | Path) -> ModelTokenizer:
             "documents with"
         )
     name = tok.hf.id_to_token(eot)
-    return ModelTokenizer(file, text, "hf", eot, name, {name: eot})
+    return ModelTokenizer(file, text, "hf", eot, name, {name: eot}, metadata)
 
 
 def _hf_end_of_text(directory: Path, hf) -> int | None:
@@ -340,6 +347,10 @@ def prepare_documents(
         refuse_overwriting_inputs([("--tokenizer-from", model.file)], out, ["tokenizer.json"])
         sha = hashlib.sha256(model.json.encode("utf-8")).hexdigest()
         settings["tokenizer_from"] = {"file": str(model.file.resolve()), "sha256": sha}
+        if model.metadata:  # none: the settings of a directory prepared before they were kept
+            settings["tokenizer_from"]["metadata"] = {
+                name: hashlib.sha256(data).hexdigest() for name, data in model.metadata.items()
+            }
     identity = {
         "inputs": [
             [g.input, g.split, [[f.path, f.format, f.stamp] for f in g.files]] for g in groups
@@ -429,7 +440,7 @@ class _Job:
 
     def _run(self, restart: bool) -> dict:
         out = self.out
-        remove_temporaries(out, ["meta.json", PROGRESS_FILE])
+        remove_temporaries(out, ["meta.json", PROGRESS_FILE, *METADATA_FILES])
         record = load_progress(out)
         if record is not None and restart:
             record = None
@@ -477,8 +488,9 @@ class _Job:
         record["splits"] = {s: w.state() for s, w in writers.items()}
         save_progress(out, record)
         self.seconds["encode"] = time.monotonic() - t0
-        meta = self._meta(record, writers, dtype, resumed)
-        publish(out, {"tokenizer.json": out / TOKENIZER_TMP}, json.dumps(meta, indent=2) + "\n")
+        written = {"tokenizer.json": out / TOKENIZER_TMP, **self._metadata()}
+        meta = self._meta(record, writers, dtype, resumed, written)
+        publish(out, written, json.dumps(meta, indent=2) + "\n")
         remove_unlisted(out, set(meta["files"]))  # the progress record last
         if note := _empty_files_note(meta["sources"]):
             log.warning(note)
@@ -497,6 +509,19 @@ class _Job:
                 f"written ({shards:,} shards kept); going on from {files[done].path}{at}")  # fmt: skip
 
     # -- the tokenizer
+    def _metadata(self) -> dict[str, Path]:
+        """The tokenizer's metadata files written under temporary names (name -> that path);
+        those of an earlier prepare's tokenizer that this one lacks removed."""
+        carried = self.model.metadata if self.model is not None else {}
+        written = {}
+        for name in METADATA_FILES:
+            if name in carried:
+                written[name] = temporary(self.out / name)
+                written[name].write_bytes(carried[name])
+            else:
+                (self.out / name).unlink(missing_ok=True)
+        return written
+
     def _saved_tokenizer(self, record: dict) -> str:
         path = self.out / TOKENIZER_TMP
         if not path.is_file() and (self.out / "tokenizer.json").is_file():
@@ -641,10 +666,11 @@ class _Job:
             raise
 
     # -- meta.json
-    def _meta(self, record: dict, writers: dict, dtype: np.dtype, resumed: bool) -> dict:
+    def _meta(self, record: dict, writers: dict, dtype: np.dtype, resumed: bool,
+              written: dict[str, Path]) -> dict:  # fmt: skip
         info = record["tokenizer"]
         shards = {s: writers[s].done for s in SPLITS}
-        files = {"tokenizer.json": file_entry(self.out / TOKENIZER_TMP)}
+        files = {name: file_entry(path) for name, path in written.items()}
         for s in SPLITS:
             files.update(writers[s].files)
         digest = hashlib.sha256()
