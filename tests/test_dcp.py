@@ -172,6 +172,27 @@ def test_metadata_naming_anything_but_dcp_classes_is_refused(dcp_run, tmp_path):
         load_checkpoint(ckpt)
 
 
+def test_a_missing_or_cut_data_file_is_an_incomplete_checkpoint_named_in_one_line(
+    dcp_run, tmp_path, capsys
+):
+    """A shard file lost (or cut short) after the save: the error says the checkpoint is
+    incomplete and names the file, not that it does not fit the model."""
+    import shutil
+
+    ckpt = shutil.copytree(dcp_run / "checkpoints" / "step_000006", tmp_path / "ckpt")
+    shard = ckpt / DCP_DIR / "__0_0.distcp"
+    data = shard.read_bytes()
+    shard.write_bytes(data[:100])  # the model's tensors come first: cut into them
+    args = ["generate", "--checkpoint", str(ckpt), "--prompt-ids", "1,2", "--max-new-tokens", "1"]
+    code, err = cli_status(args, capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"the sharded checkpoint is incomplete: {shard} holds 100 bytes" in err
+    shard.unlink()
+    code, err = cli_status(args, capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"the sharded checkpoint is incomplete: {shard} is missing (1 of the 1 data files" in err
+
+
 def test_a_background_save_is_a_snapshot_and_complete_only_once_committed(data_dir, tmp_path):
     from llm_foundry.train.dcp import ShardedCheckpoints
 

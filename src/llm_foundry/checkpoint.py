@@ -461,6 +461,7 @@ def load_dcp(path: str | Path, state_dict: dict, process_group=None) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
+    check_dcp_files(path, {str(key).split(".")[0] for key in state_dict})
     reader = _reader_class()(path)
     alone = not (dist.is_available() and dist.is_initialized())
     try:
@@ -472,6 +473,31 @@ def load_dcp(path: str | Path, state_dict: dict, process_group=None) -> None:
         raise ValueError(
             f"{path}: the sharded checkpoint does not fit ({dcp_failure(e)})"
         ) from None
+
+
+def check_dcp_files(path: str | Path, parts: set[str]) -> None:
+    """Refuse, in one line naming the file, a sharded checkpoint ``path`` whose data files that
+    hold ``parts`` (the first components of names: ``model``, ``optim``) are missing or shorter
+    than the data its ``.metadata`` places in them."""
+    need: dict[str, int] = {}
+    for index, info in read_dcp_metadata(path).storage_data.items():
+        if index.fqn.split(".")[0] not in parts:
+            continue
+        end = info.offset + info.length
+        need[info.relative_path] = max(need.get(info.relative_path, 0), end)
+    missing = sorted(name for name in need if not (Path(path) / name).is_file())
+    if missing:
+        raise FileNotFoundError(
+            f"{path}: the sharded checkpoint is incomplete: {Path(path) / missing[0]} is missing "
+            f"({len(missing)} of the {len(need)} data files it reads from are gone)"
+        )
+    for name, end in sorted(need.items()):
+        size = (Path(path) / name).stat().st_size
+        if size < end:
+            raise ValueError(
+                f"{path}: the sharded checkpoint is incomplete: {Path(path) / name} holds "
+                f"{size:,} bytes, its index places data up to byte {end:,} (cut short)"
+            )
 
 
 def dcp_failure(e: BaseException) -> str:
