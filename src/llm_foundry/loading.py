@@ -129,7 +129,7 @@ def _load(given: Path, ckpt: Path, device, tokenizer, quantize, group_size, adap
     if quantize:
         from llm_foundry.models.quant import quantize_model
 
-        quantize_model(model, quantize, group_size)
+        quantize_model(model, quantize, group_size, name=str(given))
     value = meta.get("eos_token_id")  # HF's key; our quantized copies of HF models keep it
     hf_eos = [value] if isinstance(value, int) else [e for e in value or [] if isinstance(e, int)]
     tok_file = Path(tokenizer) if tokenizer else ckpt / "tokenizer.json"

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from llm_foundry.checkpoint import CONFIG_FILE, WEIGHTS_FILE, save_checkpoint
-from llm_foundry.models.quant import GROUP_SIZES, quantize_model, weight_bytes
+from llm_foundry.models.quant import quantize_model, weight_bytes
 from llm_foundry.tokenizer_files import copy_tokenizer_files
 
 
@@ -26,8 +26,7 @@ def quantize_checkpoint(
     check_new_output(out)  # before the model loads
     model, _, info = load_any(src, full_precision="quantize", adapter=adapter)
     before = weight_bytes(model)
-    settings = quantize_model(model, scheme, group_size)
-    refuse_nothing_quantized(src, model, settings)
+    settings = quantize_model(model, scheme, group_size, name=str(src), flag="--to")
     with new_directory(out) as tmp:
         save_checkpoint(model, tmp)
         copy_tokenizer_files(info.checkpoint, tmp)  # with its chat template and special tokens
@@ -43,20 +42,3 @@ def quantize_checkpoint(
         "weight_bytes_per_token": {"before": before, "after": weight_bytes(model)},
         "file_bytes": (Path(out) / WEIGHTS_FILE).stat().st_size,
     }
-
-
-def refuse_nothing_quantized(src: str | Path, model, settings: dict) -> None:
-    """One line, before anything is written, when ``quantize_model`` quantized no projection
-    (int4 groups wider than every projection's inputs or not dividing them): the group size,
-    the input widths and the group sizes that would fit."""
-    if settings["layers"] or not settings["kept_fp32"]:
-        return
-    group = settings.get("group_size")
-    widths = sorted({model.get_submodule(name).in_features for name in settings["kept_fp32"]})
-    fit = [g for g in GROUP_SIZES if any(w % g == 0 for w in widths)]
-    hint = f"--group-size {' or '.join(map(str, fit))} fits" if fit else "--to int8 takes any width"
-    raise ValueError(
-        f"{src}: int4 in groups of {group} inputs quantizes none of its "
-        f"{len(settings['kept_fp32'])} projections: their input widths "
-        f"({', '.join(map(str, widths))}) are not multiples of {group}; {hint}"
-    )

@@ -258,10 +258,36 @@ def check_settings(scheme: str, group: int | None) -> list[str]:
     return problems
 
 
-def quantize_model(model: nn.Module, scheme: str, group: int = 64) -> dict:
+def refuse_no_fit(scheme: str, group: int, projections: dict, name: str, flag: str) -> None:
+    """One line when ``scheme`` fits none of ``projections`` (int4 groups wider than every
+    input width or not dividing it): the group size, the input widths and the group sizes that
+    would fit, else ``flag`` int8 (the option that picks the scheme). ``name``: the model."""
+    if not projections or any(fits(scheme, m, group) for m in projections.values()):
+        return
+    widths = sorted({m.in_features for m in projections.values()})
+    fit = [g for g in GROUP_SIZES if any(w % g == 0 for w in widths)]
+    hint = (
+        f"--group-size {' or '.join(map(str, fit))} fits" if fit else f"{flag} int8 takes any width"
+    )
+    raise ValueError(
+        f"{name}: int4 in groups of {group} inputs quantizes none of its {len(projections)} "
+        f"projections: their input widths ({', '.join(map(str, widths))}) are not multiples of "
+        f"{group}; {hint}"
+    )
+
+
+def quantize_model(
+    model: nn.Module,
+    scheme: str,
+    group: int = 64,
+    name: str = "the model",
+    flag: str = "--quantize",
+) -> dict:
     """Replace the projections of ``model`` (in place) by ``scheme``'s quantized layers; returns
     the settings a checkpoint records: scheme, group (int4), the layers quantized and those kept
-    in fp32 because the kernel does not take their shape."""
+    in fp32 because the kernel does not take their shape. A scheme that fits none of them is
+    refused before any is replaced (``refuse_no_fit``: ``name`` the model, ``flag`` the option
+    that picks the scheme, for the hint)."""
     problems = check_settings(scheme, group)
     if problems:
         raise ValueError("; ".join(problems))
@@ -270,16 +296,17 @@ def quantize_model(model: nn.Module, scheme: str, group: int = 64) -> dict:
     # by name: models/lora.py imports this module (its int8 base), not the other way round
     if any(type(m).__name__ == "LoRALinear" for m in model.modules()):
         raise ValueError("the model has unmerged LoRA adapters: merge them before quantizing")
-    cls = SCHEMES[scheme]
+    cls, projections = SCHEMES[scheme], _projections(model)
+    refuse_no_fit(scheme, group, projections, name, flag)
     done, kept = [], []
     with torch.no_grad():
-        for name, linear in _projections(model).items():
+        for layer, linear in projections.items():
             if not fits(scheme, linear, group):
-                kept.append(name)
+                kept.append(layer)
                 continue
-            parent, _, attr = name.rpartition(".")
+            parent, _, attr = layer.rpartition(".")
             setattr(model.get_submodule(parent), attr, cls.from_linear(linear, group))
-            done.append(name)
+            done.append(layer)
     settings = {"scheme": scheme, "layers": done, "kept_fp32": kept}
     if scheme == "int4":
         settings["group_size"] = group
