@@ -1,7 +1,8 @@
 """What travels with a model's ``tokenizer.json``: the files ``transformers`` reads beside it,
 written by one copier and read by one reader, so that an HF model's chat template and special
-tokens reach every place the model goes (``convert --from-hf``, ``prepare --sft`` and DPO rows,
-each fine-tuning checkpoint, ``quantize``, ``convert --to-hf`` and ``--to-gguf``):
+tokens reach every place the model goes (``convert --from-hf``, ``prepare --sft``, DPO rows and
+``prepare --input --tokenizer-from``, each training checkpoint, ``quantize``, ``convert --to-hf``
+and ``--to-gguf``):
 
   tokenizer_config.json    the special tokens' texts (bos_token, eos_token, pad_token, unk_token)
                            and maybe ``chat_template``: what ``AutoTokenizer`` reads
