@@ -5,7 +5,9 @@ bug and keeps its traceback. Each missing package is simulated by ``sys.modules[
 
 from __future__ import annotations
 
+import os
 import runpy
+import subprocess
 import sys
 
 import pytest
@@ -103,3 +105,23 @@ def test_any_other_import_error_keeps_its_traceback(monkeypatch):
     with pytest.raises(ImportError) as raised:
         main(["params", "--preset", "gpt2-small"])
     assert not isinstance(raised.value, MissingExtra)
+
+
+@pytest.mark.parametrize(
+    "package, argv",
+    [("transformers", ["convert", "--from-hf", "hf", "--out", "out"]),
+     ("gguf", ["convert", "--to-gguf", "ckpt", "--out", "x.gguf"])],
+)  # fmt: skip
+def test_an_installed_but_broken_extra_keeps_its_own_error(tmp_path, package, argv):
+    """A package that is there but fails to import (a name its dependency lacks) is not
+    'not installed': reinstalling the extra would not help, so its own error is shown."""
+    broken = tmp_path / "site" / package
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text(
+        "raise ImportError(\"cannot import name 'Gone' from 'tokenizers' (a broken install)\")\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), *sys.path])}
+    proc = subprocess.run([sys.executable, "-m", "llm_foundry", *argv], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode != 0 and "cannot import name 'Gone'" in proc.stderr, proc.stderr
+    assert "pip install" not in proc.stderr

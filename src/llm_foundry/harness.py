@@ -33,8 +33,10 @@ try:
     from lm_eval.api.registry import register_model
     from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs
 except ImportError as e:  # the optional [eval] extra
-    from llm_foundry.package import missing_extra
+    from llm_foundry.package import absent, missing_extra
 
+    if not absent(e, "lm_eval"):
+        raise  # installed but broken: its own error
     missing = missing_extra("the evaluation harness (lm-eval) is not installed", "eval", str(e))
     if __name__ == "__main__":  # `python -m llm_foundry.harness`: one line, as a usage error
         print(f"python -m llm_foundry.harness: error: {missing}", file=sys.stderr)

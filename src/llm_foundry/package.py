@@ -35,6 +35,16 @@ class MissingExtra(ImportError):
     other ImportError (a bug) keeps its traceback."""
 
 
+def absent(e: ImportError, *modules: str) -> bool:
+    """Whether ``e`` says one of ``modules`` (or a module inside one) is not installed, rather
+    than installed and broken: only then is the extra's install line the fix; a broken package's
+    own error (a missing name, an incompatible dependency) keeps its traceback."""
+    name = getattr(e, "name", None) or ""
+    return isinstance(e, ModuleNotFoundError) and any(
+        name == m or name.startswith(m + ".") for m in modules
+    )
+
+
 def missing_extra(needs: str, extra: str, detail: str = "") -> MissingExtra:
     """``MissingExtra`` for ``needs`` (what lacks the package, e.g. "train.tensorboard=true needs
     TensorBoard") and the ``extra`` that installs it; ``detail`` (the import's own error) after."""

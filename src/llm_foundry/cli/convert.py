@@ -10,7 +10,7 @@ from pathlib import Path
 
 
 def main(argv: list[str]) -> int:
-    from llm_foundry.package import MissingExtra, missing_extra
+    from llm_foundry.package import MissingExtra, absent, missing_extra
 
     try:  # --help and the dcp conversions work without the [hf] extra; HF work says what to install
         from llm_foundry.interop.hf import FAMILIES
@@ -98,7 +98,9 @@ def main(argv: list[str]) -> int:
     if ns.to_gguf:
         try:
             import gguf  # noqa: F401
-        except ImportError:
+        except ImportError as e:
+            if not absent(e, "gguf"):
+                raise  # installed but broken: its own error
             raise missing_extra("convert --to-gguf needs the gguf package", "gguf") from None
         from llm_foundry.export import convert_to_gguf
 

@@ -9,7 +9,7 @@ import threading
 import time
 
 from llm_foundry.cli.options import add_quantize_flags, quantize_choice
-from llm_foundry.package import missing_extra
+from llm_foundry.package import absent, missing_extra
 
 MAX_SLOTS = 4096  # sequences decoded together: far past what one forward batches usefully
 MAX_QUEUE = 1_000_000  # requests waiting
@@ -88,6 +88,8 @@ def main(argv: list[str]) -> int:
     try:
         import uvicorn
     except ImportError as e:
+        if not absent(e, "uvicorn"):
+            raise  # installed but broken: its own error
         raise missing_extra("serve needs FastAPI and uvicorn", "serve", str(e)) from None
     from llm_foundry.serve import load_served
     from llm_foundry.serve.app import MAX_REQUEST_BYTES, create_app  # MissingExtra without FastAPI

@@ -55,8 +55,10 @@ from llm_foundry.outputs import new_file
 try:
     import gguf
 except ImportError as e:  # pragma: no cover - depends on the environment
-    from llm_foundry.package import missing_extra
+    from llm_foundry.package import absent, missing_extra
 
+    if not absent(e, "gguf"):
+        raise  # installed but broken: its own error
     raise missing_extra("llm_foundry.interop.gguf needs the gguf package", "gguf") from e
 
 log = logging.getLogger(__name__)

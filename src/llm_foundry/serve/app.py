@@ -33,8 +33,10 @@ try:
     from starlette.exceptions import HTTPException
     from starlette.requests import ClientDisconnect
 except ImportError as e:  # the optional [serve] extra
-    from llm_foundry.package import missing_extra
+    from llm_foundry.package import absent, missing_extra
 
+    if not absent(e, "fastapi", "starlette"):
+        raise  # installed but broken: its own error
     raise missing_extra("serve needs FastAPI and uvicorn", "serve", str(e)) from None
 
 MAX_LOGPROBS = 5  # OpenAI's bound for completions

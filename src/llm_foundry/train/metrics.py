@@ -53,8 +53,10 @@ def require_tensorboard():
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError as e:
-        from llm_foundry.package import missing_extra
+        from llm_foundry.package import absent, missing_extra
 
+        if not absent(e, "tensorboard", "torch.utils.tensorboard"):
+            raise  # installed but broken: its own error
         raise missing_extra("train.tensorboard=true needs TensorBoard", "tensorboard") from e
     return SummaryWriter
 

@@ -12,8 +12,10 @@ from llm_foundry.config import ModelConfig
 try:
     import transformers
 except ImportError as e:  # pragma: no cover - depends on the environment
-    from llm_foundry.package import missing_extra
+    from llm_foundry.package import absent, missing_extra
 
+    if not absent(e, "transformers"):
+        raise  # installed but broken: its own error
     raise missing_extra("llm_foundry.interop.hf needs the transformers package", "hf") from e
 
 # transformers 5 keeps rope_theta and the scaling in one ``rope_parameters`` dict
