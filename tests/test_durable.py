@@ -27,10 +27,10 @@ TEXT = "ROMEO: what light through yonder window breaks?\nJULIET: ay me!\n" * 40
 
 @pytest.fixture
 def disk(monkeypatch) -> list[tuple]:
-    """The fsyncs ("fsync", path) and publishing steps ("rename", src, dst) this process makes,
-    in order (each still done)."""
+    """The fsyncs ("fsync", path), publishing steps ("rename", src, dst) and deletions
+    ("unlink", path) this process makes, in order (each still done)."""
     events: list[tuple] = []
-    real = {name: getattr(os, name) for name in ("fsync", "replace", "rename", "link")}
+    real = {name: getattr(os, name) for name in ("fsync", "replace", "rename", "link", "unlink")}
 
     def fsync(fd):
         events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
@@ -43,7 +43,12 @@ def disk(monkeypatch) -> list[tuple]:
 
         return call
 
+    def unlink(path, *args, **kwargs):
+        events.append(("unlink", os.path.abspath(path)))
+        return real["unlink"](path, *args, **kwargs)
+
     monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "unlink", unlink)
     for name in ("replace", "rename", "link"):
         monkeypatch.setattr(os, name, moved(name))
     return events
@@ -58,7 +63,7 @@ def assert_published_durably(events: list[tuple], published: list[Path]) -> None
     for i, event in enumerate(events):
         if event[0] == "fsync":
             synced.append(event[1])
-        else:
+        elif event[0] == "rename":
             _, src, dst = event
             under = [p for p in synced if p == src or p.startswith(src + os.sep)]
             placed[dst] = i if src in synced else -1
@@ -107,3 +112,38 @@ def test_an_export_is_on_disk_before_it_is_published(tmp_path, disk):
         tmp.write_bytes(b"GGUF" * 100)
     assert_published_durably(disk, [tmp_path / "hf", tmp_path / "model.gguf"])
     assert (tmp_path / "hf" / "sub" / "weights.bin").stat().st_size == 1000
+
+
+def test_an_earlier_tokenizers_metadata_is_removed_only_once_meta_json_is_gone(tmp_path, disk):
+    """A second prepare --sft into the same directory with a tokenizer that has no
+    generation_config.json: meta.json is unlinked and the directory fsynced before the earlier
+    file is deleted (a reader or a crash in between never sees a meta.json naming a missing
+    file), and that before any file is renamed into place; meta.json comes last."""
+    tok = CharTokenizer.train(TEXT + "abcdefghijklmnopqrstuvwxyz")
+    rows = [{"prompt": "ROMEO: what light", "completion": " through yonder window"}] * 8
+    (tmp_path / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for name in ("with", "without"):
+        (tmp_path / name).mkdir()
+        tok.save(tmp_path / name / "tokenizer.json")
+    (tmp_path / "with" / "generation_config.json").write_text('{"eos_token_id": 1}\n')
+    out = tmp_path / "sft"
+    prepare_sft(out, tmp_path / "sft.jsonl", tmp_path / "with" / "tokenizer.json", 0.25)
+    assert (out / "generation_config.json").is_file()
+    disk.clear()
+    prepare_sft(out, tmp_path / "sft.jsonl", tmp_path / "without" / "tokenizer.json", 0.25)
+    assert not (out / "generation_config.json").exists()
+    assert "generation_config.json" not in json.loads((out / "meta.json").read_text())["files"]
+
+    at = {event: i for i, event in reversed(list(enumerate(disk)))}  # first occurrence
+    meta, stale = (
+        str((out / "meta.json").resolve()),
+        str((out / "generation_config.json").resolve()),
+    )
+    gone, deleted = at[("unlink", meta)], at[("unlink", stale)]
+    into_out = [
+        i for i, e in enumerate(disk) if e[0] == "rename" and Path(e[2]).parent == out.resolve()
+    ]
+    synced = [i for i, e in enumerate(disk) if e == ("fsync", str(out.resolve()))]
+    assert any(gone < i < deleted for i in synced), "the directory was not fsynced between"
+    assert deleted < min(into_out), "an earlier file was deleted after files were renamed in"
+    assert disk[max(into_out)][2] == meta, "meta.json was not the last file put in place"

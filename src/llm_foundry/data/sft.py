@@ -384,19 +384,21 @@ def temporaries(out: Path, tokenizer_file: Path) -> tuple[dict, bool]:
 def publish_prepared(out: Path, written: dict, meta: dict, tokenizer_file: Path,
                      copy_tokenizer: bool) -> dict:  # fmt: skip
     """The tokenizer and its metadata files copied in (unless they are ``out``'s already; an
-    earlier tokenizer's metadata removed), every file's size and digest recorded in ``meta``,
-    the directory published (meta.json last); returns ``meta``."""
+    earlier tokenizer's metadata removed by ``publish``, once meta.json is gone), every file's
+    size and digest recorded in ``meta``, the directory published (meta.json last); returns
+    ``meta``."""
     kept = [] if copy_tokenizer else ["tokenizer.json", *metadata_files(out)]
+    stale = []  # another tokenizer's, from an earlier prepare into ``out``
     if copy_tokenizer:
         shutil.copyfile(tokenizer_file, written["tokenizer.json"])
         for name in METADATA_FILES:
             if name in written:
                 shutil.copyfile(tokenizer_file.parent / name, written[name])
-            else:  # another tokenizer's, from an earlier prepare into ``out``
-                (out / name).unlink(missing_ok=True)
+            else:
+                stale.append(name)
     meta["files"] = {name: file_entry(tmp) for name, tmp in written.items()}
     meta["files"].update({name: file_entry(out / name) for name in kept})
-    publish(out, written, json.dumps(meta, indent=2) + "\n")
+    publish(out, written, json.dumps(meta, indent=2) + "\n", removed=stale)
     return meta
 
 

@@ -255,16 +255,22 @@ def refuse_overwriting_inputs(
                 )
 
 
-def publish(out: Path, written: dict[str, Path], meta_text: str) -> None:
+def publish(
+    out: Path, written: dict[str, Path], meta_text: str, removed: Sequence[str] = ()
+) -> None:
     """Put a prepare's output in place: ``written`` (final name -> the temporary it was written
     to) renamed over the old files, so that a process mapping an old file keeps it whole, then
     meta.json last; meta.json is removed first, so a run cut short in between leaves none (the
-    readers then refuse the directory). Each step is on disk before the next (``fsync``): a
-    power loss leaves no meta.json naming files whose bytes were still in memory."""
+    readers then refuse the directory). ``removed``: names of earlier files the new output
+    lacks, deleted only once meta.json is gone, so no meta.json ever names a deleted file. Each
+    step is on disk before the next (``fsync``): a power loss leaves no meta.json naming files
+    whose bytes were still in memory."""
     (out / "meta.json").unlink(missing_ok=True)
     for tmp in written.values():
         fsync(tmp)
-    fsync(out)  # meta.json gone before any file is replaced
+    fsync(out)  # meta.json gone before any file is replaced or removed
+    for name in removed:
+        (out / name).unlink(missing_ok=True)
     for name, tmp in written.items():
         os.replace(tmp, out / name)
     fsync(out)
