@@ -1,9 +1,13 @@
-"""``stops.settle`` over the decodes of a real byte-level BPE, one token more each step: the pieces
-it lets out join into the finished text cut at its first stop string (``str.find``), for every
-stop string cut out of the text (each starting at any character, split ones included) and for
-ones that only begin there; never a piece that a later token changes."""
+"""``stops.settle`` over the decodes of a real byte-level BPE, one token more each step, and over
+random byte strings decoded one byte more each step: the pieces it lets out join into the text
+known at the first step where a stop string appears, cut at its first stop string (``str.find``),
+for every stop string cut out of the text (each starting at any character, split ones included),
+for ones that only begin there and for random sets of them; never a piece that a later token
+changes."""
 
 from __future__ import annotations
+
+import random
 
 import pytest
 from _bytes_bpe import TEXT, bytes_bpe
@@ -30,9 +34,17 @@ def _streamed(decode, ids: list[int], stops: list[str]) -> tuple[str, bool]:
     return shown, False
 
 
-def _cut(text: str, stops: list[str]) -> tuple[str, bool]:
-    at = min((text.index(s) for s in stops if s in text), default=len(text))
-    return text[:at], at < len(text)
+def _cut(decode, ids: list[int], stops: list[str]) -> tuple[str, bool]:
+    """The reference: the text known at the first step where a stop string appears in it (the
+    decode of the tokens so far, less its trailing U+FFFD unless no token follows), cut at the
+    first stop string there; the whole text when no step holds one."""
+    for j in range(1, len(ids) + 1):
+        text = decode(ids[:j])
+        known = text if j == len(ids) else text.rstrip(UNFINISHED)
+        at = min((known.find(s) for s in stops if s in known), default=-1)
+        if at >= 0:
+            return known[:at], True
+    return (decode(ids) if ids else ""), False
 
 
 def _cases(text: str) -> list[list[str]]:
@@ -48,7 +60,7 @@ def test_streamed_text_is_the_finished_text_cut_at_its_first_stop(tok, text):
     ids = tok.encode(text)
     assert any(tok.decode(ids[:j]).endswith(UNFINISHED) for j in range(len(ids)))  # split
     for stops in _cases(text):
-        assert _streamed(tok.decode, ids, stops) == _cut(text, stops), stops
+        assert _streamed(tok.decode, ids, stops) == _cut(tok.decode, ids, stops), stops
 
 
 def test_a_genuine_replacement_character_is_let_out(tok):
@@ -60,7 +72,7 @@ def test_a_genuine_replacement_character_is_let_out(tok):
     text = tok.decode(ids)
     assert text == "a! \ufffdok! \ufffd"
     for stops in [[], ["! 世"], ["!?"], ["\ufffdok"], *_cases(text)]:
-        assert _streamed(tok.decode, ids, stops) == _cut(text, stops), stops
+        assert _streamed(tok.decode, ids, stops) == _cut(tok.decode, ids, stops), stops
 
 
 def test_stop_prefix_is_the_longest_proper_start_the_text_ends_with():
@@ -69,3 +81,37 @@ def test_stop_prefix_is_the_longest_proper_start_the_text_ends_with():
         for stop in stops:
             want = max(k for k in range(len(stop)) if k <= len(text) and text.endswith(stop[:k]))
             assert stop_prefix(text, stop) == want, (text, stop)
+
+
+# characters whose UTF-8 bytes come one at a time (1 to 4 bytes), and an invalid byte
+ALPHABET = [b"a", b"b", b" ", "\u00e9".encode(), "\u4e16".encode(), "\U0001f642".encode(), b"\xff"]
+
+
+def _random_case(rng: random.Random) -> tuple[list[int], list[str]]:
+    """Bytes of 1 to 8 characters, sometimes cut inside the last one; 1 to 3 stop strings: pieces
+    of the finished text, and pairs of characters that may not occur in it."""
+    raw = b"".join(rng.choice(ALPHABET) for _ in range(rng.randint(1, 8)))
+    if rng.random() < 0.2 and raw[-1] >= 0x80:
+        raw = raw[: -rng.randint(1, 2)] or raw
+    text = _decode_bytes(list(raw))
+    chars = [c.decode("utf-8", "replace") for c in ALPHABET]
+    stops = set()
+    for _ in range(rng.randint(1, 3)):
+        if rng.random() < 0.6:
+            i = rng.randrange(len(text))
+            stops.add(text[i : i + rng.randint(1, 3)])
+        else:
+            stops.add(rng.choice(chars) + rng.choice(chars))
+    return list(raw), sorted(stops)
+
+
+def _decode_bytes(ids: list[int]) -> str:
+    return bytes(ids).decode("utf-8", "replace")
+
+
+def test_random_texts_decoded_byte_by_byte_with_random_stop_sets():
+    rng = random.Random(0)
+    for _ in range(3000):
+        ids, stops = _random_case(rng)
+        want = _cut(_decode_bytes, ids, stops)
+        assert _streamed(_decode_bytes, ids, stops) == want, (bytes(ids), stops)
