@@ -24,8 +24,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from llm_foundry.stops import UNFINISHED
+
 Decode = Callable[[list[int]], str]
-UNFINISHED = "\ufffd"  # what a decoder gives for the bytes of a character still to come
 
 
 def common_prefix(a: str, b: str) -> int:
