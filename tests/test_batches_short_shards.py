@@ -58,10 +58,18 @@ def test_a_shard_shorter_than_a_window_is_named_in_one_note(tmp_path, notes):
     ]
 
 
-def test_the_note_is_said_once_not_by_every_torchrun_rank(tmp_path, notes, monkeypatch):
+def test_the_note_is_said_by_the_main_rank_only_and_returned_on_every_rank(
+    tmp_path, notes, monkeypatch
+):
+    """Whether to log is the caller's word, not the environment's: an empty RANK (int('')
+    raised) changes nothing."""
     arrays = [shard(tmp_path / "a.bin", 100), shard(tmp_path / "b.bin", 3)]
-    monkeypatch.setenv("RANK", "1")
-    assert Windows(arrays, 16, "d (train)").unused == [("b.bin", 3)] and notes == []
+    monkeypatch.setenv("RANK", "")
+    quiet = Windows(arrays, 16, "d (train)", main_rank=False)
+    assert quiet.unused == [("b.bin", 3)] and notes == []
+    assert quiet.note.startswith("note: d (train): shard b.bin (3 tokens) is shorter")
+    Windows(arrays, 16, "d (train)")
+    assert notes == [quiet.note]
 
 
 def test_a_prepared_corpus_whose_last_shard_is_short_says_so_when_a_loader_opens_it(
@@ -78,6 +86,8 @@ def test_a_prepared_corpus_whose_last_shard_is_short_says_so_when_a_loader_opens
     sizes = [len(t) for t in split.tokens]
     assert len(sizes) > 2 and sizes[-1] < min(sizes[:-1])  # closed at the end, not at 4000
     block = sizes[-1]  # the last shard is one token short of a window
+    Loader([split], None, block, 2, main_rank=False)  # another torchrun rank: silent
+    assert notes == []
     Loader([split], None, block, 2)
     assert notes == [
         f"note: {tmp_path / 'd'} (train): shard {split.shards[-1].path.name} ({sizes[-1]:,} "

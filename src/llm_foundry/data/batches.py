@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import shlex
 import weakref
 from pathlib import Path
@@ -235,10 +234,12 @@ class Windows:
     """The windows of ``block_size + 1`` tokens inside one or several token arrays (the shards of
     a split), numbered 0 .. ``count`` - 1 through a cumulative table: shard 0's starts first, then
     shard 1's, ... A window never crosses from one array into the next; an array shorter than a
-    window holds none (``unused``: their names and lengths; a note says so, once, not by every
-    torchrun rank). With one array, window ``g`` starts at token ``g``."""
+    window holds none (``unused``: their names and lengths; ``note``: the line that says so, or
+    None; logged when ``main_rank``, so that torchrun's ranks say it once). With one array,
+    window ``g`` starts at token ``g``."""
 
-    def __init__(self, arrays: list[np.ndarray], block_size: int, name: str):
+    def __init__(self, arrays: list[np.ndarray], block_size: int, name: str,
+                 main_rank: bool = True):  # fmt: skip
         self.arrays, self.block_size = arrays, block_size
         starts = np.array([max(len(a) - block_size, 0) for a in arrays], dtype=np.int64)
         self.ends = np.cumsum(starts)  # window numbers below ends[i]: arrays 0..i
@@ -253,9 +254,9 @@ class Windows:
             )
         self.unused = [(_array_name(a, k), len(a)) for k, a in enumerate(arrays)
                        if len(a) <= block_size]  # fmt: skip
-        note = unused_note(self.unused, block_size, name)
-        if note and int(os.environ.get("RANK", "0")) == 0:
-            log.warning(note)
+        self.note = unused_note(self.unused, block_size, name)
+        if self.note and main_rank:
+            log.warning(self.note)
         self._window = np.arange(block_size + 1)
 
     def locate(self, g: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -309,6 +310,8 @@ class BatchSampler:
     Distributed: every rank holds the same generator; each step draws ``batch_size * world_size``
     offsets and rank r keeps ``[r * batch_size, (r + 1) * batch_size)``, so ``world_size`` ranks
     together see exactly the windows of one process with ``batch_size * world_size``.
+    ``main_rank``: this process says the notes (``Windows``); pass False on torchrun's other
+    ranks (``rank`` is the data-parallel rank, which tensor-parallel ranks share).
     ``llm_foundry.data.loader.Loader`` extends it to prepared directories, mixtures of them and
     packed documents.
     """
@@ -323,6 +326,7 @@ class BatchSampler:
         rank: int = 0,
         world_size: int = 1,
         name: str | None = None,
+        main_rank: bool = True,
     ):
         self._start(block_size, batch_size, seed, rank, world_size)
         if isinstance(data, (list, tuple)):
@@ -331,7 +335,7 @@ class BatchSampler:
         else:
             array, own = _as_tokens(data)
             arrays, name = [array], name or own
-        self.windows = Windows(arrays, block_size, name)
+        self.windows = Windows(arrays, block_size, name, main_rank)
         self.data = arrays[0] if len(arrays) == 1 else None  # the one stream, when there is one
 
     def _start(self, block_size: int, batch_size: int, seed: int, rank: int, world_size: int):

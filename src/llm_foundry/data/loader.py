@@ -222,7 +222,8 @@ class Documents:
 class Loader(BatchSampler):
     """Batches of the split that ``corpora`` (one per source) hold: random windows, or rows of
     packed documents (``packed``; with ``document_mask`` also their document ids), each row's
-    source drawn by ``weights``. ``next()`` -> x, y (batch_size, block_size) int64 [, doc]."""
+    source drawn by ``weights``. ``next()`` -> x, y (batch_size, block_size) int64 [, doc].
+    ``main_rank``: this process logs the notes (``BatchSampler``)."""
 
     def __init__(
         self,
@@ -236,6 +237,7 @@ class Loader(BatchSampler):
         world_size: int = 1,
         packed: bool = False,
         document_mask: bool = True,
+        main_rank: bool = True,
     ):
         if not corpora:
             raise ValueError("a Loader needs at least one corpus")
@@ -252,7 +254,7 @@ class Loader(BatchSampler):
             self.order_seed = seed  # kept in the state: a resume continues the same orders
             self._orders: dict[int, tuple[int, np.ndarray]] = {}
         else:  # BatchSampler.next draws the first source's windows
-            self.tables = [Windows(c.tokens, block_size, c.name) for c in corpora]
+            self.tables = [Windows(c.tokens, block_size, c.name, main_rank) for c in corpora]
             self.windows = self.tables[0]
 
     def next(self) -> tuple[torch.Tensor, ...]:
