@@ -219,8 +219,8 @@ def test_the_harness_command_line_runs_our_model(tmp_path):
 
 
 def test_a_tokenizer_config_that_is_not_an_object_is_one_line(tmp_path):
-    """The hf backend's prefix token comes from tokenizer_config.json when the tokenizer has no
-    BOS: a config that is a list is named, not an AttributeError."""
+    """The special tokens' ids come from tokenizer_config.json: a config that is a list is
+    named, not an AttributeError."""
     from tokenizers import Tokenizer, models
 
     from llm_foundry.export import convert_to_hf

@@ -126,7 +126,7 @@ class FoundryLM(TemplateLM):
         self.batch_size = 8 if batch_size in (None, "auto") else int(str(batch_size).split(":")[0])
         self._max_length = int(max_length) if max_length else self.model.cfg.max_seq_len
         self.max_gen_toks = int(max_gen_toks)
-        self._prefix = _prefix_token(self.tok, self.info)
+        self._prefix = _prefix_token(self.tok)
         self._hf = getattr(self.tok, "kind", None) == "hf"
         names = ("bos_id", "eos_id", "pad_id")
         self._specials = {getattr(self.tok, n, None) for n in names} - {None}
@@ -273,19 +273,11 @@ def _cut(text: str, until: list[str]) -> str:
     return text
 
 
-def _prefix_token(tok, info) -> int | None:
+def _prefix_token(tok) -> int | None:
     """The token text without context is conditioned on, as the hf backend picks it: the
-    tokenizer's BOS, else its EOS (for an HF directory: tokenizer_config.json's tokens)."""
-    if getattr(tok, "bos_id", None) is not None:
-        return tok.bos_id
-    if getattr(tok, "kind", None) == "hf":
-        from llm_foundry.chat import special_tokens, tokenizer_config
-
-        names = special_tokens(tokenizer_config(info.checkpoint))
-        for key in ("bos_token", "eos_token"):
-            if key in names and (i := tok.hf.token_to_id(names[key])) is not None:
-                return i
-    return tok.eos_id
+    tokenizer's BOS, else its EOS (an HF tokenizer's ids are those its tokenizer_config.json
+    names, set by ``tokenizer_files.open_tokenizer``)."""
+    return tok.bos_id if tok.bos_id is not None else tok.eos_id
 
 
 def evaluate_tasks(
