@@ -436,6 +436,7 @@ def test_tensor_parallelism_refuses_heads_and_sequences_that_do_not_split(data_d
     r = torchrun(args)
     assert r.returncode != 0
     err = r.stdout + r.stderr
+    assert err.count("llm-foundry train: error:") == 1, err  # the same on every rank: said once
     assert "model.n_heads=3 must divide by the tensor-parallel degree 2" in err
     assert "model.n_kv_heads=3 must divide by the tensor-parallel degree 2" in err
     assert "train.block_size=15 must divide by the tensor-parallel degree 2" in err

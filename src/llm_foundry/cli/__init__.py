@@ -77,14 +77,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"llm-foundry: unknown command {shown(name)}\n\n{usage}", file=sys.stderr)
         return 2
     show_library_messages()
+    from llm_foundry.cli.ranks import per_rank, rank0_only
     from llm_foundry.config import ConfigError
     from llm_foundry.package import MissingExtra
 
+    # under torchrun every rank runs this command line: what follows from it alone (usage and
+    # configuration errors, a stop) is said by rank 0; what may differ (I/O) by each rank
+    said_once = rank0_only()
     try:
         command = importlib.import_module(f"llm_foundry.cli.{COMMANDS[name][0]}")
         return command.main(rest) or 0
     except MissingExtra as e:  # an optional part not installed: its install line, no traceback
-        print(f"llm-foundry {name}: error: {one_line(e, MAX_ERROR)}", file=sys.stderr)
+        with said_once:
+            print(f"llm-foundry {name}: error: {one_line(e, MAX_ERROR)}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # `llm-foundry ... | head`: the reader has what it wanted (train and
         # finetune outlive their reader: cli/streams.py)
@@ -93,18 +98,26 @@ def main(argv: list[str] | None = None) -> int:
     except argparse.ArgumentError as e:  # a settings flag unknown or mistyped
         from llm_foundry.cli.options import flag_hint
 
-        print(f"llm-foundry {name}: error: {capped(str(e))}{flag_hint(str(e))}", file=sys.stderr)
+        with said_once:
+            print(f"llm-foundry {name}: error: {capped(str(e))}{flag_hint(str(e))}",
+                  file=sys.stderr)  # fmt: skip
         return 2
-    except (ConfigError, KeyError, ValueError, OSError) as e:  # OSError: a file in the way, ...
+    except OSError as e:  # a file in the way, ...
+        print(per_rank(f"llm-foundry {name}: error: {capped(str(e))}"), file=sys.stderr)
+        return 2
+    except (ConfigError, KeyError, ValueError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
-        print(f"llm-foundry {name}: error: {capped(str(msg))}", file=sys.stderr)
+        with said_once:
+            print(f"llm-foundry {name}: error: {capped(str(msg))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C where a command has no handler of its own
         from llm_foundry.cli.options import stopped
 
-        return stopped(f"llm-foundry {name}", "SIGINT", "before it finished")
+        with said_once:
+            return stopped(f"llm-foundry {name}", "SIGINT", "before it finished")
     except _run_stops() as e:
-        print(f"llm-foundry {name}: {capped(str(e))}", file=sys.stderr)
+        with said_once:
+            print(f"llm-foundry {name}: {capped(str(e))}", file=sys.stderr)
         return 1
 
 

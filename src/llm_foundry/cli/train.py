@@ -21,6 +21,7 @@ from llm_foundry.cli.options import (
     settings_from,
     stopped,
 )
+from llm_foundry.cli.ranks import rank0_only
 from llm_foundry.cli.streams import outliving_reader
 from llm_foundry.presets import preset_names
 from llm_foundry.settings import read_config_file
@@ -106,8 +107,9 @@ def main(argv: list[str], finetune: bool = False) -> int:
         try:
             return _main(argv, finetune, prog)
         except KeyboardInterrupt:  # Ctrl-C outside the training loop (which saves and says so)
-            return stopped(prog, "SIGINT", "interrupted outside the training steps; nothing was "
-                           "saved then (checkpoints written before it stay)")  # fmt: skip
+            with rank0_only():  # every rank of a torchrun job got it
+                return stopped(prog, "SIGINT", "interrupted outside the training steps; nothing "
+                               "was saved then (checkpoints written before it stay)")  # fmt: skip
 
 
 def _main(argv: list[str], finetune: bool, prog: str) -> int:
@@ -165,7 +167,9 @@ def _main(argv: list[str], finetune: bool, prog: str) -> int:
     name = settings.preset or "custom"
     out = Path(ns.out or default_out(name))
     if ns.resume and saved is None:
-        raise FileNotFoundError(nothing_to_resume(out))
+        raise ValueError(nothing_to_resume(out))  # the same on every rank: said once
+    if ns.resume and ns.data is None and data_base:
+        moved_data(data_base, out)
     # rank 0 owns the run directory (the ranks of one torchrun write it together)
     rank0 = int(os.environ.get("RANK", "0")) == 0
     with lock.hold(out, "run directory") if rank0 else contextlib.nullcontext():
@@ -185,43 +189,79 @@ def _main(argv: list[str], finetune: bool, prog: str) -> int:
         except CheckpointNotWritten as e:  # a full disk: one line saying how to go on
             then = f"--resume --out {out}" if e.last else "run the command again"
             todo = "free space" if e.no_space else "fix that"
-            print(f"{prog}: {e}; {todo}, then {then}", file=sys.stderr, flush=True)
+            with rank0_only():  # every rank raises it, rank 0 with the reason (train/dcp.py)
+                print(f"{prog}: {e}; {todo}, then {then}", file=sys.stderr, flush=True)
             return 1
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
     if result.interrupted:  # saved, but not finished: `train && next-step` must not go on
-        return stopped(prog, result.stopped_by, f"{result.step} of {train_cfg.max_steps} steps done; "
-                       f"saved {result.checkpoint}; continue with --resume --out {out}")  # fmt: skip
+        with rank0_only():  # every rank stopped at the same step: said once
+            return stopped(prog, result.stopped_by, f"{result.step} of {train_cfg.max_steps} "
+                           f"steps done; saved {result.checkpoint}; continue with --resume --out "
+                           f"{out}")  # fmt: skip
     return 0
 
 
 def nothing_to_resume(out: Path) -> str:
     """Why --resume cannot continue ``out`` (no checkpoint), and what to run instead: the
-    command run.json recorded, when it recorded one."""
+    command run.json recorded as starting the run, launched as it was (torchrun and its number
+    of processes), when it recorded one."""
     from llm_foundry.rundir import CHECKPOINTS, read_run_info
 
     said = f"--resume: no checkpoint in {out / CHECKPOINTS} to continue"
     if not out.is_dir():
         return f"{said}: {out} is not a run directory"
     try:
-        argv = read_run_info(out).get("argv")
+        info = read_run_info(out)
     except ValueError:  # a damaged run.json: the advice without the command
-        argv = None
+        info = {}
     said += ": the run never saved one, so run its command again without --resume"
-    command = shown_command(argv)
+    command = shown_command(first_command(info))
     return f"{said}: {command}" if command else said
 
 
-def shown_command(argv) -> str | None:
-    """A recorded ``sys.argv`` of ``llm-foundry train`` or ``finetune`` as a shell command line
-    (None for anything else: an ablation, a script)."""
-    import shlex
+def moved_data(data: str, out: Path) -> None:
+    """Refuse, in one line, resuming ``out`` on the data its run.json names (``data``: a
+    directory or a mixture) when a directory of it is gone, saying that ``--data`` gives where
+    the prepared data is now."""
+    from llm_foundry.data.loader import parse_sources
+    from llm_foundry.data.sources import DataError
+    from llm_foundry.rundir import RUN_INFO
 
+    sources = parse_sources(data)
+    gone = [s.dir for s in sources if not s.dir.exists()]
+    if not gone:
+        return
+    where = "NEWDIR" if len(sources) == 1 else "DIR=WEIGHT,... (each directory where it is now)"
+    raise DataError(
+        f"data directory {gone[0]} (the run's, in {out / RUN_INFO}) does not exist: if the "
+        f"prepared data moved, give where it is now: --resume --out {out} --data {where}; else "
+        "prepare it there again with `llm-foundry prepare`"
+    )
+
+
+def first_command(info: dict) -> dict:
+    """The record of the command that started a run, from its run.json ``info``: argv and, where
+    recorded, launch (a run.json written before commands were kept: its argv alone)."""
+    commands = info.get("commands")
+    first = commands[0] if isinstance(commands, list) and commands else None
+    if isinstance(first, dict) and first.get("argv") == info.get("argv"):
+        return first
+    return dict(argv=info.get("argv"))
+
+
+def shown_command(record: dict) -> str | None:
+    """A recorded command of ``llm-foundry train`` or ``finetune`` (run.json's ``argv`` and
+    ``launch``) as a shell command line, under torchrun as it was launched (None for anything
+    else: an ablation, a script)."""
+    from llm_foundry.train.launch import launched_command
+
+    argv = record.get("argv")
     ok = isinstance(argv, list) and all(isinstance(a, str) for a in argv)
     if not ok or len(argv) < 2 or argv[1] not in ("train", "finetune"):
         return None
-    return shlex.join(["llm-foundry", *argv[1:]])
+    return launched_command(argv, record.get("launch"))
 
 
 def _finetune_block_size(cfg, train_cfg, data: str):

@@ -63,6 +63,7 @@ from llm_foundry.train.build import build_model, build_sampler, is_sft, model_co
 from llm_foundry.train.config import TrainConfig
 from llm_foundry.train.dcp import ShardedCheckpoints, load_sharded
 from llm_foundry.train.dpo import STAT_NAMES, completion_lengths, preference_loss, sequence_logps
+from llm_foundry.train.launch import launch_record
 from llm_foundry.train.memory import check_training_memory
 from llm_foundry.train.metrics import MetricsLog, tb_write, tensorboard
 from llm_foundry.train.monitor import ExpertLoad, Monitor, layer_grad_norms, rest_grad_norm
@@ -137,6 +138,10 @@ class Trainer:
         # rows whose targets are partly ignored: a step's loss is weighed by targets, not rows
         self.weighted = self.sft or (tc.data_sampling == "packed" and tc.document_mask)
         self.world, self.device = D.init_world(D.resolve_device(tc.device), tc.parallel, tc.tp_size)
+        if tc.parallel in D.SHARDED and not self.world.distributed:  # nothing to split it over
+            log.info(f"note: train.parallel={tc.parallel} splits the model over the processes "
+                     "torchrun starts (torchrun --nproc-per-node N -m llm_foundry train ...); "
+                     "this one process holds and trains it whole")  # fmt: skip
         # a config that cannot fit is refused here, before the model is built
         check_training_memory(self.mc, tc, self.device, self.world)
         # a resumed run's weights come from its checkpoint, not init_from
@@ -348,9 +353,11 @@ class Trainer:
 
     def _write_run_info(self) -> None:
         """run.json: what the run trains with now, the command that started it (``argv``) and
-        every command that started or resumed it, with its time (``commands``)."""
+        every command that started or resumed it, with its time and how it was launched
+        (``commands``: ``launch``, train/launch.py)."""
         resumed = str(self.resumed_from.resolve()) if self.resumed_from else None
-        now = dict(argv=sys.argv, time=datetime.now().astimezone().isoformat(timespec="seconds"),
+        now = dict(argv=sys.argv, launch=launch_record(),
+                   time=datetime.now().astimezone().isoformat(timespec="seconds"),
                    resumed_from=resumed)  # fmt: skip
         before = read_run_info(self.out) if self.resumed_from else {}
         commands = before.get("commands")
