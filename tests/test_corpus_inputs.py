@@ -359,8 +359,54 @@ def test_a_resume_says_what_it_keeps_and_where_it_goes_on(tmp_path, monkeypatch,
     path = (a if file == 0 else b).resolve()
     assert [n for n in notes if n.startswith("note: resuming")] == [
         f"note: resuming {out}: {file} of 2 input files already written (4 shards kept); going "
-        f"on from {path} after its record {row:,}"
+        f"on from {path} after its first {row:,} lines"
     ]
+
+
+def test_a_resume_after_a_text_file_counts_it_written(tmp_path, monkeypatch, notes):
+    """A .txt file is one record: once its document is written the file is done, and the resume
+    goes on from the next file (it said "k of N written; going on from file k after its record
+    1" before, file k being written already)."""
+    texts = [tmp_path / f"{i}.txt" for i in range(6)]
+    for i, t in enumerate(texts):
+        t.write_text(" ".join(docs(40, f"t{i}")))
+    out, kw = tmp_path / "d", dict(KW, shard_tokens=1000, val_fraction=0.25)
+    save, calls = documents_mod.save_progress, []
+
+    def save_then_stop(where, record):
+        save(where, record)
+        calls.append(1)
+        if len(calls) == 2:  # the record before any shard, then one shard
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(documents_mod, "save_progress", save_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        prepare_documents(out, texts, **kw)
+    monkeypatch.undo()
+    record = json.loads((out / ".progress.json").read_text())
+    (file, row), shards = record["position"], sum(len(s["done"]) for s in record["splits"].values())
+    assert row == 1 and file + 1 < len(texts) and shards == 1
+    prepare_documents(out, texts, **kw)
+    assert [n for n in notes if n.startswith("note: resuming")] == [
+        f"note: resuming {out}: {file + 1} of 6 input files already written (1 shards kept); "
+        f"going on from {texts[file + 1].resolve()}"
+    ]
+
+
+def test_notes_name_the_first_few_and_count_the_rest_alike(tmp_path):
+    """A walk's skipped entries and the empty input files: the first three named, then "and N
+    more" with N written as every count is (1,234)."""
+    from llm_foundry.data.corpus import Group
+    from llm_foundry.data.documents import _empty_files_note
+
+    names = [f"f{i}" for i in range(1237)]
+    hidden = skipped_note(Group("dir", "train", skipped={"hidden": names}))
+    empty = _empty_files_note([{"empty_files": 1237, "empty_files_first": names[:3]}])
+    assert (
+        hidden
+        == "note: --input dir: skipped 1237 entries: 1237 hidden (f0, f1, f2, and 1,234 more)"
+    )
+    assert empty.endswith(": f0, f1, f2, and 1,234 more")
 
 
 def test_a_vocabulary_the_corpus_cannot_fill_is_a_plain_note_on_the_command_line(tmp_path, capsys):

@@ -40,3 +40,15 @@ def one_line(text: object, limit: int = 300) -> str:
     to ``limit`` characters."""
     text = " ".join(str(text).split())
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+NAMED = 3  # a note names this many of the things it counts, at most
+
+
+def first_few(names: list[str], total: int | None = None, limit: int = NAMED) -> str:
+    """The first ``limit`` of ``names`` and how many more there are, in words ("a, b, c, and
+    12 more"); ``total``: how many there are in all when ``names`` holds only the first few."""
+    total = len(names) if total is None else total
+    listed = names[:limit]
+    more = total - len(listed)
+    return ", ".join(listed) + (f", and {more:,} more" if more > 0 else "")

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from llm_foundry.data.sources import READ_BYTES, DataError, _read_utf8_blocks
-from llm_foundry.messages import one_line, shown
+from llm_foundry.messages import first_few, one_line, shown
 
 SUFFIXES = (".jsonl.gz", ".jsonl.zst", ".jsonl", ".parquet", ".txt")  # longest first
 HF_DISK, HF_HUB = "datasets", "hub"  # the formats of a saved dataset and of a hub one
@@ -53,7 +53,6 @@ BOM = "\ufeff"  # a UTF-8 byte order mark, as decoded
 HF_BATCH_ROWS = 1024
 BAD_UTF8 = ("fail", "skip")
 LISTED_PATHS = 64  # a group of more files lists none of them in meta.json (their count only)
-NAMED = 3  # a note names this many of the files it counts, at most
 # what a directory's walk leaves out, by reason (meta.json counts each)
 SKIP_REASONS = ("type", "hidden", "broken_link", "linked_directory", "duplicate_link")
 COMPRESSED = (".gz", ".zst", ".bz2", ".xz", ".zip")  # a type is named with the suffix before it
@@ -311,16 +310,11 @@ def skipped_summary(skipped: dict[str, list[str]]) -> str:
     for reason, (one, many) in words.items():
         names = skipped.get(reason) or []
         if names:
-            parts.append(f"{len(names)} {one if len(names) == 1 else many} ({_first(names)})")
+            parts.append(f"{len(names)} {one if len(names) == 1 else many} ({first_few(names)})")
     total = sum(len(v) for v in skipped.values())
     if not total:
         return ""
     return f"{total} {'entry' if total == 1 else 'entries'}: " + ", ".join(parts)
-
-
-def _first(names: list[str]) -> str:
-    more = len(names) - NAMED
-    return ", ".join(names[:NAMED]) + (f", and {more} more" if more > 0 else "")
 
 
 def skipped_note(group: Group) -> str | None:
@@ -482,6 +476,21 @@ def read_records(
                                       moved, text_column)  # fmt: skip
         moved(f.bytes)
         check_unchanged(f)  # what was read is what the identity recorded names
+
+
+def record_count(f: InputFile) -> int | None:
+    """How many record positions reading ``f`` goes through (a ``Record.next`` equal to it: the
+    file is read to its end), where known without reading it: a text file's one, a table's rows
+    (one for a table without rows); None for JSON lines, whose lines only a read counts."""
+    if f.format == "txt":
+        return 1
+    if f.format == "parquet":
+        import pyarrow.parquet as pq
+
+        return max(pq.ParquetFile(f.path).metadata.num_rows, 1)
+    if f.format in (HF_DISK, HF_HUB) and f.handle is not None:
+        return max(len(f.handle), 1)
+    return None
 
 
 def _bad(f: InputFile, row: str, what: str, policy: str) -> str:

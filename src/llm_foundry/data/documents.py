@@ -61,13 +61,13 @@ from llm_foundry.data.batches import SPLITS, file_entry
 from llm_foundry.data.corpus import (
     BAD_UTF8,
     LISTED_PATHS,
-    NAMED,
     Group,
     InputChanged,
     LongText,
     check_unchanged,
     draw_sample,
     read_records,
+    record_count,
     resolve_inputs,
     skipped_counts,
     skipped_note,
@@ -98,7 +98,7 @@ from llm_foundry.data.sources import (
     remove_temporaries,
     temporary,
 )
-from llm_foundry.messages import one_line
+from llm_foundry.messages import NAMED, first_few, one_line
 from llm_foundry.tokenizer import (
     DEFAULT_BPE_VOCAB,
     END_OF_TEXT,
@@ -504,9 +504,16 @@ class _Job:
         if [done, rows] == [0, 0]:
             return (f"note: resuming {self.out}: its tokenizer is trained already; no document "
                     "was written yet")  # fmt: skip
-        at = f" after its record {rows:,}" if rows else ""
-        return (f"note: resuming {self.out}: {done:,} of {len(files):,} input files already "
-                f"written ({shards:,} shards kept); going on from {files[done].path}{at}")  # fmt: skip
+        at = ""
+        if rows and rows == record_count(files[done]):  # file `done` was read to its end
+            done, rows = done + 1, 0
+        elif rows:  # JSON lines count lines (blank ones too), tables rows
+            unit = "lines" if files[done].format.startswith("jsonl") else "rows"
+            at = f" after its first {rows:,} {unit}"
+        kept = f"{done:,} of {len(files):,} input files already written ({shards:,} shards kept)"
+        if done == len(files):
+            return f"note: resuming {self.out}: {kept}; finishing"
+        return f"note: resuming {self.out}: {kept}; going on from {files[done].path}{at}"
 
     # -- the tokenizer
     def _metadata(self) -> dict[str, Path]:
@@ -745,10 +752,9 @@ def _empty_files_note(sources: list[dict]) -> str | None:
     n = sum(s["empty_files"] for s in sources)
     if not n:
         return None
-    names = [p for s in sources for p in s["empty_files_first"]][:NAMED]
-    more = f", and {n - len(names):,} more" if n > len(names) else ""
+    names = [p for s in sources for p in s["empty_files_first"]]
     return (f"note: left out {n:,} empty input file{'s' if n != 1 else ''} (0 bytes, or no row): "
-            f"{', '.join(names)}{more}")  # fmt: skip
+            f"{first_few(names, n)}")  # fmt: skip
 
 
 _NO_IDS = (np.zeros(0, np.uint32), np.zeros(0, np.int64))
