@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 from pathlib import Path
 
@@ -325,6 +326,16 @@ def test_overrides_split_at_commas_but_a_comma_list_field_keeps_its_list():
     assert parse_override("train.lora_targets=wq,wv/w1", axis=True)[2] == ["wq,wv", "w1"]
     with pytest.raises(ValueError, match=r"^train.lora_targets: '\{' is not a valid value"):
         parse_override("train.lora_targets={")
+    # an empty value is refused, not read as null (a variant without the setting)
+    for item, sep in [("train.lora_targets=wq,wv/", "/"), ("train.lora_targets=/wq", "/"),
+                      ("train.lora_targets=wq//wv", "/"), ("train.lr=1e-3,", ",")]:  # fmt: skip
+        value = re.escape(repr(item.partition("=")[2]))
+        want = rf"^{re.escape(item.partition('=')[0])}: {value} holds an empty value .*'{sep}'"
+        with pytest.raises(ValueError, match=want):
+            parse_override(item, axis=True)
+    with pytest.raises(ValueError, match=r"^train.lr: '1e-3, ' holds an empty value"):
+        parse_override("train.lr=1e-3, ")  # --set
+    assert parse_override("train.lr=null,1e-3", axis=True)[2] == [None, 1e-3]
     # the registry names every field whose default is a comma list (a new one is not missed)
     commas = {
         (section, f.name)

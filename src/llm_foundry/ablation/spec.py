@@ -118,16 +118,24 @@ def parse_override(item: str, axis: bool = False) -> tuple[str, str, list]:
     """A --set 'FIELD=V' (``axis`` False) or a --vary 'FIELD=V1,V2' (True) as (section, field,
     values), each typed as ``settings.scalar`` types a field flag. Values are split at commas,
     except those of a field in LIST_FIELDS, whose one value holds commas: --set takes the whole
-    text, --vary splits it at '/' ('train.lora_targets=wq,wv/w1,w2,w3': two values)."""
+    text, --vary splits it at '/' ('train.lora_targets=wq,wv/w1,w2,w3': two values). An empty
+    value ('a,', 'wq/'), which YAML would read as null, is refused: a null is written 'null'."""
     section, name, values = parse_assignment(item)  # the field checked, commas split
-    if (section, name) not in LIST_FIELDS:
+    key, text = item.partition("=")[0].strip(), item.partition("=")[2]
+    listed = (section, name) in LIST_FIELDS
+    separator = LIST_AXIS_SEPARATOR if listed else ","
+    parts = text.split(separator) if axis or not listed else [text]
+    if any(not p.strip() for p in parts):
+        raise ValueError(
+            f"{key}: {shown(text)} holds an empty value (values are separated by "
+            f"'{separator}'; write null for none)"
+        )
+    if not listed:
         return section, name, values
-    text = item.partition("=")[2]
-    parts = text.split(LIST_AXIS_SEPARATOR) if axis else [text]
     try:
         return section, name, [scalar(v) for v in parts]
     except ValueError as e:
-        raise ValueError(f"{item.partition('=')[0].strip()}: {e}") from None
+        raise ValueError(f"{key}: {e}") from None
 
 
 def expand(study: Study) -> list[Variant]:
