@@ -117,21 +117,21 @@ def convert_to_hf(ckpt_dir: str | Path, out_dir: str | Path, family: str | None 
     bos/eos/pad ids are those the files name, so transformers' generate stops where ours does;
     a LoRA checkpoint is written with its adapters merged (``load_checkpoint`` folds them).
     What the checkpoint does not carry (an HF tokenizer's eos, its chat template) is said in a
-    note. Returns DIR."""
+    note; a tokenizer.json that no reader reads is refused (``tokenizer_files.open_tokenizer``).
+    Returns DIR."""
     from llm_foundry.checkpoint import load_checkpoint
     from llm_foundry.interop.hf import copy_tokenizer, name_special_tokens, to_hf
-    from llm_foundry.interop.hf.files import read_tokenizer
     from llm_foundry.loading import checkpoint_kind, refuse_quantized
     from llm_foundry.outputs import check_new_output, new_directory
-    from llm_foundry.tokenizer_files import read_tokenizer_meta
+    from llm_foundry.tokenizer_files import open_tokenizer
 
     ckpt_dir = Path(ckpt_dir)
     refuse_quantized(ckpt_dir, checkpoint_kind(ckpt_dir)[1], "convert --to-hf")
     check_new_output(out_dir)
     model = load_checkpoint(ckpt_dir)
     with new_directory(out_dir) as tmp:
-        tok = read_tokenizer(ckpt_dir)
-        carried = read_tokenizer_meta(ckpt_dir, tok) if tok is not None else None
+        file = ckpt_dir / "tokenizer.json"  # read once: an unreadable one is refused
+        tok, carried = open_tokenizer(file) if file.is_file() else (None, None)
         ids = carried.ids if carried is not None else {}
         to_hf(model, tmp, family, **(carried.hf_config_ids() if carried else {}))
         copy_tokenizer(ckpt_dir, tmp, tok)

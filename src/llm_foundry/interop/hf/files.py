@@ -78,18 +78,6 @@ def read_safetensors_dir(path: str | Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def read_tokenizer(src: Path):
-    """``src``'s tokenizer.json loaded once for an export, ours or any HF one
-    (``tokenizer.load_any_tokenizer``; None: none there, or unreadable)."""
-    from llm_foundry.tokenizer import load_any_tokenizer
-
-    file = src / TOKENIZER_FILE
-    try:
-        return load_any_tokenizer(file) if file.exists() else None
-    except ValueError:
-        return None
-
-
 def copy_tokenizer(src: Path, dst: Path, tok=None) -> None:
     """Bring ``tokenizer.json`` along when there is one, as a file both HF and we read: our BPE
     file is an HF tokenizers file already; our character tokenizer's file is written as its HF
