@@ -102,7 +102,7 @@ def load_any(
 def _load(given: Path, ckpt: Path, device, tokenizer, quantize, group_size, adapter,
           full_precision) -> Loaded:  # fmt: skip
     """``load_any`` of checkpoint directory ``ckpt``, which ``given`` names."""
-    from llm_foundry.tokenizer_files import open_tokenizer
+    from llm_foundry.tokenizer_files import model_ids, open_tokenizer
 
     kind, meta = checkpoint_kind(ckpt)
     use = full_precision or (f"--quantize {quantize}" if quantize else None)
@@ -130,8 +130,9 @@ def _load(given: Path, ckpt: Path, device, tokenizer, quantize, group_size, adap
         from llm_foundry.models.quant import quantize_model
 
         quantize_model(model, quantize, group_size, name=str(given))
-    value = meta.get("eos_token_id")  # HF's key; our quantized copies of HF models keep it
-    hf_eos = [value] if isinstance(value, int) else [e for e in value or [] if isinstance(e, int)]
+    # the model's own end ids: generation_config.json's, config.json's (an HF model's, or the
+    # copy our quantized HF models keep)
+    model_eos = model_ids(ckpt, "eos")
     tok_file = Path(tokenizer) if tokenizer else ckpt / "tokenizer.json"
     if tokenizer and not tok_file.is_file():
         raise FileNotFoundError(f"--tokenizer {tok_file}: no such file")
@@ -145,7 +146,10 @@ def _load(given: Path, ckpt: Path, device, tokenizer, quantize, group_size, adap
             f"{tok_file} has {tok.vocab_size:,} tokens but the model's vocab_size is {vocab:,} "
             f"(ids >= {vocab:,} have no embedding): use the tokenizer the model was trained with"
         )
-    eos = set(hf_eos) | set(carried.eos_ids if carried else ())
+    if getattr(tok, "kind", "") == "hf" and tok.eos_id is None and model_eos:
+        # a bare tokenizer.json (--tokenizer FILE) ends where its model does
+        tok.eos_id = model_eos[0]
+    eos = set(model_eos) | set(carried.eos_ids if carried else ())
     run = given if ckpt != given and (given / CHECKPOINTS).is_dir() else None
     info = CheckpointInfo(kind, ckpt, run, eos, meta, lora, Path(adapter) if adapter else None)
     return Loaded(model.eval(), tok, info)

@@ -454,9 +454,10 @@ class HFTokenizerFile:
         return self.hf.decode([int(i) for i in ids], skip_special_tokens=True)
 
 
-def load_any_tokenizer(path: str | Path, eos_id: int | None = None):
-    """Our tokenizer file, else any Hugging Face ``tokenizer.json`` (e.g. a Llama or GPT-2 one,
-    with ``eos_id`` from its model's config); a file that is neither is a one-line error."""
+def load_any_tokenizer(path: str | Path):
+    """Our tokenizer file, else any Hugging Face ``tokenizer.json`` (e.g. a Llama or GPT-2 one;
+    its special ids come from the files beside it: ``tokenizer_files.open_tokenizer``); a file
+    that is neither is a one-line error."""
     try:
         return load_tokenizer(path)
     except ValueError as ours:
@@ -469,7 +470,7 @@ def load_any_tokenizer(path: str | Path, eos_id: int | None = None):
                 f"cannot read {path}: not an llm-foundry tokenizer ({ours}) and not a "
                 f"Hugging Face tokenizers file ({e})"
             ) from None
-        return HFTokenizerFile(hf, eos_id)
+        return HFTokenizerFile(hf)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -102,6 +102,17 @@ def _token_ids(value) -> list[int]:
     return [v for v in values if isinstance(v, int) and not isinstance(v, bool) and v >= 0]
 
 
+def model_ids(directory: str | Path, role: str) -> list[int]:
+    """The ids a model's configs in ``directory`` name for ``role`` (bos, eos, pad):
+    generation_config.json's ``{role}_token_id`` then config.json's (an HF model's, or the copy
+    ``quantize`` keeps); the one reader of those fields. A file that is not a JSON object is a
+    one-line error naming it."""
+    directory = Path(directory)
+    field = f"{role}_token_id"
+    ids = _token_ids(json_object(directory / GENERATION_CONFIG).get(field))
+    return ids + _token_ids(json_object(directory / "config.json").get(field))
+
+
 def _id_of(tok, text: str | None) -> int | None:
     """The id of the special token spelled ``text`` in ``tok``'s vocabulary (None: not there)."""
     hf = getattr(tok, "hf", None)
@@ -121,19 +132,15 @@ def read_tokenizer_meta(directory: str | Path, tok=None) -> TokenizerMeta:
     template, tokens = load_chat_template(directory)
     legacy = special_tokens(json_object(directory / SPECIAL_TOKENS_MAP))
     tokens = {**legacy, **tokens}
-    generation = json_object(directory / GENERATION_CONFIG)
-    config = json_object(directory / "config.json")
+    configs = {role: model_ids(directory, role) for role in ROLES}
     ids: dict[str, int] = {}
     for role in ROLES:
         found = [_id_of(tok, tokens.get(f"{role}_token")), getattr(tok, f"{role}_id", None)]
-        found += _token_ids(generation.get(f"{role}_token_id"))[:1]
-        found += _token_ids(config.get(f"{role}_token_id"))[:1]
-        first = next((i for i in found if i is not None), None)
+        first = next((i for i in [*found, *configs[role][:1]] if i is not None), None)
         if first is not None:
             ids[role] = first
     eos = [ids["eos"]] if "eos" in ids else []
-    eos += _token_ids(generation.get("eos_token_id")) + _token_ids(config.get("eos_token_id"))
-    return TokenizerMeta(directory, template, tokens, ids, frozenset(eos))
+    return TokenizerMeta(directory, template, tokens, ids, frozenset(eos + configs["eos"]))
 
 
 def open_tokenizer(file: str | Path):
@@ -157,8 +164,7 @@ def keep_config_ids(src: str | Path, dst: str | Path) -> dict[str, list[int]]:
     src, dst = Path(src), Path(dst)
     if (src / GENERATION_CONFIG).is_file():
         return {}
-    config = json_object(src / "config.json")
-    ids = {f"{role}_token_id": _token_ids(config.get(f"{role}_token_id")) for role in ROLES}
+    ids = {f"{role}_token_id": model_ids(src, role) for role in ROLES}  # config.json's
     ids = {key: found for key, found in ids.items() if found}
     if ids:
         fields = {key: found[0] if len(found) == 1 else found for key, found in ids.items()}
