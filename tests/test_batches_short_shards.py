@@ -94,3 +94,20 @@ def test_a_prepared_corpus_whose_last_shard_is_short_says_so_when_a_loader_opens
         f"tokens) is shorter than a window of block_size + 1 = {block + 1:,} tokens, so never "
         "sampled"
     ]
+
+    # through the trainer's builder: only world rank 0 says it (under TP, ranks 0 and 1 share
+    # data-parallel rank 0, so the data-parallel rank cannot decide)
+    from dataclasses import replace
+
+    from llm_foundry.data.loader import Source
+    from llm_foundry.train.build import build_sampler
+    from llm_foundry.train.config import TrainConfig
+    from llm_foundry.train.distributed import World
+
+    notes.clear()
+    tc = replace(TrainConfig(), block_size=block, batch_size=2)
+    sources = [Source(tmp_path / "d", 1.0)]
+    build_sampler(sources, "train", tc, 0, World(rank=1, world_size=2, tp=2), corpora=[split])
+    assert notes == []
+    build_sampler(sources, "train", tc, 0, World(rank=0, world_size=2, tp=2), corpora=[split])
+    assert len(notes) == 1 and "is shorter than a window" in notes[0]

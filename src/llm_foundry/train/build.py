@@ -138,4 +138,5 @@ def build_sampler(
     corpora = corpora if corpora is not None else [PreparedSplit(s.dir, split) for s in sources]
     return Loader(corpora, [s.weight for s in sources], tc.block_size, tc.batch_size, seed,
                   rank=rank, world_size=size, packed=tc.data_sampling == "packed",
-                  document_mask=tc.document_mask)  # fmt: skip
+                  document_mask=tc.document_mask,
+                  main_rank=world is None or world.main)  # rank 0 notes (dp_rank 0 is many under TP)  # fmt: skip
