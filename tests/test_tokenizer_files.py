@@ -220,3 +220,30 @@ def test_an_hf_tokenizer_without_a_template_is_said_once_not_silently_replaced(
     assert [line for line in err.splitlines() if "chat template" in line] == [notes[0]], err
     prompt = render_chat(BUILTIN_TEMPLATE, CHAT[1:2], add_generation_prompt=True)
     assert json.loads(out)["prompt"] == prompt
+
+
+@pytest.mark.parametrize("end", ["<|end|>", "###", "\n"])
+def test_a_turn_ends_on_an_id_only_where_transformers_sees_a_special_token(tmp_path, end):
+    """A template whose turn ends with a special token stops on its id; one ending with ordinary
+    text that is one vocabulary entry all the same ("###", "\\n") keeps it a stop string (it
+    took that entry's id before, so a reply spelling it in other pieces ran on)."""
+    from tokenizers import Tokenizer, models
+
+    from llm_foundry.tokenizer_files import chat_format
+
+    words = ["<unk>", "<|end|>", "###", "\n", "user", "assistant", ":", "hi"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.add_special_tokens(["<|end|>"])
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|end|>")
+    fast.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}" + end + "\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant: {% endif %}"
+    )
+    fast.save_pretrained(str(tmp_path))
+    hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    specials = {t.content: i for i, t in hf.added_tokens_decoder.items() if t.special}
+    assert hf.convert_tokens_to_ids(end) == words.index(end)  # each is one vocabulary entry
+
+    chat = chat_format(tmp_path, open_tokenizer(tmp_path / "tokenizer.json")[0])
+    assert (chat.end, chat.end_id) == (end, specials.get(end))
+    assert (chat.end_id is None) == (end != "<|end|>")  # the three cases are not all alike

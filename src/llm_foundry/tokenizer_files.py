@@ -179,7 +179,7 @@ class ChatFormat:
     template: str  # the Jinja template
     variables: dict[str, str]  # its variables: the special tokens' texts
     end: str  # what ends an assistant turn (``end_of_turn``)
-    end_id: int | None  # that end's id when it is one special token (else a stop string)
+    end_id: int | None  # that end's id when it is a special token (``special_id``), else None
     note: str | None = None  # one line: the built-in template stands in for a missing one
 
 
@@ -202,4 +202,16 @@ def chat_format(directory: str | Path, tok) -> ChatFormat:
                 "'ROLE: content' template, which the model may not have been tuned on"
             )
     end = end_of_turn(template, **variables)
-    return ChatFormat(template, variables, end, tok.hf.token_to_id(end) if hf else None, note)
+    return ChatFormat(template, variables, end, special_id(tok, end), note)
+
+
+def special_id(tok, text: str) -> int | None:
+    """The id of ``text`` in HF tokenizer ``tok`` when it is one of its special added tokens
+    (``special`` in tokenizer.json's added_tokens, as transformers' ``added_tokens_decoder``
+    reads it), else None: an ordinary vocabulary entry ("\n", "###") may be generated as
+    other pieces too, so it ends a turn only as a stop string."""
+    hf = getattr(tok, "hf", None)
+    if hf is None or getattr(tok, "kind", "") != "hf":
+        return None
+    found = [i for i, t in hf.get_added_tokens_decoder().items() if t.special and t.content == text]
+    return found[0] if found else None
