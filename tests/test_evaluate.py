@@ -381,3 +381,13 @@ def test_cli_default_context_is_the_trained_block_size_and_past_it_gets_a_note(c
                               "table 16..63 were never trained, and quality may drop"]  # fmt: skip
     assert main(args[:-1]) == 0
     assert "context 16 by default (the windows it was trained on)" in capsys.readouterr().out
+
+    # the library's reader (rundir.trained_block_size), which eval uses
+    from llm_foundry.rundir import checkpoint_dir, trained_block_size
+
+    ckpt = checkpoint_dir(tmp_path / "run")
+    assert trained_block_size(ckpt) == 16 and trained_block_size(tmp_path) is None
+    (ckpt / "state.json").write_text("{")  # damaged: the weights are still evaluated
+    assert trained_block_size(ckpt) is None
+    assert main(args) == 0
+    assert [r["context"] for r in json.loads(capsys.readouterr().out)["results"]] == [64]

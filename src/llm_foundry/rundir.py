@@ -89,6 +89,19 @@ def read_state(path: Path) -> dict:
     return state
 
 
+def trained_block_size(ckpt: str | Path) -> int | None:
+    """The window length (train.block_size) checkpoint ``ckpt``'s weights were last trained on,
+    from its state.json; None where it records none (an HF directory, a bare or quantized copy,
+    a damaged state.json: the weights are still usable, so a reader falls back to max_seq_len)."""
+    if not (Path(ckpt) / STATE).is_file():
+        return None
+    try:
+        block = read_state(Path(ckpt))["train_config"]["block_size"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return block if isinstance(block, int) and not isinstance(block, bool) and block > 0 else None
+
+
 def read_run_info(run_dir: str | Path) -> dict:
     """``RUN_DIR/run.json``, with errors naming the file ({} when the run wrote none yet)."""
     file = Path(run_dir) / RUN_INFO

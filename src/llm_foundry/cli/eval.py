@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from llm_foundry.evaluate import check_data_tokenizer, evaluate_tokens, with_rope_scaling
+from llm_foundry.rundir import trained_block_size
 
 
 def _prepared(given: str) -> tuple[Path, Path, dict]:
@@ -71,21 +72,6 @@ def _load_tokens(ns, tok, ckpt: Path, data: tuple | None) -> tuple[np.ndarray, s
     if path.is_dir():  # a prepared directory: its validation split, every shard in order
         return np.asarray(split_stream(path, "val")), f"{path} (val)"
     return np.asarray(open_token_file(path)), str(path)
-
-
-def trained_block_size(ckpt: Path) -> int | None:
-    """The window length (train.block_size) checkpoint ``ckpt``'s weights were last trained on,
-    from its state.json; None where it records none (an HF directory, a bare or quantized copy,
-    a damaged state.json: the weights are still evaluated, at max_seq_len by default)."""
-    from llm_foundry.rundir import STATE, read_state
-
-    if not (ckpt / STATE).is_file():
-        return None
-    try:
-        block = read_state(ckpt)["train_config"]["block_size"]
-    except (ValueError, KeyError, TypeError):
-        return None
-    return block if isinstance(block, int) and not isinstance(block, bool) and block > 0 else None
 
 
 def past_trained_note(context: int, max_seq_len: int, block: int | None, pos: str) -> str | None:
