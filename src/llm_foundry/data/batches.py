@@ -21,7 +21,7 @@ import torch
 
 from llm_foundry import lock
 from llm_foundry.data.sources import DataError
-from llm_foundry.messages import shown
+from llm_foundry.messages import first_few, shown
 from llm_foundry.tokenizer import json_type
 
 log = logging.getLogger(__name__)
@@ -291,10 +291,9 @@ def unused_note(unused: list[tuple[str, int]], block_size: int, name: str) -> st
         ((shard, n),) = unused
         what = f"shard {shard} ({n:,} tokens) is"
     else:
-        listed = ", ".join(f"{s} ({n:,})" for s, n in unused[:3])
-        more = f", and {len(unused) - 3:,} more" if len(unused) > 3 else ""
+        listed = first_few([f"{s} ({n:,})" for s, n in unused])
         total = sum(n for _, n in unused)
-        what = f"{len(unused):,} shards ({total:,} tokens in all: {listed}{more}) are"
+        what = f"{len(unused):,} shards ({total:,} tokens in all: {listed}) are"
     return f"note: {name}: {what} shorter than {window}, so never sampled"
 
 

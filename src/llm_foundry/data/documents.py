@@ -488,9 +488,10 @@ class _Job:
         record["splits"] = {s: w.state() for s, w in writers.items()}
         save_progress(out, record)
         self.seconds["encode"] = time.monotonic() - t0
-        written = {"tokenizer.json": out / TOKENIZER_TMP, **self._metadata()}
+        carried, removed = self._metadata()
+        written = {"tokenizer.json": out / TOKENIZER_TMP, **carried}
         meta = self._meta(record, writers, dtype, resumed, written)
-        publish(out, written, json.dumps(meta, indent=2) + "\n")
+        publish(out, written, json.dumps(meta, indent=2) + "\n", removed)
         remove_unlisted(out, set(meta["files"]))  # the progress record last
         if note := _empty_files_note(meta["sources"]):
             log.warning(note)
@@ -516,18 +517,19 @@ class _Job:
         return f"note: resuming {self.out}: {kept}; going on from {files[done].path}{at}"
 
     # -- the tokenizer
-    def _metadata(self) -> dict[str, Path]:
-        """The tokenizer's metadata files written under temporary names (name -> that path);
-        those of an earlier prepare's tokenizer that this one lacks removed."""
+    def _metadata(self) -> tuple[dict[str, Path], list[str]]:
+        """The tokenizer's metadata files written under temporary names (name -> that path), and
+        the names of an earlier prepare's files this tokenizer lacks (``publish`` removes them
+        once meta.json is gone, so no meta.json names a deleted file)."""
         carried = self.model.metadata if self.model is not None else {}
-        written = {}
+        written, removed = {}, []
         for name in METADATA_FILES:
             if name in carried:
                 written[name] = temporary(self.out / name)
                 written[name].write_bytes(carried[name])
-            else:
-                (self.out / name).unlink(missing_ok=True)
-        return written
+            elif (self.out / name).exists():
+                removed.append(name)
+        return written, removed
 
     def _saved_tokenizer(self, record: dict) -> str:
         path = self.out / TOKENIZER_TMP
