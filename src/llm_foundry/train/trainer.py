@@ -112,6 +112,18 @@ class RunResult:
     checkpoint: Path | None = None
 
 
+def stopping_reason(reason: str | None, world: D.World) -> str:
+    """The lowest stopping rank's ``reason`` (this rank's, None when it goes on), named
+    "rank N: REASON" unless N is 0, the same on every rank. Collective: called by every rank at a
+    step some rank's should_stop ends."""
+    import torch.distributed as dist
+
+    reasons: list[str | None] = [None] * world.world_size
+    dist.all_gather_object(reasons, reason)
+    rank, why = next((r, why) for r, why in enumerate(reasons) if why is not None)
+    return why if rank == 0 else f"rank {rank}: {why}"
+
+
 class Trainer:
     """One training run in ``out_dir``: its pieces built from the configs (``train.build``,
     ``optim``, ``precision``, ``distributed``), then ``run`` steps, evaluates and checkpoints.
@@ -441,7 +453,8 @@ class Trainer:
         never stops; a subclass overrides it (a target loss, a time budget). A stop saves the
         step's checkpoint as the last one is saved and records the reason there and in the
         ``RunResult``; resuming the run trains on to max_steps. With several ranks the run stops
-        when any rank's says so."""
+        when any rank's says so, every rank recording the lowest stopping rank's reason
+        ("rank N: REASON", the reason alone when it is rank 0's)."""
         return None
 
     def evaluate(self) -> float:
@@ -724,7 +737,7 @@ class Trainer:
                     if D.any_rank(stop["signal"] is not None, self.world, self.device):
                         stop["signal"] = stop["signal"] or "SIGTERM"
                     if D.any_rank(early is not None, self.world, self.device):
-                        early = early or "should_stop() on another rank"
+                        early = stopping_reason(early, self.world)  # only at a stop: rare
                 if early is not None:  # saved in this step's checkpoint
                     self.stopped_early = dict(step=self.step, reason=early)
                 ends = final or stop["signal"] is not None or early is not None
