@@ -78,3 +78,81 @@ def test_one_ranks_full_disk_stops_every_rank_in_one_line(where, data_dir, tmp_p
     assert "CheckpointException" not in r.stderr and "CheckpointNotWritten" not in r.stderr
     assert sorted(p.name for p in root.iterdir()) == ["latest.json", "step_000002"]
     assert json.loads((root / "latest.json").read_text())["step"] == 2
+
+
+# rank 0 alone puts a checkpoint in place: its disk full at step 4's commit, before the rename
+# (WHERE "fsync": the files' fsync) or after it (WHERE "latest": latest.json not written)
+FULL_AT_COMMIT = """
+import errno, os, sys
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+import llm_foundry.train.state as train_state
+from llm_foundry.cli import main
+from llm_foundry.train.dcp import ShardedCheckpoints
+
+WHERE = {where!r}
+fsync_tree, write_json_atomic = train_state.fsync_tree, train_state.write_json_atomic
+
+
+def full():
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def fsync(path):
+    if WHERE == "fsync" and dist.get_rank() == 0 and ".tmp-step_000004" in str(path):
+        full()
+    return fsync_tree(path)
+
+
+def latest(path, obj):
+    if WHERE == "latest" and dist.get_rank() == 0 and obj.get("step") == 4:
+        full()
+    return write_json_atomic(path, obj)
+
+
+def finish(self, quiet=False):  # which ranks raise it themselves (not stopped by the launcher)
+    try:
+        return finish_dcp(self, quiet)
+    except Exception as e:
+        print(f"rank {{dist.get_rank()}} raised: {{e}}", flush=True)
+        raise
+
+
+finish_dcp = ShardedCheckpoints.finish
+train_state.fsync_tree, train_state.write_json_atomic = fsync, latest
+ShardedCheckpoints.finish = finish
+sys.exit(record(main)())
+"""
+
+
+@pytest.mark.parametrize("where, fmt", [("fsync", "dcp"), ("latest", "dcp"),
+                                        ("fsync", "dcp-async")])  # fmt: skip
+def test_rank0s_failed_commit_stops_every_rank_in_one_line(where, fmt, data_dir, tmp_path):
+    """Rank 0's commit of step 4 fails on a full disk (the other rank's shards all written):
+    every rank stops at once (none waits in the next step's collectives until a timeout), the
+    error said once; after the rename, the directory is taken back, as the line says. With
+    dcp-async the commit fails in the background: every rank stops at the next save."""
+    script = tmp_path / "full_at_commit.py"
+    script.write_text(textwrap.dedent(FULL_AT_COMMIT.format(where=where)))
+    run = tmp_path / "run"
+    flags = {**TRAIN, "checkpoint_interval": 2, "eval_interval": 0, "keep_last": 1}
+    args = ["train", "--data", str(data_dir), "--out", str(run)]
+    # the training group's timeout is minutes: a rank left waiting would overrun this
+    r = torchrun(args + _flags(**flags, batch_size=4, max_steps=6, parallel="fsdp",
+                               checkpoint_format=fmt), script=str(script), timeout=120)  # fmt: skip
+    root = run / "checkpoints"
+    said = (
+        f"llm-foundry train: could not write checkpoint {root / 'step_000004'}: no space left on "
+        f"device; the last complete checkpoint is {root / 'step_000002'}; free space, then "
+        f"--resume --out {run}"
+    )
+    lines = r.stderr.splitlines()
+    assert r.returncode != 0 and lines.count(said) == 1, r.stderr[-3000:]
+    assert not any("could not write checkpoint" in line for line in lines if line != said)
+    assert "CheckpointNotWritten" not in r.stderr and "Traceback" not in r.stdout
+    # each rank raised it (before, rank 1 went on, and only the launcher ended it)
+    raised = [line for line in r.stdout.splitlines() if " raised: " in line]
+    assert sorted(line.split(":")[0] for line in raised) == ["rank 0 raised", "rank 1 raised"]
+    assert all(f"could not write checkpoint {root / 'step_000004'}" in line for line in raised)
+    assert sorted(p.name for p in root.iterdir()) == ["latest.json", "step_000002"]
+    assert json.loads((root / "latest.json").read_text())["step"] == 2

@@ -63,7 +63,7 @@ from llm_foundry.checkpoint import (
     stored_once,
     write_config,
 )
-from llm_foundry.rundir import STATE, step_name
+from llm_foundry.rundir import STATE, latest_checkpoint, step_name
 from llm_foundry.tokenizer_files import METADATA_FILES
 from llm_foundry.train.distributed import World, any_rank, with_tied
 from llm_foundry.train.state import (
@@ -172,6 +172,10 @@ class ShardedCheckpoints:
     def __init__(self, root: Path, world: World, background: bool, keep_last: int):
         self.root, self.world, self.background, self.keep_last = root, world, background, keep_last
         self.pending: _Pending | None = None
+        # a save started whose outcome the ranks have not agreed on yet (rank 0 alone commits)
+        self.unsettled: int | None = None
+        self.failed: Exception | None = None  # a background commit's error, said at the agreement
+        self.device = torch.device("cpu")
         self.group = None
         if background and world.distributed:
             # the writer thread's collectives (the plan, the metadata gathered at the end) need
@@ -191,6 +195,7 @@ class ShardedCheckpoints:
 
         self.finish()  # one save at a time: the previous one complete and committed first
         content, opt_meta = sharded_state(wrapped, optimizer)
+        self.device = _device(wrapped)
         tmp = temporary_dir(self.root, step)
         failed: OSError | None = None
         if self.world.main:
@@ -220,30 +225,49 @@ class ShardedCheckpoints:
             except CheckpointException as e:  # said in one line by finish(), as in the background
                 future.set_exception(e)
             self.pending = _Pending(future, tmp, step, keep)
+        self.unsettled = step
         if blocking or not self.background:
-            self.finish()
-            if self.world.distributed:
-                dist.barrier()  # no rank goes on before the checkpoint is complete
+            self.finish()  # no rank goes on before the checkpoint is complete (its agreement)
         return self.root / step_name(step)
 
     def poll(self) -> None:
-        """Commit a background save that has completed (cheap when none has)."""
+        """Commit a background save that has completed (cheap when none has). With several
+        ranks, no collective: each rank's save completes at its own step, so an error is kept
+        for the next ``finish()``, which every rank calls at the same step."""
         if self.pending is not None and self.pending.future.done():
-            self.finish()
+            pending, self.pending = self.pending, None
+            try:
+                self._commit(pending)
+            except Exception as e:
+                if not self.world.distributed:
+                    raise
+                self.failed = e
 
     def finish(self, quiet: bool = False) -> Path | None:
-        """Wait for the save in flight, if any, and (rank 0) put it in place; the writer's error
-        is raised here (logged instead with ``quiet``: the run is ending on an error already)."""
+        """Wait for the save in flight, if any, and (rank 0) put it in place; the error of a
+        write or of rank 0's commit is raised here on every rank together (logged instead with
+        ``quiet``: the run is ending on an error already, and no collective is risked)."""
         pending, self.pending = self.pending, None
-        if pending is None:
-            return None
+        path = None
         try:
-            return self._commit(pending)
+            if pending is not None:
+                path = self._commit(pending)
         except Exception as e:
-            if not quiet:
-                raise
-            log.warning(f"warning: {e}")
+            self.failed = e
+        failed, self.failed = self.failed, None
+        step, self.unsettled = self.unsettled, None
+        if quiet:
+            if failed is not None:
+                log.warning(f"warning: {failed}")
             return None
+        # rank 0 alone commits: every rank learns whether it could, none left waiting in the
+        # next step's collectives for a rank that stopped
+        if step is not None and any_rank(failed is not None, self.world, self.device):
+            if failed is None:  # rank 0's commit failed: it says why
+                failed = CheckpointNotWritten(self.root, step, OSError(RANK0_COMMIT_FAILED))
+        if failed is not None:
+            raise failed
+        return path
 
     def _commit(self, pending: _Pending) -> Path | None:
         """Wait for ``pending``'s writes; rank 0 puts it in place and prunes. A write that failed
@@ -268,10 +292,25 @@ class ShardedCheckpoints:
             return path
         except OSError as e:  # its bytes must not stay on a full disk (every rank's, each failed)
             shutil.rmtree(pending.tmp, ignore_errors=True)
+            roll_back(self.root, pending.step)
             raise CheckpointNotWritten(self.root, pending.step, e) from e
 
 
 RANK0_FAILED = "rank 0 could not write the checkpoint's config.json and state.json"
+RANK0_COMMIT_FAILED = "rank 0 could not put the checkpoint in place"
+
+
+def roll_back(root: Path, step: int) -> None:
+    """Remove step ``step``'s directory when a commit failed after renaming it into place (its
+    latest.json or the directory's fsync not written), unless latest.json names it: the error
+    then says truthfully that it was not written, and which checkpoint is the last complete."""
+    final = root / step_name(step)
+    try:
+        last = latest_checkpoint(root)
+    except ValueError:  # a damaged pointer names nothing
+        last = None
+    if final.exists() and last != final:
+        shutil.rmtree(final, ignore_errors=True)
 
 
 def write_failure(e: BaseException) -> OSError | None:
