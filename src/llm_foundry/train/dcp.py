@@ -26,7 +26,8 @@ then does rank 0 rename the directory into place and point latest.json at it. A 
 is committed when it completes: looked at every step, waited for before the next save, at the end
 of the run and when a run stops on an error. A save whose writes fail on any rank (a full disk)
 is ``state.CheckpointNotWritten`` on every rank, as a full checkpoint's, its temporary directory
-removed; rank 0 failing to write state.json stops every rank before any shard is written.
+removed; rank 0 failing to write state.json stops every rank before any shard is written, and
+rank 0 failing to put it in place stops every rank where they all next finish a save.
 """
 
 from __future__ import annotations
