@@ -13,6 +13,8 @@ this machine lacks is an error, not a skip."""
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 from pathlib import Path
 
@@ -93,6 +95,25 @@ def device(pytestconfig) -> torch.device:
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)
     return device
+
+
+@pytest.fixture
+def notes():
+    """The messages logged on the ``llm_foundry`` logger while the test runs (the command line
+    prints them; a command run in-process earlier may have stopped their propagation)."""
+    got: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            got.append(record.getMessage())
+
+    log, keep = logging.getLogger("llm_foundry"), Keep()
+    level = log.level
+    log.addHandler(keep)
+    log.setLevel(logging.INFO)
+    yield got
+    log.removeHandler(keep)
+    log.setLevel(level)
 
 
 @pytest.fixture
@@ -197,6 +218,28 @@ def cli_status(argv: list[str], capsys) -> tuple[int | str, str]:
 # the small HF Llama tests compare against (transformers' own model, random weights)
 TINY_HF_LLAMA = dict(vocab_size=61, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+
+
+def reversal_sft(root: Path, rows: int, val_fraction: float) -> Path:
+    """Prepared prompt/completion rows (ROOT/data): a prompt of 2-7 letters then '=', its
+    reversal cut to 1-7 characters; rows hold different numbers of target tokens, so means over
+    micro-batches or ranks must be weighed by them."""
+    import random
+
+    from llm_foundry.data.sft import prepare_sft
+    from llm_foundry.tokenizer import CharTokenizer
+
+    rng = random.Random(0)
+    letters = "abcdefghij"
+    lines = []
+    for _ in range(rows):
+        prompt = "".join(rng.choice(letters) for _ in range(rng.randint(2, 7)))
+        row = {"prompt": prompt + "=", "completion": prompt[::-1][: rng.randint(1, 7)]}
+        lines.append(json.dumps(row) + "\n")
+    CharTokenizer.train(letters + "=").save(root / "tokenizer.json")
+    (root / "rows.jsonl").write_text("".join(lines))
+    prepare_sft(root / "data", root / "rows.jsonl", root / "tokenizer.json", val_fraction)
+    return root / "data"
 
 
 def tiny_hf_llama(seed: int = 0, **fields):

@@ -4,32 +4,12 @@
 from __future__ import annotations
 
 import json
-import logging
 
 import numpy as np
-import pytest
 
 from llm_foundry.data.batches import Windows
 from llm_foundry.data.documents import prepare_documents
 from llm_foundry.data.loader import Loader, PreparedSplit
-
-
-@pytest.fixture
-def notes():
-    """The messages logged on the ``llm_foundry`` logger while the test runs."""
-    got: list[str] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record):
-            got.append(record.getMessage())
-
-    log, keep = logging.getLogger("llm_foundry"), Keep()
-    level = log.level
-    log.addHandler(keep)
-    log.setLevel(logging.INFO)
-    yield got
-    log.removeHandler(keep)
-    log.setLevel(level)
 
 
 def shard(path, n: int) -> np.memmap:

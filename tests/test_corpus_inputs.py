@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import gzip
 import json
-import logging
 import os
 from pathlib import Path
 
 import pytest
 from conftest import cli_status
+from test_corpus import interrupt_after_shards
 
 from llm_foundry.data import DataError
 from llm_foundry.data import corpus as corpus_mod
@@ -26,25 +26,6 @@ from llm_foundry.data.corpus import (
 from llm_foundry.data.documents import prepare_documents
 
 KW = dict(vocab_size=300, progress=False)
-
-
-@pytest.fixture
-def notes():
-    """The messages logged on the ``llm_foundry`` logger while the test runs (the command line
-    prints them; a command run in-process earlier may have stopped their propagation)."""
-    got: list[str] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record):
-            got.append(record.getMessage())
-
-    log, keep = logging.getLogger("llm_foundry"), Keep()
-    level = log.level
-    log.addHandler(keep)
-    log.setLevel(logging.INFO)
-    yield got
-    log.removeHandler(keep)
-    log.setLevel(level)
 
 
 def rows(path: Path, texts: list, prefix: bytes = b"") -> Path:
@@ -339,15 +320,7 @@ def test_a_resume_says_what_it_keeps_and_where_it_goes_on(tmp_path, monkeypatch,
     a = rows(tmp_path / "a.jsonl", docs(150, "a"))
     b = rows(tmp_path / "b.jsonl", docs(150, "b"))
     out, kw = tmp_path / "d", dict(KW, shard_tokens=1000)
-    save, calls = documents_mod.save_progress, []
-
-    def save_then_stop(where, record):
-        save(where, record)
-        calls.append(1)
-        if len(calls) == 5:  # the record before any shard, then four shards
-            raise KeyboardInterrupt
-
-    monkeypatch.setattr(documents_mod, "save_progress", save_then_stop)
+    interrupt_after_shards(monkeypatch, 4)  # the record before any shard, then four shards
     with pytest.raises(KeyboardInterrupt):
         prepare_documents(out, [a, b], **kw)
     monkeypatch.undo()
@@ -371,15 +344,7 @@ def test_a_resume_after_a_text_file_counts_it_written(tmp_path, monkeypatch, not
     for i, t in enumerate(texts):
         t.write_text(" ".join(docs(40, f"t{i}")))
     out, kw = tmp_path / "d", dict(KW, shard_tokens=1000, val_fraction=0.25)
-    save, calls = documents_mod.save_progress, []
-
-    def save_then_stop(where, record):
-        save(where, record)
-        calls.append(1)
-        if len(calls) == 2:  # the record before any shard, then one shard
-            raise KeyboardInterrupt
-
-    monkeypatch.setattr(documents_mod, "save_progress", save_then_stop)
+    interrupt_after_shards(monkeypatch, 1)  # the record before any shard, then one shard
     with pytest.raises(KeyboardInterrupt):
         prepare_documents(out, texts, **kw)
     monkeypatch.undo()

@@ -55,15 +55,16 @@ def data_dir(char_data) -> Path:
     return char_data(30_000)
 
 
-@pytest.mark.parametrize("where", ["shards", "state"])
-def test_one_ranks_full_disk_stops_every_rank_in_one_line(where, data_dir, tmp_path):
-    script = tmp_path / "full_disk.py"
-    script.write_text(textwrap.dedent(FULL_DISK.format(where=where)))
+def _full_at_step_4(script_text: str, fmt: str, data_dir, tmp_path, **kw):
+    """2 FSDP ranks saving every 2 steps under ``script_text`` (which fills the disk at step 4),
+    checked to stop with the one line, said once, and step 2 kept as the last checkpoint."""
+    script = tmp_path / "full.py"
+    script.write_text(textwrap.dedent(script_text))
     run = tmp_path / "run"
     flags = {**TRAIN, "checkpoint_interval": 2, "eval_interval": 0, "keep_last": 1}
     args = ["train", "--data", str(data_dir), "--out", str(run)]
     r = torchrun(args + _flags(**flags, batch_size=4, max_steps=6, parallel="fsdp",
-                               checkpoint_format="dcp"), script=str(script))  # fmt: skip
+                               checkpoint_format=fmt), script=str(script), **kw)  # fmt: skip
     root = run / "checkpoints"
     said = (
         f"llm-foundry train: could not write checkpoint {root / 'step_000004'}: no space left on "
@@ -71,13 +72,20 @@ def test_one_ranks_full_disk_stops_every_rank_in_one_line(where, data_dir, tmp_p
         f"--resume --out {run}"
     )
     lines = r.stderr.splitlines()
-    # every rank stops with it (DCP gathers each rank's error; rank 0 holds its own): said once
     assert r.returncode != 0 and lines.count(said) == 1, r.stderr[-3000:]
     assert not any("could not write checkpoint" in line for line in lines if line != said)
-    # no rank's traceback (the launcher's own says which ranks exited 1)
-    assert "CheckpointException" not in r.stderr and "CheckpointNotWritten" not in r.stderr
+    assert "CheckpointNotWritten" not in r.stderr
     assert sorted(p.name for p in root.iterdir()) == ["latest.json", "step_000002"]
     assert json.loads((root / "latest.json").read_text())["step"] == 2
+    return r, root
+
+
+@pytest.mark.parametrize("where", ["shards", "state"])
+def test_one_ranks_full_disk_stops_every_rank_in_one_line(where, data_dir, tmp_path):
+    # every rank stops with it (DCP gathers each rank's error; rank 0 holds its own): said once,
+    # and no rank's traceback (the launcher's own says which ranks exited 1)
+    r, _ = _full_at_step_4(FULL_DISK.format(where=where), "dcp", data_dir, tmp_path)
+    assert "CheckpointException" not in r.stderr
 
 
 # rank 0 alone puts a checkpoint in place: its disk full at step 4's commit, before the rename
@@ -132,27 +140,11 @@ def test_rank0s_failed_commit_stops_every_rank_in_one_line(where, fmt, data_dir,
     every rank stops at once (none waits in the next step's collectives until a timeout), the
     error said once; after the rename, the directory is taken back, as the line says. With
     dcp-async the commit fails in the background: every rank stops at the next save."""
-    script = tmp_path / "full_at_commit.py"
-    script.write_text(textwrap.dedent(FULL_AT_COMMIT.format(where=where)))
-    run = tmp_path / "run"
-    flags = {**TRAIN, "checkpoint_interval": 2, "eval_interval": 0, "keep_last": 1}
-    args = ["train", "--data", str(data_dir), "--out", str(run)]
     # the training group's timeout is minutes: a rank left waiting would overrun this
-    r = torchrun(args + _flags(**flags, batch_size=4, max_steps=6, parallel="fsdp",
-                               checkpoint_format=fmt), script=str(script), timeout=120)  # fmt: skip
-    root = run / "checkpoints"
-    said = (
-        f"llm-foundry train: could not write checkpoint {root / 'step_000004'}: no space left on "
-        f"device; the last complete checkpoint is {root / 'step_000002'}; free space, then "
-        f"--resume --out {run}"
-    )
-    lines = r.stderr.splitlines()
-    assert r.returncode != 0 and lines.count(said) == 1, r.stderr[-3000:]
-    assert not any("could not write checkpoint" in line for line in lines if line != said)
-    assert "CheckpointNotWritten" not in r.stderr and "Traceback" not in r.stdout
+    r, root = _full_at_step_4(FULL_AT_COMMIT.format(where=where), fmt, data_dir, tmp_path,
+                              timeout=120)  # fmt: skip
+    assert "Traceback" not in r.stdout
     # each rank raised it (before, rank 1 went on, and only the launcher ended it)
     raised = [line for line in r.stdout.splitlines() if " raised: " in line]
     assert sorted(line.split(":")[0] for line in raised) == ["rank 0 raised", "rank 1 raised"]
     assert all(f"could not write checkpoint {root / 'step_000004'}" in line for line in raised)
-    assert sorted(p.name for p in root.iterdir()) == ["latest.json", "step_000002"]
-    assert json.loads((root / "latest.json").read_text())["step"] == 2

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import corpus_text
+from conftest import corpus_text, reversal_sft
 from sharded import sharded_text
 
 from llm_foundry.presets import get_preset
@@ -302,22 +302,7 @@ def test_experts_train_across_ranks_as_in_one_process(parallel, data_dir, tmp_pa
 def sft_dir(tmp_path_factory) -> Path:
     """Prompt/completion rows of 3-14 characters: each batch row holds 1-7 target tokens, so
     the ranks' halves of a global batch hold different numbers of them."""
-    import random
-
-    from llm_foundry.data.sft import prepare_sft
-    from llm_foundry.tokenizer import CharTokenizer
-
-    root = tmp_path_factory.mktemp("sft")
-    rng = random.Random(0)
-    letters = "abcdefghij"
-    rows = []
-    for _ in range(60):
-        prompt = "".join(rng.choice(letters) for _ in range(rng.randint(2, 7)))
-        rows.append({"prompt": prompt + "=", "completion": prompt[::-1][: rng.randint(1, 7)]})
-    CharTokenizer.train(letters + "=").save(root / "tokenizer.json")
-    (root / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    prepare_sft(root / "data", root / "rows.jsonl", root / "tokenizer.json", 0.2)
-    return root / "data"
+    return reversal_sft(tmp_path_factory.mktemp("sft"), 60, 0.2)
 
 
 @pytest.mark.parametrize("base", [None, "int8", "nf4"], ids=["full", "lora-int8", "lora-nf4"])

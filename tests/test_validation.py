@@ -5,14 +5,12 @@ in one forward pass per global batch from the model's logits and torch's cross-e
 
 from __future__ import annotations
 
-import json
-import random
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import make_trainer
+from conftest import make_trainer, reversal_sft
 
 from llm_foundry.data.batches import IGNORE
 from llm_foundry.data.loader import Loader, PreparedSplit
@@ -31,20 +29,7 @@ def text_dir(char_data) -> Path:
 def sft_dir(tmp_path_factory) -> Path:
     """Prompt/completion rows with 1-7 completion characters: micro-batches hold different
     numbers of targets, so their means must be weighed by them."""
-    from llm_foundry.data.sft import prepare_sft
-    from llm_foundry.tokenizer import CharTokenizer
-
-    root = tmp_path_factory.mktemp("sft")
-    rng = random.Random(0)
-    letters = "abcdefghij"
-    rows = []
-    for _ in range(80):
-        prompt = "".join(rng.choice(letters) for _ in range(rng.randint(2, 7)))
-        rows.append({"prompt": prompt + "=", "completion": prompt[::-1][: rng.randint(1, 7)]})
-    CharTokenizer.train(letters + "=").save(root / "tokenizer.json")
-    (root / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    prepare_sft(root / "data", root / "rows.jsonl", root / "tokenizer.json", 0.3)
-    return root / "data"
+    return reversal_sft(tmp_path_factory.mktemp("sft"), 80, 0.3)
 
 
 def reference_loss(model, sampler, batches: int) -> float:

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from llm_foundry.data.sources import READ_BYTES, DataError, _read_utf8_blocks
+from llm_foundry.data.sources import READ_BYTES, DataError, NotUTF8, _read_utf8_blocks
 from llm_foundry.messages import first_few, one_line, shown
 
 SUFFIXES = (".jsonl.gz", ".jsonl.zst", ".jsonl", ".parquet", ".txt")  # longest first
@@ -511,21 +511,14 @@ def _byte(raw: bytes, e: UnicodeDecodeError, offset: int = 0) -> str:
 
 
 def _first_bad_byte(path: Path) -> str | None:
-    """The first byte of a file that is not UTF-8, in words (``_byte``), or None; read block by
-    block (a character cut between two blocks is decoded whole)."""
-    decoder = codecs.getincrementaldecoder("utf-8")()
-    offset = 0
-    with open(path, "rb") as file:
-        while True:
-            raw = file.read(READ_BYTES)
-            pending = decoder.getstate()[0]  # the last block's unfinished character
-            try:
-                decoder.decode(raw, final=not raw)
-            except UnicodeDecodeError as e:  # e.start counts from the pending bytes
-                return _byte(pending + raw, e, offset - len(pending))
-            if not raw:
-                return None
-            offset += len(raw)
+    """The first byte of a file that is not UTF-8, in ``_byte``'s words, or None; read block by
+    block as a long text is."""
+    try:
+        for _ in _read_utf8_blocks(path, READ_BYTES):
+            pass
+    except NotUTF8 as e:
+        return f"byte {e.byte:#04x} at offset {e.offset} is not UTF-8"
+    return None
 
 
 def _txt_record(f: InputFile, i: int, policy: str) -> Record:

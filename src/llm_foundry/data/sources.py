@@ -321,9 +321,20 @@ class TextSource:
         self.sha256, self.n_chars = digest.hexdigest(), n_chars
 
 
+class NotUTF8(DataError):
+    """A file that is not UTF-8 text: ``byte`` (its value) at ``offset`` (in the file)."""
+
+    def __init__(self, path: Path, byte: int, offset: int, reason: str):
+        super().__init__(
+            f"{path} is not UTF-8 text: byte {byte:#04x} at offset {offset} ({reason}); "
+            "convert it to UTF-8 first"
+        )
+        self.byte, self.offset = byte, offset
+
+
 def _read_utf8_blocks(path: Path, block_bytes: int) -> Iterator[tuple[str, bytes]]:
     """(decoded text, raw bytes) of ``path`` block by block; a character split between two
-    blocks is decoded whole in the second. Not UTF-8: a DataError naming the byte and offset."""
+    blocks is decoded whole in the second. Not UTF-8: ``NotUTF8`` naming the byte and offset."""
     decoder = codecs.getincrementaldecoder("utf-8")()
     offset = 0
     with open(path, "rb") as f:
@@ -333,10 +344,8 @@ def _read_utf8_blocks(path: Path, block_bytes: int) -> Iterator[tuple[str, bytes
             try:
                 text = decoder.decode(raw, final=not raw)
             except UnicodeDecodeError as e:  # e.start counts from the pending bytes
-                raise DataError(
-                    f"{path} is not UTF-8 text: byte {(pending + raw)[e.start]:#04x} at offset "
-                    f"{offset - len(pending) + e.start} ({e.reason}); convert it to UTF-8 first"
-                ) from None
+                at = offset - len(pending) + e.start
+                raise NotUTF8(path, (pending + raw)[e.start], at, e.reason) from None
             offset += len(raw)
             if text or raw:
                 yield text, raw
