@@ -91,14 +91,14 @@ def test_one_ranks_full_disk_stops_every_rank_in_one_line(where, data_dir, tmp_p
 # rank 0 alone puts a checkpoint in place: its disk full at step 4's commit, before the rename
 # (WHERE "fsync": the files' fsync) or after it (WHERE "latest": latest.json not written)
 FULL_AT_COMMIT = """
-import errno, os, sys
+import errno, os, sys, time
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 import llm_foundry.train.state as train_state
 from llm_foundry.cli import main
 from llm_foundry.train.dcp import ShardedCheckpoints
 
-WHERE = {where!r}
+WHERE, MARK = {where!r}, {mark!r}
 fsync_tree, write_json_atomic = train_state.fsync_tree, train_state.write_json_atomic
 
 
@@ -122,7 +122,14 @@ def finish(self, quiet=False):  # which ranks raise it themselves (not stopped b
     try:
         return finish_dcp(self, quiet)
     except Exception as e:
-        print(f"rank {{dist.get_rank()}} raised: {{e}}", flush=True)
+        rank = dist.get_rank()
+        print(f"rank {{rank}} raised: {{e}}", flush=True)
+        open(f"{{MARK}}.{{rank}}", "w").close()
+        # the launcher stops the other rank once one exits: each waits (30 s at most) for the
+        # other's word, so a slow rank is not taken for one that never raised
+        other, deadline = f"{{MARK}}.{{1 - rank}}", time.monotonic() + 30
+        while not os.path.exists(other) and time.monotonic() < deadline:
+            time.sleep(0.05)
         raise
 
 
@@ -141,8 +148,8 @@ def test_rank0s_failed_commit_stops_every_rank_in_one_line(where, fmt, data_dir,
     error said once; after the rename, the directory is taken back, as the line says. With
     dcp-async the commit fails in the background: every rank stops at the next save."""
     # the training group's timeout is minutes: a rank left waiting would overrun this
-    r, root = _full_at_step_4(FULL_AT_COMMIT.format(where=where), fmt, data_dir, tmp_path,
-                              timeout=120)  # fmt: skip
+    script = FULL_AT_COMMIT.format(where=where, mark=str(tmp_path / "raised"))
+    r, root = _full_at_step_4(script, fmt, data_dir, tmp_path, timeout=120)
     assert "Traceback" not in r.stdout
     # each rank raised it (before, rank 1 went on, and only the launcher ended it)
     raised = [line for line in r.stdout.splitlines() if " raised: " in line]
