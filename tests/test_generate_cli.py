@@ -95,7 +95,8 @@ def test_stop_string_cuts_the_continuation(ckpt, capsys):
     assert rec["completion"] == full[: full.find(stop)] and stop not in rec["completion"]
     # the flag given once per string is the same list (argparse kept only the last one)
     twice = json.loads(_run(capsys, *base, "--stop", stop, "--stop", "zz", "--json"))
-    assert twice.pop("tokens_per_s") and rec.pop("tokens_per_s") and twice == rec
+    twice.pop("tokens_per_s"), rec.pop("tokens_per_s")  # timings differ between runs
+    assert twice == rec
     assert rec["stop_reason"] == "stop" and rec["new_tokens"] == full.find(stop) + 2
     text = _run(capsys, *base, "--stop", stop, "zz")
     assert text == "t" + full[: full.find(stop)] + "\n"
