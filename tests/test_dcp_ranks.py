@@ -123,8 +123,10 @@ def finish(self, quiet=False):  # which ranks raise it themselves (not stopped b
         return finish_dcp(self, quiet)
     except Exception as e:
         rank = dist.get_rank()
-        print(f"rank {{rank}} raised: {{e}}", flush=True)
-        open(f"{{MARK}}.{{rank}}", "w").close()
+        # its own file, not stdout: two ranks' prints share one pipe and can interleave mid-line
+        with open(f"{{MARK}}.tmp{{rank}}", "w") as f:
+            f.write(str(e))
+        os.replace(f"{{MARK}}.tmp{{rank}}", f"{{MARK}}.{{rank}}")
         # the launcher stops the other rank once one exits: each waits (30 s at most) for the
         # other's word, so a slow rank is not taken for one that never raised
         other, deadline = f"{{MARK}}.{{1 - rank}}", time.monotonic() + 30
@@ -152,7 +154,7 @@ def test_rank0s_failed_commit_stops_every_rank_in_one_line(where, fmt, data_dir,
     r, root = _full_at_step_4(script, fmt, data_dir, tmp_path, timeout=120)
     assert "Traceback" not in r.stdout
     # each rank raised it (before, rank 1 went on, and only the launcher ended it)
-    raised = [line for line in r.stdout.splitlines() if " raised: " in line]
-    # (rank 0's own line may be lost to the launcher's kill; it said the error on stderr above)
-    assert "rank 1 raised" in [line.split(":")[0] for line in raised], r.stdout[-2000:]
-    assert all(f"could not write checkpoint {root / 'step_000004'}" in line for line in raised)
+    raised = {rank: tmp_path / f"raised.{rank}" for rank in (0, 1)}
+    assert all(p.exists() for p in raised.values()), r.stdout[-2000:]
+    for p in raised.values():
+        assert f"could not write checkpoint {root / 'step_000004'}" in p.read_text()
