@@ -173,8 +173,11 @@ class RankOneStops(Trainer):
 cfg = get_preset("llama-shakespeare-char", dim=32, n_layers=1, n_heads=2, max_seq_len=16)
 tc = TrainConfig(block_size=16, batch_size=2, max_steps=8, eval_interval=4, eval_batches=1,
                  checkpoint_interval=4, sample_tokens=0, progress=False, parallel="ddp")
-result = RankOneStops(cfg, tc, sys.argv[1], sys.argv[2]).run()
-print(f"step {result.step}: {result.stopped_early}", flush=True)
+trainer = RankOneStops(cfg, tc, sys.argv[1], sys.argv[2])
+result = trainer.run()
+# a file per rank: two ranks' prints share one pipe and can interleave mid-line
+with open(f"{sys.argv[3]}.{trainer.world.rank}", "w") as f:
+    f.write(f"step {result.step}: {result.stopped_early}")
 """
 
 
@@ -189,10 +192,11 @@ def test_one_ranks_stop_ends_the_run_on_every_rank(data_dir, tmp_path):
     env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1] / "src")
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     run = tmp_path / "run"
-    r = subprocess.run([*launch, str(script), str(data_dir), str(run)], env=env,
+    said = tmp_path / "said"
+    r = subprocess.run([*launch, str(script), str(data_dir), str(run), str(said)], env=env,
                        capture_output=True, text=True, timeout=240)  # fmt: skip
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    said = sorted(line for line in r.stdout.splitlines() if line.startswith("step "))
+    said = [Path(f"{said}.{rank}").read_text() for rank in (0, 1)]
     # every rank records rank 1's own reason, rank 0's state.json too
     assert said == ["step 3: rank 1: rank 1's budget"] * 2, r.stdout
     state = json.loads((run / "checkpoints" / "step_000003" / "state.json").read_text())
