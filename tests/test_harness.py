@@ -143,6 +143,32 @@ def test_rolling_loglikelihood_is_llm_foundry_evals_loss(tmp_path, capsys):
     assert -total / row["scored_tokens"] == pytest.approx(row["loss"], rel=1e-5)
 
 
+def test_default_max_length_is_the_trained_block_size_as_in_eval(char_data, tmp_path, capsys):
+    """A run trained on windows of 16 with 64 positions: the wrapper's default windows are eval's
+    default (16, what the val loss measured), not max_seq_len; max_length=64 is still taken."""
+    from conftest import make_trainer
+
+    data = char_data(3000)
+    make_trainer(data, tmp_path / "run", model=dict(max_seq_len=64), block_size=16,
+                 max_steps=2, eval_interval=2, checkpoint_interval=2).run()  # fmt: skip
+    text = corpus_text(400)
+    (tmp_path / "doc.txt").write_text(text)
+    capsys.readouterr()
+    assert main(["eval", "--checkpoint", str(tmp_path / "run"), "--text",
+                 str(tmp_path / "doc.txt"), "--json"]) == 0  # fmt: skip
+    row = json.loads(capsys.readouterr().out)["results"][0]
+    assert row["context"] == 16
+
+    class Request:
+        args = (text,)
+
+    lm = harness.FoundryLM(str(tmp_path / "run"), batch_size=4)
+    (total,) = lm.loglikelihood_rolling([Request()], disable_tqdm=True)
+    assert lm.max_length == 16
+    assert -total / row["scored_tokens"] == pytest.approx(row["loss"], rel=1e-5)
+    assert harness.FoundryLM(str(tmp_path / "run"), max_length=64).max_length == 64
+
+
 def _task_text() -> str:
     """Every string of the local tasks' rows (a character tokenizer must cover them)."""
     rows = [json.loads(x) for f in TASKS_DIR.glob("*.jsonl") for x in f.read_text().splitlines()]

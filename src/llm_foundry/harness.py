@@ -46,6 +46,7 @@ from tqdm import tqdm
 
 from llm_foundry.evaluate import windows
 from llm_foundry.generate import stream_batch
+from llm_foundry.rundir import trained_block_size
 
 NAME = "llm-foundry"
 
@@ -124,7 +125,10 @@ class FoundryLM(TemplateLM):
                 f"{self.info.checkpoint} has no tokenizer.json: pass tokenizer=FILE in model_args"
             )
         self.batch_size = 8 if batch_size in (None, "auto") else int(str(batch_size).split(":")[0])
-        self._max_length = int(max_length) if max_length else self.model.cfg.max_seq_len
+        # by default the windows the weights were trained on (eval's default too), not the
+        # positions the config allows: a model trained on 256 of 1024 scores worse past 256
+        trained = trained_block_size(self.info.checkpoint) or self.model.cfg.max_seq_len
+        self._max_length = int(max_length) if max_length else trained
         self.max_gen_toks = int(max_gen_toks)
         self._prefix = _prefix_token(self.tok)
         self._hf = getattr(self.tok, "kind", None) == "hf"
