@@ -169,11 +169,16 @@ def mean(value: torch.Tensor, world: World) -> torch.Tensor:
 
 def any_rank(flag: bool, world: World, device: torch.device) -> bool:
     """True on every rank when it is true on any (e.g. a stop signal seen by one)."""
+    return any_ranks([flag], world, device)[0]
+
+
+def any_ranks(flags: list[bool], world: World, device: torch.device) -> list[bool]:
+    """``any_rank`` of several flags in one all-reduce (one round trip per step, not one each)."""
     if not world.distributed:
-        return flag
-    t = torch.tensor([float(flag)], device=device)
+        return list(flags)
+    t = torch.tensor([float(f) for f in flags], device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
+    return [bool(v) for v in t.tolist()]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -733,10 +733,13 @@ class Trainer:
                 # a subclass's reason to end here; a bare True (not a reason) still stops
                 early = None if final else self.should_stop()
                 early = (early if isinstance(early, str) else "should_stop()") if early else None
-                if self.world.distributed:  # a signal seen by one rank stops all at this step
-                    if D.any_rank(stop["signal"] is not None, self.world, self.device):
+                if self.world.distributed:  # a signal or stop on one rank stops all here
+                    signalled, stopping = D.any_ranks(
+                        [stop["signal"] is not None, early is not None], self.world, self.device
+                    )
+                    if signalled:
                         stop["signal"] = stop["signal"] or "SIGTERM"
-                    if D.any_rank(early is not None, self.world, self.device):
+                    if stopping:
                         early = stopping_reason(early, self.world)  # only at a stop: rare
                 if early is not None:  # saved in this step's checkpoint
                     self.stopped_early = dict(step=self.step, reason=early)
