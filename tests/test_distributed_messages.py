@@ -31,6 +31,12 @@ def step(self, *args, **kwargs):
             raise RuntimeError(f"power cut on rank {self.world.rank}")
         if how == "disk":
             raise OSError(f"disk on fire on rank {self.world.rank}")
+        if how == "value":  # what every rank's data says alike
+            raise ValueError("token id 99 past the vocabulary")
+        if how == "value-rank1":  # what one rank's data alone says (rank 0 goes on)
+            if self.world.rank == 1:
+                raise ValueError("token id 99 past the vocabulary in rank 1's shard")
+            return original(self, *args, **kwargs)
         os.kill(os.getpid(), signal.SIGTERM)  # what torchrun hands each rank when stopped
     return original(self, *args, **kwargs)
 
@@ -90,6 +96,21 @@ def test_an_io_error_is_said_by_each_rank_with_its_rank(data_dir, tmp_path, monk
     for rank in (0, 1):
         line = f"rank {rank}: llm-foundry train: error: disk on fire on rank {rank}"
         assert err.count(line) == 1, err
+
+
+def test_a_value_error_is_said_once_and_one_rank_alone_says_its_own(data_dir, tmp_path,
+                                                                     monkeypatch):  # fmt: skip
+    """Raised alike on every rank: rank 0 says it, once, with no rank. Raised by rank 1 alone
+    (rank 0 goes on into the next step's collectives): rank 1 says it, with its rank (dropped
+    as said by rank 0, it was said by none)."""
+    for how, line in [
+        ("value", "llm-foundry train: error: token id 99 past the vocabulary"),
+        ("value-rank1", "rank 1: llm-foundry train: error: token id 99 past the vocabulary in "
+                        "rank 1's shard"),
+    ]:  # fmt: skip
+        r = failing(tmp_path, how, start(data_dir, tmp_path / how, parallel="ddp"), monkeypatch)
+        said = [s for s in (r.stdout + r.stderr).splitlines() if "error: token id 99" in s]
+        assert r.returncode != 0 and said == [line], r.stdout + r.stderr
 
 
 def test_a_stop_signal_is_said_once(data_dir, tmp_path, monkeypatch):

@@ -107,8 +107,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except (ConfigError, KeyError, ValueError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
+        line = f"llm-foundry {name}: error: {capped(str(msg))}"
+        if getattr(e, "rank_alone", False):  # one rank's own (cli/ranks.py): said with its rank
+            print(per_rank(line), file=sys.stderr)
+            return 2
         with said_once:
-            print(f"llm-foundry {name}: error: {capped(str(msg))}", file=sys.stderr)
+            print(line, file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C where a command has no handler of its own
         from llm_foundry.cli.options import stopped

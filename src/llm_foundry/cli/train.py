@@ -21,7 +21,7 @@ from llm_foundry.cli.options import (
     settings_from,
     stopped,
 )
-from llm_foundry.cli.ranks import rank0_only
+from llm_foundry.cli.ranks import rank0_only, rank_alone
 from llm_foundry.cli.streams import outliving_reader
 from llm_foundry.presets import preset_names
 from llm_foundry.settings import read_config_file
@@ -186,6 +186,9 @@ def _main(argv: list[str], finetune: bool, prog: str) -> int:
             result = train_and_report(cfg, train_cfg, data_dir, out, resume=ns.resume)
             if dist.is_initialized():  # ranks tear down together, not while rank 0 still writes
                 dist.barrier()
+        except (ValueError, KeyError) as e:  # said once by rank 0, unless raised by one rank alone
+            e.rank_alone = rank_alone(e)
+            raise
         except CheckpointNotWritten as e:  # a full disk: one line saying how to go on
             then = f"--resume --out {out}" if e.last else "run the command again"
             todo = "free space" if e.no_space else "fix that"
