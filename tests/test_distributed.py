@@ -149,6 +149,33 @@ def test_gradient_accumulation_with_ddp_matches_one_process(data_dir, reference,
     assert_close(val_losses(run), val_losses(reference))
 
 
+def test_monitor_on_two_ddp_ranks_records_what_one_process_does(data_dir, tmp_path):
+    """The dynamics monitor probes a batch sized by the global batch (not a rank's share), and
+    per-layer gradient norms of the averaged gradient: its records are one process's."""
+    ref, run = tmp_path / "one", tmp_path / "ddp"
+    one_process(data_dir, ref, max_steps=4, monitor_interval=2)
+    args = ["train", "--data", str(data_dir), "--out", str(run)]
+    args += _flags(**TRAIN, batch_size=GLOBAL_BATCH // 2, max_steps=4, parallel="ddp",
+                   monitor_interval=2)  # fmt: skip
+    r = torchrun(args)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+
+    def records(out: Path) -> list[dict]:
+        rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        return [row for row in rows if "monitor" in row]
+
+    def flat(value) -> list[float]:
+        if isinstance(value, dict):
+            return [x for k in sorted(value) for x in flat(value[k])]
+        return [x for v in value for x in flat(v)] if isinstance(value, list) else [value]
+
+    ours, theirs = records(run), records(ref)
+    assert [x["step"] for x in ours] == [x["step"] for x in theirs] == [1, 2, 4]
+    for a, b in zip(ours, theirs, strict=True):
+        assert a["monitor"].keys() == b["monitor"].keys()
+        assert flat(a["monitor"]) == pytest.approx(flat(b["monitor"]), rel=1e-4, abs=1e-6)
+
+
 def test_two_ranks_checkpoint_validates_alike_in_one_process_with_accumulation(data_dir,
                                                                               reference, tmp_path):  # fmt: skip
     """A checkpoint of 2 DDP ranks at batch 4, resumed in one process at batch 4 x 2

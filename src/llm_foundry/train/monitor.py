@@ -204,12 +204,15 @@ class Monitor:
         self.entropy_min, self.rank_frac, self.write = entropy_min, rank_frac, write
 
     @classmethod
-    def for_run(cls, model, val_data, train_cfg, device, write=print) -> Monitor:
+    def for_run(cls, model, val_data, train_cfg, device, write=print, ranks: int = 1) -> Monitor:
         """A monitor on a fixed probe batch of the validation split, drawn from its own seeded
-        generator (numpy; neither torch's RNG nor the training sampler's is touched)."""
+        generator (numpy; neither torch's RNG nor the training sampler's is touched). Its size
+        follows the global batch (``ranks`` data-parallel ranks), so a run split over ranks or
+        micro-batches probes what it does in one process."""
         from llm_foundry.data import BatchSampler
 
-        batch = min(train_cfg.batch_size, PROBE_SEQUENCES)
+        step = train_cfg.batch_size * train_cfg.grad_accum * ranks  # sequences per step
+        batch = min(step, PROBE_SEQUENCES)
         sampler = BatchSampler(val_data, train_cfg.block_size, batch, seed=train_cfg.seed + 2)
         x, _ = sampler.next()  # (B, T)
         return cls(

@@ -206,7 +206,8 @@ class Trainer:
         if tc.monitor_interval and self.sharded:
             raise ValueError("train.monitor_interval needs whole weights: use parallel=ddp or none")
         self.monitor = (
-            Monitor.for_run(self.model, self.val_data, tc, self.device, write=tqdm.write)
+            Monitor.for_run(self.model, self.val_data, tc, self.device, write=tqdm.write,
+                            ranks=self.world.dp_size)  # fmt: skip
             if tc.monitor_interval
             else None
         )
