@@ -205,12 +205,10 @@ class Trainer:
         self.val_by_source: dict[str, float] = {}  # a mixture's last validation, per source
         if tc.monitor_interval and self.sharded:
             raise ValueError("train.monitor_interval needs whole weights: use parallel=ddp or none")
-        self.monitor = (
-            Monitor.for_run(self.model, self.val_data, tc, self.device, write=tqdm.write,
-                            ranks=self.world.dp_size)  # fmt: skip
-            if tc.monitor_interval
-            else None
-        )
+        self.monitor = None
+        if tc.monitor_interval:  # its probe batch sized by the global batch
+            self.monitor = Monitor.for_run(self.model, self.val_data, tc, self.device,
+                                           write=tqdm.write, ranks=self.world.dp_size)  # fmt: skip
         interval = tc.monitor_interval or tc.eval_interval or tc.max_steps
         self.experts = ExpertLoad(self.model, interval, self.world, self.device)
         self.last_aux: torch.Tensor | None = None
