@@ -179,19 +179,22 @@ def _task_text() -> str:
 
 
 @pytest.mark.heavy
-def test_eval_tasks_runs_the_local_group_and_names_unknown_tasks(tmp_path, capsys):
+def test_eval_tasks_runs_the_local_group_and_names_unknown_tasks(tmp_path, capfd, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # outside a git repository, as an installed package's user is
     tok = CharTokenizer.train(_task_text())
     ckpt = _checkpoint(tmp_path / "char", tok, max_seq_len=64)
     out = tmp_path / "results.json"
     args = ["eval", "--checkpoint", str(ckpt), "--tasks", "shakespeare", "--limit", "3"]
     assert main([*args, "--json", "--out", str(out)]) == 0
-    shown = json.loads(capsys.readouterr().out)["results"]
+    said = capfd.readouterr()
+    assert "fatal: not a git repository" not in said.err  # the harness's own git call, quiet
+    shown = json.loads(said.out)["results"]
     assert set(LOCAL) <= set(shown)
     assert 0 <= shown["shakespeare_next_line"]["acc,none"] <= 1
     assert math.isfinite(shown["shakespeare_passages"]["bits_per_byte,none"])
     assert json.loads(out.read_text())["results"] == shown
     assert main(["eval", "--checkpoint", str(ckpt), "--tasks", "shakespear"]) == 2
-    assert "unknown task(s) shakespear: the local ones are" in capsys.readouterr().err
+    assert "unknown task(s) shakespear: the local ones are" in capfd.readouterr().err
 
 
 def test_a_negative_few_shot_count_is_one_line(tmp_path, capsys):
@@ -239,9 +242,10 @@ def test_the_harness_command_line_runs_our_model(tmp_path):
            "--model_args", f"checkpoint={ckpt}", "--tasks", "shakespeare_next_line",
            "--include_path", str(TASKS_DIR), "--limit", "4", "--device", "cpu"]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "shakespeare_next_line" in done.stdout and "acc" in done.stdout
+    assert "fatal: not a git repository" not in done.stderr  # run outside one
 
 
 def test_a_tokenizer_config_that_is_not_an_object_is_one_line(tmp_path):

@@ -322,16 +322,40 @@ def evaluate_tasks(
             f"unknown task(s) {', '.join(unknown)}: the local ones are {', '.join(LOCAL_TASKS)}; "
             "`lm-eval ls tasks` lists the harness's registry"
         )
-    return lm_eval.simple_evaluate(
-        model=FoundryLM(
-            str(checkpoint), batch_size=batch_size, adapter=str(adapter) if adapter else None
-        ),  # fmt: skip
-        tasks=tasks,
-        task_manager=manager,
-        limit=limit,
-        num_fewshot=num_fewshot,
-        log_samples=log_samples,
-    )
+    with _quiet_git_hash():
+        return lm_eval.simple_evaluate(
+            model=FoundryLM(
+                str(checkpoint), batch_size=batch_size, adapter=str(adapter) if adapter else None
+            ),  # fmt: skip
+            tasks=tasks,
+            task_manager=manager,
+            limit=limit,
+            num_fewshot=num_fewshot,
+            log_samples=log_samples,
+        )
+
+
+def _git_hash() -> str | None:
+    """The working directory's git commit, as the harness records it in its results; None
+    outside a repository (without git's 'fatal: not a git repository' on our stderr)."""
+    import subprocess
+
+    try:
+        done = subprocess.run(["git", "describe", "--always"], capture_output=True, text=True)
+    except OSError:  # no git installed
+        return None
+    return done.stdout.strip() or None if done.returncode == 0 else None
+
+
+def _quiet_git_hash():
+    """The harness's results record the git commit by running git with its stderr left open:
+    outside a repository (an installed package's user) git's 'fatal: ...' line landed among our
+    output. Within this context it asks git quietly."""
+    from unittest import mock
+
+    import lm_eval.evaluator
+
+    return mock.patch.object(lm_eval.evaluator, "get_git_commit_hash", _git_hash)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -339,7 +363,8 @@ def main(argv: list[str] | None = None) -> None:
     from lm_eval.__main__ import cli_evaluate
 
     sys.argv = ["lm-eval", *(sys.argv[1:] if argv is None else argv)]
-    cli_evaluate()
+    with _quiet_git_hash():
+        cli_evaluate()
 
 
 if __name__ == "__main__":
