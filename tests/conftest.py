@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,10 @@ SHAKESPEARE = SHARED_DATA / "tinyshakespeare.txt"
 TINY = dict(vocab_size=65, dim=32, n_layers=2, n_heads=2, max_seq_len=32, dropout=0.1)
 TINY_MODEL = dict(vocab_size=37, dim=32, n_layers=2, n_heads=4, max_seq_len=64)
 
+# A suite started as a background job of a non-interactive shell (`make test &`) inherits SIGINT
+# ignored, and so would every command it runs: the Ctrl-C tests need it answered as a terminal's.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 DEVICE_ENV = "LLM_FOUNDRY_TEST_DEVICE"
 _DEVICE = pytest.StashKey[tuple]()  # (the `cuda` tests' device, why they are skipped or None)
