@@ -42,6 +42,7 @@ except ImportError as e:  # the optional [serve] extra
 MAX_LOGPROBS = 5  # OpenAI's bound for completions
 COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for completions
 MAX_REQUEST_BYTES = 4 * 2**20  # default bound on a request body (--max-request-bytes)
+DISCONNECT_CHECK_S = 0.25  # how often a non-streamed request asks whether its client is there
 READ = ["GET", "HEAD"]  # HEAD as GET without the body: what health checkers send
 
 # the request fields each endpoint implements (besides those in OFF)
@@ -485,7 +486,6 @@ def create_app(served: Served, max_request_bytes: int = MAX_REQUEST_BYTES) -> Fa
                                                status=503))  # fmt: skip
         except ValueError as e:
             return refuse(endpoint, BadRequest(str(e)))
-        count(endpoint, 200)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         usage = lambda: {  # noqa: E731
@@ -496,6 +496,7 @@ def create_app(served: Served, max_request_bytes: int = MAX_REQUEST_BYTES) -> Fa
         obj = "chat.completion" if chat else "text_completion"
 
         if stream:
+            count(endpoint, 200)  # the status line goes out with the first chunk
             chunk_obj = obj + (".chunk" if chat else "")
 
             async def sse():
@@ -544,16 +545,23 @@ def create_app(served: Served, max_request_bytes: int = MAX_REQUEST_BYTES) -> Fa
         texts = [""] * n
         records: list[list] = [[] for _ in range(n)]
         reasons: list[str | None] = [None] * n
+        clock = asyncio.get_running_loop().time
+        checked = clock()
         try:
             while any(r is None for r in reasons):
                 try:
-                    batch = [await asyncio.wait_for(events.get(), timeout=0.25)]
+                    batch = [await asyncio.wait_for(events.get(), timeout=DISCONNECT_CHECK_S)]
                 except TimeoutError:
-                    if await request.is_disconnected():
-                        return None
-                    continue
+                    batch = []
                 while not events.empty():
                     batch.append(events.get_nowait())
+                # asked whether tokens flow or not, at most every DISCONNECT_CHECK_S
+                if clock() - checked >= DISCONNECT_CHECK_S:
+                    checked = clock()
+                    if await request.is_disconnected():  # its rows are cancelled below
+                        return refuse(endpoint, BadRequest(
+                            "the client closed the connection before its reply was ready",
+                            status=499, code="client_closed_request"))  # fmt: skip
                 for i, kind, payload in batch:
                     if kind == "text":
                         texts[i] += payload[0]
@@ -564,7 +572,9 @@ def create_app(served: Served, max_request_bytes: int = MAX_REQUEST_BYTES) -> Fa
             engine.cancel([s for s in seqs if not s.finished])
         failed = [r for r in reasons if r.startswith("error")]
         if failed:
+            count(endpoint, 500)
             return JSONResponse(error_body(failed[0], kind="server_error"), 500)
+        count(endpoint, 200)
         choices = []
         for i in range(n):
             lp = None
