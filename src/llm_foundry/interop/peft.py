@@ -12,20 +12,27 @@ the others are refused by name. Pickled adapters (``adapter_model.bin``) are nev
 from __future__ import annotations
 
 import json
+import logging
+import re
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from llm_foundry.checkpoint import check_finite, read_safetensors_header
-from llm_foundry.interop.hf import choose_family, expand, fail
-from llm_foundry.messages import shown
-from llm_foundry.models.lora import add_lora, lora_layers
+from llm_foundry.interop.hf import ConversionError, choose_family, expand, fail
+from llm_foundry.interop.peft_fit import other_base, tensor_ranks
+from llm_foundry.interop.peft_targets import target_problems, targeted
+from llm_foundry.messages import first_few, shown
+from llm_foundry.models.lora import TARGETS, add_lora_at, lora_layers
 from llm_foundry.models.lora import check_settings as check_lora
+
+log = logging.getLogger(__name__)
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 PREFIX = "base_model.model."
+LORA_NAME = re.compile(re.escape(PREFIX) + r"(.+)\.(lora_A|lora_B)\.weight")
 # adapter_config.json settings whose non-default values change what the adapter computes
 UNSUPPORTED = {
     "bias": "none",
@@ -36,6 +43,10 @@ UNSUPPORTED = {
     "rank_pattern": {},
     "alpha_pattern": {},
     "lora_bias": False,
+    "target_parameters": None,
+    "trainable_token_indices": None,
+    "layer_replication": None,
+    "alora_invocation_tokens": None,
 }
 
 
@@ -96,8 +107,91 @@ def save_adapter(model, out_dir: str | Path, family: str | None = None, base: st
 
 def load_adapter(model, adapter_dir: str | Path, family: str | None = None) -> list[str]:
     """Put the PEFT LoRA adapter in ``adapter_dir`` on ``model`` (freezing the base); returns
-    the adapted modules. Every adapter tensor must find its module, and every module its two."""
+    the adapted modules. The modules adapted are those adapter_config.json's target_modules
+    chooses, by peft's rules (``peft_targets``); a tensor of a module it does not choose is left
+    out, as peft leaves it, with a note. Every chosen module must find its two tensors, of the
+    config's rank and the model's shapes; what does not fit is refused in one line
+    (``ConversionError``), an adapter made for another model naming how it differs."""
     path = Path(adapter_dir)
+    config_file, weights_file = path / CONFIG_FILE, path / WEIGHTS_FILE
+    config, settings = read_config(path)
+    fam, names = module_names(model.cfg, family)
+    # the projections a LoRA can adapt (not the norms or embeddings the table names too)
+    ours_of = {hf: ours for ours, hf in names.items() if ours.rsplit(".", 1)[-1] in TARGETS}
+    read_safetensors_header(weights_file)  # a damaged file is named, not met inside the reader
+    tensors = load_file(str(weights_file))
+    check_finite(tensors, weights_file)  # NaN/inf would make every output NaN
+    modules, strays = {}, []  # HF module path -> {"lora_A": t, "lora_B": t}; other names
+    for key, t in tensors.items():
+        m = LORA_NAME.fullmatch(key)
+        if m:
+            modules.setdefault(m.group(1), {})[m.group(2)] = t
+        else:
+            strays.append(key)
+    if strays or not modules:
+        _refuse(path, [f"{WEIGHTS_FILE} holds tensors that are not LoRA weights of a module "
+                       f"(base_model.model.PATH.lora_A.weight / .lora_B.weight): "
+                       f"{first_few(sorted(strays))}" if strays
+                       else f"{WEIGHTS_FILE} holds no LoRA tensors"])  # fmt: skip
+    wanted = targeted(config, set(modules) | set(ours_of), head=names.get("lm_head"))
+    left_out = sorted(set(modules) - wanted)
+    modules = {k: v for k, v in modules.items() if k in wanted}
+    if not modules:
+        _refuse(path, [f"{CONFIG_FILE} target_modules={shown(config['target_modules'])} "
+                       f"chooses none of the modules {WEIGHTS_FILE} holds tensors for "
+                       f"({first_few(left_out)})"])  # fmt: skip
+    ranks = tensor_ranks(modules)
+    if ranks != {settings["r"]}:
+        held = " and ".join(map(str, sorted(ranks)))
+        _refuse(path, [f"{CONFIG_FILE} says r={settings['r']} but its tensors have rank "
+                       f"{held}{'' if len(ranks) == 1 else ' (one rank for all is supported)'}"])  # fmt: skip
+    mine = [hf for hf in ours_of if hf in wanted]  # in model order
+    unknown = sorted(set(modules) - set(ours_of))
+    whole = {hf for hf, parts in modules.items() if set(parts) == {"lora_A", "lora_B"}}
+    missing = [ours_of[hf] for hf in mine if hf not in whole]
+    shapes = [ours_of[hf] for hf in mine if hf in whole and not _fits(model, ours_of[hf],
+                                                                      modules[hf])]  # fmt: skip
+    if unknown or missing or shapes:
+        why = other_base(model, ours_of, modules, wanted)
+        if why is None and unknown:
+            why = (f"its tensors adapt modules this {fam} model does not have (or that are not "
+                   f"one plain linear layer here): {first_few(unknown)}")  # fmt: skip
+        if why is None and shapes:
+            why = f"the tensors of {first_few(shapes)} do not have this model's shapes"
+        if why is None:
+            why = (f"{CONFIG_FILE} target_modules={shown(config['target_modules'])} chooses "
+                   f"{first_few(missing)}, which {WEIGHTS_FILE} holds no lora_A and lora_B for")  # fmt: skip
+        _refuse(path, [why])
+    if left_out:  # peft reads only the chosen modules' tensors
+        log.warning(f"note: {config_file} target_modules={shown(config['target_modules'])} leaves "
+                 f"out {len(left_out)} module(s) {weights_file} holds tensors for, as peft does: "
+                 f"{first_few(left_out)}")  # fmt: skip
+    adapted = add_lora_at(model, [ours_of[hf] for hf in mine],
+                          **{k: v for k, v in settings.items() if k != "targets"})  # fmt: skip
+    layers = lora_layers(model)
+    with torch.no_grad():
+        for hf in mine:
+            for part, t in modules[hf].items():
+                getattr(layers[ours_of[hf]], part).copy_(t)
+    return adapted
+
+
+def _fits(model, name: str, parts: dict[str, torch.Tensor]) -> bool:
+    """Whether lora_A (r, in) and lora_B (out, r) fit the projection ``name`` of ``model``."""
+    base = model.get_submodule(name)
+    base = getattr(base, "base", base)
+    a, b = parts["lora_A"], parts["lora_B"]
+    return a.shape[-1] == base.in_features and b.shape[0] == base.out_features
+
+
+def _refuse(path: Path, problems: list[str]) -> None:
+    """Raise the one-line ``ConversionError`` of an adapter that cannot be loaded."""
+    raise ConversionError(f"cannot load the adapter in {path}: {'; '.join(problems)}", problems)
+
+
+def read_config(path: Path) -> tuple[dict, dict]:
+    """(adapter_config.json of the adapter directory ``path``, the LoRA settings it gives:
+    ``add_lora``'s arguments); refused in one line when peft's reading of it is not ours."""
     config_file, weights_file = path / CONFIG_FILE, path / WEIGHTS_FILE
     if not weights_file.exists():
         pickled = (
@@ -124,50 +218,7 @@ def load_adapter(model, adapter_dir: str | Path, family: str | None = None) -> l
                     dropout=config.get("lora_dropout") or 0.0,
                     rslora=config.get("use_rslora") or False, targets=["wq"])  # fmt: skip
     problems += [p.replace("LoRA ", f"{config_file.name}: ", 1) for p in check_lora(settings)]
-    fail(problems, f"cannot load the adapter in {path}")
-    _, names = module_names(model.cfg, family)
-    ours_of = {hf: ours for ours, hf in names.items()}
-    read_safetensors_header(weights_file)  # a damaged file is named, not met inside the reader
-    tensors = load_file(str(weights_file))
-    check_finite(tensors, weights_file)  # NaN/inf would make every output NaN
-    by_module: dict[str, dict[str, torch.Tensor]] = {}
-    unknown = []
-    for key, t in tensors.items():
-        name = key.removeprefix(PREFIX)
-        for part in ("lora_A", "lora_B"):
-            suffix = f".{part}.weight"
-            if name.endswith(suffix) and name.removesuffix(suffix) in ours_of:
-                by_module.setdefault(ours_of[name.removesuffix(suffix)], {})[part] = t
-                break
-        else:
-            unknown.append(key)
-    if unknown or not by_module:
-        fail(
-            [f"adapter tensors with no module in the model: {sorted(unknown)[:4]}"]
-            if unknown else [f"{weights_file} holds no LoRA tensors"],
-            f"cannot load the adapter in {path}",
-        )  # fmt: skip
-    r = settings["r"]
-    problems = []
-    for name, parts in sorted(by_module.items()):
-        base = model.get_submodule(name)
-        want = {"lora_A": (r, base.in_features), "lora_B": (base.out_features, r)}
-        for part, shape in want.items():
-            got = tuple(parts[part].shape) if part in parts else None
-            if got != shape:
-                problems.append(f"{name}.{part}: {'missing' if got is None else f'shape {got}'}, "
-                                f"the model needs {shape} (r={r})")  # fmt: skip
-    fail(problems, f"cannot load the adapter in {path}")
-    leaves = sorted({m.rsplit(".", 1)[-1] for m in by_module})
-    adapted = add_lora(model, leaves, **{k: v for k, v in settings.items() if k != "targets"})
-    missing = sorted(set(adapted) - set(by_module))
-    fail(
-        [f"no adapter tensors for {missing[:4]}"] if missing else [],
-        f"cannot load the adapter in {path}",
-    )
-    layers = lora_layers(model)
-    with torch.no_grad():
-        for name, parts in by_module.items():
-            for part, t in parts.items():
-                getattr(layers[name], part).copy_(t)
-    return adapted
+    problems += [f"{config_file.name}: {p}" for p in target_problems(config)]
+    if problems:
+        _refuse(path, problems)
+    return config, settings

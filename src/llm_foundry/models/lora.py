@@ -238,6 +238,36 @@ def add_lora(
                                    rslora=rslora, base_dtype=base_dtype))  # fmt: skip
     if problems:
         raise ValueError("; ".join(problems))
+    names = [
+        name
+        for name, m in model.named_modules()
+        if isinstance(m, nn.Linear) and name.split(".")[-1] in targets
+    ]
+    if not names:
+        raise ValueError(f"the model has no linear layer named {', '.join(targets)}")
+    return add_lora_at(model, names, r, alpha, dropout, rslora, base_dtype)
+
+
+def add_lora_at(
+    model: nn.Module,
+    names: Iterable[str],
+    r: int = 8,
+    alpha: float = 16.0,
+    dropout: float = 0.0,
+    rslora: bool = False,
+    base_dtype: str = "fp32",
+) -> list[str]:
+    """``add_lora`` on exactly the linear layers ``names`` (full module names: a PEFT adapter
+    may adapt some layers' projections and not others'). Returns ``names``."""
+    names = list(names)
+    targets = sorted({name.split(".")[-1] for name in names})
+    problems = check_settings(dict(targets=targets, r=r, alpha=alpha, dropout=dropout,
+                                   rslora=rslora, base_dtype=base_dtype))  # fmt: skip
+    plain = [n for n in names if not isinstance(model.get_submodule(n), nn.Linear)]
+    if plain:
+        problems.append(f"{plain[0]} is not a linear layer")
+    if problems:
+        raise ValueError("; ".join(problems))
     cfg = getattr(model, "cfg", None)
     if "lm_head" in targets and getattr(cfg, "tie_embeddings", False):
         raise ValueError(
@@ -246,13 +276,6 @@ def add_lora(
         )
     for p in model.parameters():
         p.requires_grad_(False)
-    names = [
-        name
-        for name, m in model.named_modules()
-        if isinstance(m, nn.Linear) and name.split(".")[-1] in targets
-    ]
-    if not names:
-        raise ValueError(f"the model has no linear layer named {', '.join(targets)}")
     # a rank above min(in, out) adds parameters but no rank: refused before anything is allocated
     # (so a mistyped r cannot take the machine's memory)
     smallest = min(names, key=lambda n: min(model.get_submodule(n).weight.shape))
