@@ -45,9 +45,11 @@ def kinds(groups, **kw) -> list[tuple[str, str | None]]:
 # A file changed while it is prepared
 
 
-def change_after_read(monkeypatch, path: Path, read: int, target: Path | None = None):
+def change_after_read(monkeypatch, path: Path, read: int, target: Path | None = None,
+                      touch: bool = False):  # fmt: skip
     """Once the ``read``-th reading of the JSONL file ``path`` has yielded its last record (1:
-    the tokenizer's sample, 2: tokenizing), append a row to ``target`` (default ``path``)."""
+    the tokenizer's sample, 2: tokenizing), append a row to ``target`` (default ``path``), or
+    (``touch``) give it a new modification time only."""
     real, count = corpus_mod._jsonl_records, [0]
     target = target or path
 
@@ -55,7 +57,10 @@ def change_after_read(monkeypatch, path: Path, read: int, target: Path | None = 
         yield from real(f, *args)
         if f.path == str(path.resolve()):
             count[0] += 1
-            if count[0] == read:
+            if count[0] == read and touch:
+                st = target.stat()
+                os.utime(target, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+            elif count[0] == read:
                 with target.open("a") as file:
                     file.write(json.dumps({"text": "a row written meanwhile"}) + "\n")
 
@@ -79,7 +84,8 @@ def test_a_file_changed_while_it_is_prepared_stops_with_one_line_and_nothing_to_
         prepare_documents(out, [b, a] if changed == "b" else [a, b], **KW)
     assert str(e.value) == (
         f"{target.resolve()} changed while it was being prepared ({size:,} bytes then, "
-        f"{target.stat().st_size:,} now); run again"
+        f"{target.stat().st_size:,} now): what was written from these inputs in {out} is "
+        "removed (part of it came from the file as it was); run again to prepare it anew"
     )
     assert not out.exists()  # created by that call: nothing in it can be resumed
     monkeypatch.undo()
@@ -88,6 +94,21 @@ def test_a_file_changed_while_it_is_prepared_stops_with_one_line_and_nothing_to_
     stamp = next(f[2] for g in meta["inputs"] for f in g[2] if f[0] == str(target.resolve()))
     assert stamp == [st.st_size, st.st_mtime_ns]
     assert meta["train_documents"] + meta["val_documents"] == 61
+
+
+@pytest.mark.parametrize("read, changed", [(2, "a"), (2, "b")], ids=["tokenizing", "read-before"])
+def test_a_touched_file_is_no_change(tmp_path, monkeypatch, read, changed):
+    """A new modification time on the same bytes (`touch`, a save of the same text) while the
+    file is prepared or after it was read: compared by content, the prepare goes on, and its
+    output is the bytes of an untouched prepare."""
+    a = rows(tmp_path / "a.jsonl", docs(30, "a"))
+    b = rows(tmp_path / "b.jsonl", docs(30, "b"))
+    order = [b, a] if changed == "b" else [a, b]
+    reference = prepare_documents(tmp_path / "ref", order, **KW)
+    change_after_read(monkeypatch, a, read, a if changed == "a" else b, touch=True)
+    meta = prepare_documents(tmp_path / "d", order, **KW)
+    assert meta["sha256"] == reference["sha256"]
+    assert meta["train_documents"] + meta["val_documents"] == 60
 
 
 def test_a_change_during_a_resume_leaves_the_directory_clean_for_the_same_command(

@@ -32,6 +32,7 @@ from __future__ import annotations
 import codecs
 import glob
 import gzip
+import hashlib
 import heapq
 import io
 import json
@@ -76,6 +77,7 @@ class InputFile:
     handle: Any = None  # a loaded datasets.Dataset
     inode: int | None = None  # a file's: one replaced by another keeps no inode
     name: str = ""  # the path as found (a link's own name), for messages
+    read_sha256: str | None = None  # its bytes' digest once read whole (tells a touch apart)
 
 
 @dataclass
@@ -338,7 +340,9 @@ def _file(path: Path, group: int) -> InputFile:
 def check_unchanged(f: InputFile) -> None:
     """An ``InputChanged`` error (one line, naming the file) when the file ``f`` is no longer
     what it was when it was resolved: its size, modification time or inode differ (a saved or
-    hub dataset is not checked: its files are the ``datasets`` cache's)."""
+    hub dataset is not checked: its files are the ``datasets`` cache's). A file read whole whose
+    modification time alone changed is compared by content: a touch, or a save of the same
+    bytes, is no change."""
     if f.format in (HF_DISK, HF_HUB):
         return
     try:
@@ -348,13 +352,23 @@ def check_unchanged(f: InputFile) -> None:
     else:
         if st.st_size != f.bytes:
             how = f"{f.bytes:,} bytes then, {st.st_size:,} now"
-        elif st.st_mtime_ns != f.stamp[1]:
+        elif st.st_mtime_ns != f.stamp[1] and (f.read_sha256 is None
+                                               or file_sha256(f.path) != f.read_sha256):  # fmt: skip
             how = "modified"
         elif f.inode is not None and st.st_ino != f.inode:
             how = "replaced by another file"
         else:
             return
     raise InputChanged(f"{f.path} changed while it was being prepared ({how}); run again")
+
+
+def file_sha256(path: str | Path) -> str:
+    """The SHA-256 of a file's bytes, read in blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(READ_BYTES):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def _import(module: str, what: str):
@@ -529,6 +543,8 @@ def _txt_record(f: InputFile, i: int, policy: str) -> Record:
             return Record("bad", None, i, 1, _bad(f, "", bad, policy))
         return Record("doc", LongText(path, f.bytes), i, 1)
     raw = path.read_bytes()
+    if len(raw) == f.bytes:  # what was read, should its modification time change (a touch)
+        f.read_sha256 = hashlib.sha256(raw).hexdigest()
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -540,10 +556,11 @@ def _txt_record(f: InputFile, i: int, policy: str) -> Record:
 
 
 class _Counted(io.RawIOBase):
-    """A file object that counts the bytes read through it (a compressed file's position)."""
+    """A file object that counts the bytes read through it (a compressed file's position) and
+    digests them."""
 
     def __init__(self, raw):
-        self.raw, self.count = raw, 0
+        self.raw, self.count, self.digest = raw, 0, hashlib.sha256()
 
     def readable(self) -> bool:
         return True
@@ -551,6 +568,7 @@ class _Counted(io.RawIOBase):
     def readinto(self, b) -> int:
         n = self.raw.readinto(b)
         self.count += n or 0
+        self.digest.update(memoryview(b)[: n or 0])
         return n
 
 
@@ -589,7 +607,9 @@ def _jsonl_records(f, i, at, field, policy, moved) -> Iterator[Record]:
             try:
                 obj = json.loads(text)
             except json.JSONDecodeError as e:
-                raise DataError(f"{f.path}{row} is not JSON ({e.msg}, column {e.colno})") from None
+                # (a message such as "Invalid control character at" ends where its place goes)
+                what = e.msg.removesuffix(" at")
+                raise DataError(f"{f.path}{row} is not JSON ({what}, column {e.colno})") from None
             if not isinstance(obj, dict):
                 raise DataError(f"{f.path}{row} is {type(obj).__name__}; expected a JSON object")
             if field not in obj:
@@ -604,6 +624,8 @@ def _jsonl_records(f, i, at, field, policy, moved) -> Iterator[Record]:
                     "null, left out as an empty text)"
                 )
             yield _text_record(value, f, i, n + 1, row, policy)
+    if raw.count == f.bytes:  # read whole: what was read, should its modification time change
+        f.read_sha256 = raw.digest.hexdigest()
     if at == 0 and rows == 0:
         yield Record("empty_file", None, i, max(lines, 1), f.path)
 

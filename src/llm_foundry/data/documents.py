@@ -433,10 +433,12 @@ class _Job:
                 log.warning(note)
         try:
             return self._run(restart)
-        except InputChanged:
+        except InputChanged as e:
             # its shards and tokenizer came partly from the file as it was: nothing to resume
             clear_outputs(self.out)
-            raise
+            raise InputChanged(f"{str(e).removesuffix('; run again')}: what was written from "
+                               f"these inputs in {self.out} is removed (part of it came from the "
+                               "file as it was); run again to prepare it anew") from None  # fmt: skip
 
     def _run(self, restart: bool) -> dict:
         out = self.out
