@@ -743,6 +743,10 @@ def test_missing_text_field_or_column_names_the_file_and_row(tmp_path):
     (tmp_path / "c.jsonl").write_text('{"text": "fine"}\n{"text": "broken"\n')
     with pytest.raises(DataError, match=r"c\.jsonl line 2 is not JSON"):
         prepare_documents(tmp_path / "d", [tmp_path / "c.jsonl"], progress=False)
+    (tmp_path / "e.jsonl").write_bytes(b'{"text": "a\tb"}\n')  # a raw tab inside a string
+    with pytest.raises(DataError) as e:
+        prepare_documents(tmp_path / "d", [tmp_path / "e.jsonl"], progress=False)
+    assert str(e.value).endswith("e.jsonl line 1 is not JSON (Invalid control character, column 12)")
     write(tmp_path / "a.parquet", ["x", "y"], "parquet", field="content")
     with pytest.raises(DataError) as e:
         prepare_documents(tmp_path / "d", [tmp_path / "a.parquet"], progress=False)
