@@ -746,7 +746,9 @@ def test_missing_text_field_or_column_names_the_file_and_row(tmp_path):
     (tmp_path / "e.jsonl").write_bytes(b'{"text": "a\tb"}\n')  # a raw tab inside a string
     with pytest.raises(DataError) as e:
         prepare_documents(tmp_path / "d", [tmp_path / "e.jsonl"], progress=False)
-    assert str(e.value).endswith("e.jsonl line 1 is not JSON (Invalid control character, column 12)")
+    assert str(e.value).endswith(
+        "e.jsonl line 1 is not JSON (Invalid control character, column 12)"
+    )
     write(tmp_path / "a.parquet", ["x", "y"], "parquet", field="content")
     with pytest.raises(DataError) as e:
         prepare_documents(tmp_path / "d", [tmp_path / "a.parquet"], progress=False)
