@@ -24,6 +24,7 @@ from llm_foundry.data.corpus import (
     skipped_note,
 )
 from llm_foundry.data.documents import prepare_documents
+from llm_foundry.data.shard_writer import AlreadyPrepared
 
 KW = dict(vocab_size=300, progress=False)
 
@@ -405,3 +406,29 @@ def test_a_vocabulary_the_corpus_cannot_fill_is_a_plain_note_on_the_command_line
     assert len(lines) == 1 and lines[0].startswith("note: BPE training stopped at "), err
     assert lines[0].endswith("(asked for 3,000): the corpus has no more pairs to merge")
     assert "Warning" not in err and "warn" not in err
+
+
+def test_the_same_inputs_spelled_another_way_are_the_same_inputs(tmp_path, monkeypatch):
+    """`big`, `./big/` and its absolute path name the same files: a complete prepare is not
+    redone, an interrupted one resumes; another order is refused naming both spellings."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "big").mkdir()
+    rows(tmp_path / "big" / "a.jsonl", docs(200, "a"))
+    rows(tmp_path / "big" / "b.jsonl", docs(200, "b"))
+    rows(tmp_path / "c.jsonl", docs(20, "c"))
+    kw = dict(KW, shard_tokens=2000)
+    interrupt_after_shards(monkeypatch, 1)
+    with pytest.raises(KeyboardInterrupt):
+        prepare_documents(tmp_path / "d", ["big", "c.jsonl"], **kw)
+    monkeypatch.undo()
+    monkeypatch.chdir(tmp_path)
+    resumed = prepare_documents(tmp_path / "d", [str(tmp_path / "big"), "./c.jsonl"], **kw)
+    assert resumed["timing"]["resumed"]
+    whole = prepare_documents(tmp_path / "ref", ["big", "c.jsonl"], **kw)
+    assert resumed["sha256"] == whole["sha256"]
+    with pytest.raises(AlreadyPrepared):  # complete: nothing to do
+        prepare_documents(tmp_path / "d", ["./big/", str(tmp_path / "c.jsonl")], **kw)
+    with pytest.raises(DataError) as e:
+        prepare_documents(tmp_path / "d", ["c.jsonl", "big"], **kw)
+    assert ("(the inputs are given in another order or grouping: " + str(tmp_path / "big")
+            + " ./c.jsonl then, c.jsonl big now)") in str(e.value)  # fmt: skip

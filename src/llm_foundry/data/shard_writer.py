@@ -26,7 +26,7 @@ import numpy as np
 from llm_foundry.data.batches import file_entry, prepared_kind
 from llm_foundry.data.shards import INDEX_DTYPE, SHARD_FILE, index_name, shard_name
 from llm_foundry.data.sources import DataError, write_atomic
-from llm_foundry.messages import shown
+from llm_foundry.messages import capped, shown
 
 PROGRESS_FILE = ".progress.json"
 PROGRESS_VERSION = 1
@@ -314,8 +314,14 @@ def changed_inputs(old: dict, new: dict) -> str | None:
     for path in before:
         if path not in now:
             return f"{path} is no longer an input"
-    if old.get("inputs") != new.get("inputs"):
-        return "the inputs are given in another order or grouping"
+
+    def grouped(identity):  # each group's split and files, not the argument's spelling
+        return [group[1:] for group in identity.get("inputs") or []]
+
+    if grouped(old) != grouped(new):  # ./big/, big and /abs/big name the same group alike
+        spelled = lambda identity: " ".join(str(g[0]) for g in identity.get("inputs") or [])  # noqa: E731
+        return (f"the inputs are given in another order or grouping: {capped(spelled(old), 200)}"
+                f" then, {capped(spelled(new), 200)} now")  # fmt: skip
     return None
 
 
