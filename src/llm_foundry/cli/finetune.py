@@ -18,7 +18,7 @@ import json
 import sys
 from pathlib import Path
 
-from llm_foundry.cli.train import default_out, rank0_prepares
+from llm_foundry.cli.train import default_out, rank0_prepares, refuse_data_out
 from llm_foundry.cli.train import main as train_main
 
 TASKS = ("lm", "dpo")
@@ -27,7 +27,8 @@ DATA_DIR = "data"  # where in the run directory --task dpo prepares its rows
 
 def _pre_parser() -> argparse.ArgumentParser:
     """The flags this command reads before the training command parses all of them."""
-    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    p = argparse.ArgumentParser(prog="llm-foundry finetune", add_help=False, allow_abbrev=False,
+                                usage="%(prog)s [--task {lm,dpo}] ... (--help lists every flag)")  # fmt: skip
     p.add_argument("--task", choices=TASKS, default=None)
     for flag in ("--data", "--out", "--checkpoint"):
         p.add_argument(flag, default=None)
@@ -127,6 +128,7 @@ def main(argv: list[str]) -> int:
         ns.out = ns.out or default_out("dpo")
         if ns.data is not None:
             _check_settings(_train_args(ns, rest))
+            refuse_data_out(ns.out)  # before its rows are prepared inside it
             _prepare(ns)
     rc = train_main(_train_args(ns, rest), finetune=True)
     out = ns.out and Path(ns.out)

@@ -132,9 +132,12 @@ def _main(argv: list[str], finetune: bool, prog: str) -> int:
             f"--out {given_out} exists and is not a directory (a file or a device); give a run "
             "directory"
         )
+    refuse_data_out(given_out)
     # a resumed run starts from its own saved settings; flags given now override them
     saved = resume_point(given_out) if resume and given_out else None
     _, model_base, train_base, data_base = saved or (None, None, None, None)
+    if finetune and saved and ns.checkpoint:  # a resumed run goes on from its own checkpoint
+        resumed_base(ns.checkpoint, train_base.init_from, given_out)
     if start:  # fine-tuning: the checkpoint's architecture, its weights to start from
         model_base = start[1]
     settings = settings_from(
@@ -146,6 +149,7 @@ def _main(argv: list[str], finetune: bool, prog: str) -> int:
         extra_keys=("out", "resume", "data", "checkpoint"),
     )
     cfg, train_cfg = settings.model, settings.train
+    refuse_unused_dpo(settings.given["train"], train_cfg.task, finetune)
     if train_cfg.tensorboard:  # a missing extra is said before the run directory is made
         from llm_foundry.train.metrics import require_tensorboard
 
@@ -158,6 +162,8 @@ def _main(argv: list[str], finetune: bool, prog: str) -> int:
                              "checkpoint's tokenizer (prepare --input FILES or --sft ROWS, "
                              "--tokenizer-from CHECKPOINT)")  # fmt: skip
     data_dir = ns.data or data_base or DEFAULT_DATA
+    if Path(data_dir).is_file():  # rows not prepared yet: the command that prepares them
+        rows_hint(Path(data_dir), ns.checkpoint if finetune else None)
     if start and "block_size" not in settings.given["train"]:
         train_cfg = _finetune_block_size(cfg, train_cfg, data_dir)
     if ns.resume and ns.out is None:
@@ -204,6 +210,82 @@ def _main(argv: list[str], finetune: bool, prog: str) -> int:
                            f"steps done; saved {result.checkpoint}; continue with --resume --out "
                            f"{out}")  # fmt: skip
     return 0
+
+
+def refuse_data_out(out: str | None) -> None:
+    """Refuse, in one line, an --out that is a directory ``prepare`` wrote (it holds meta.json):
+    the run's checkpoints, metrics and plots would be written among the data it reads."""
+    if out is not None and (Path(out) / "meta.json").is_file():
+        raise ValueError(f"--out {out} is a data directory `llm-foundry prepare` wrote (it holds "
+                         "meta.json): give the run a directory of its own, e.g. runs/NAME")  # fmt: skip
+
+
+def resumed_base(checkpoint: str, init_from: str | None, out: str) -> None:
+    """--checkpoint given with --resume: a run resumes from its own latest checkpoint, on the
+    base it started from (``init_from``, its train.init_from); the same base is said in a note,
+    another refused in one line."""
+    from llm_foundry.rundir import checkpoint_dir
+
+    def where(path: str) -> Path:
+        try:
+            return checkpoint_dir(path).resolve()
+        except (FileNotFoundError, NotADirectoryError, ValueError):
+            return Path(path).resolve()
+
+    if init_from is not None and where(checkpoint) == where(init_from):
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"note: --checkpoint {checkpoint} is the base {out} started from; --resume "
+                  f"goes on from {out}'s latest checkpoint")  # fmt: skip
+        return
+    started = f"started from {init_from}" if init_from else "was trained from scratch"
+    raise ValueError(
+        f"--resume --out {out} goes on from that run's own latest checkpoint (it {started}); "
+        f"--checkpoint {checkpoint} is another model: drop --checkpoint, or fine-tune "
+        f"{checkpoint} in a new run with another --out"
+    )
+
+
+def refuse_unused_dpo(given: dict, task: str, finetune: bool) -> None:
+    """Refuse, in one line, train.dpo_* settings given to a run whose task is not dpo: they
+    would be ignored."""
+    unused = sorted(k for k in given if k.startswith("dpo_"))
+    if unused and task != "dpo":
+        how = "--task dpo" if finetune else "--train.task dpo (or finetune --task dpo)"
+        raise ValueError(
+            f"train.{unused[0]} applies to preference tuning only, and this run's train.task is "
+            f"{task!r}: add {how} to train on preference pairs, or drop "
+            + ", ".join(f"--train.{k}" for k in unused)
+        )
+
+
+def rows_hint(path: Path, checkpoint: str | None) -> None:
+    """Refuse --data naming a JSONL file of fine-tuning or preference rows, in one line with the
+    command that takes them (``checkpoint``: the model a fine-tune starts from); any other file
+    is left to the data loader's own message."""
+    from shlex import quote
+
+    from llm_foundry.data.sft import iter_objects
+    from llm_foundry.data.sources import DataError
+
+    try:
+        first = next(iter_objects(path, "rows"), None)
+    except DataError:  # not JSONL: not rows
+        return
+    keys = set(first[1]) if first else set()
+    model = quote(checkpoint) if checkpoint else "MODEL"
+    if {"chosen", "rejected"} <= keys:
+        raise DataError(
+            f"--data {path} is a file of preference rows (prompt, chosen, rejected): `llm-foundry "
+            f"finetune --task dpo --checkpoint {model} --data {quote(str(path))} --out RUN` "
+            "tokenizes and trains on it as it is"
+        )
+    if "messages" in keys or {"prompt", "completion"} <= keys:
+        fields = "messages" if "messages" in keys else "prompt, completion"
+        raise DataError(
+            f"--data {path} is a file of fine-tuning rows ({fields}), not a directory `prepare` "
+            f"wrote: make one with `llm-foundry prepare --sft {quote(str(path))} --tokenizer-from "
+            f"{model} --out DIR`, then --data DIR"
+        )
 
 
 def nothing_to_resume(out: Path) -> str:

@@ -279,12 +279,41 @@ def resume_point(run_dir: str | Path) -> tuple[Path, ModelConfig, TrainConfig, s
     return ckpt, model, TrainConfig.from_dict(state["train_config"]), data
 
 
+# the LoRA settings a checkpoint's adapters were built with: their shapes (r, targets), their
+# scale (alpha, rslora), how the frozen base is held. lora_dropout, a regulariser of training
+# alone, may change on resume like the learning rate.
+LORA_BUILT = ("lora_r", "lora_targets", "lora_alpha", "lora_rslora", "lora_base_dtype")
+
+
+def lora_changes(saved: dict, tc: TrainConfig) -> dict[str, tuple]:
+    """field -> (saved, now) for each of ``LORA_BUILT`` on which ``tc`` differs from a run's
+    saved train config ``saved`` (lora_targets as a set; settings of adapters neither side has
+    are not compared)."""
+    default = TrainConfig()
+    was = {k: saved.get(k, getattr(default, k)) for k in LORA_BUILT}
+    now = {k: getattr(tc, k) for k in LORA_BUILT}
+    if not was["lora_r"] and not now["lora_r"]:  # no adapters then or now
+        return {}
+    out = {}
+    for k in LORA_BUILT:
+        same = (set(was[k].split(",")) == set(now[k].split(","))
+                if k == "lora_targets" else was[k] == now[k])  # fmt: skip
+        if not same:
+            out[k] = (was[k], now[k])
+    return out
+
+
+def _flag(value) -> str:
+    """A setting's value as a command-line flag takes it."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
 def check_resumable(
     state: dict, path: Path, mc: ModelConfig, tc: TrainConfig, data_id: dict, data_dir: str | Path
 ) -> list[str]:
     """Refuse (ConfigError) resuming checkpoint ``path`` (its ``state``) as a run of ``mc`` and
     ``tc`` on the data ``data_id`` fingerprints when the weights would not fit: another
-    architecture, another frozen-base dtype, other data. Returns the training settings that
+    architecture, other LoRA adapters (``LORA_BUILT``), other data. Returns the training settings that
     differ from the saved run's ("name old -> new"; allowed: e.g. a larger max_steps)."""
     # data of another tokenizer first: its vocabulary would otherwise show as another model
     saved_data = state.get("data")  # absent in checkpoints written before it was recorded
@@ -311,13 +340,14 @@ def check_resumable(
             f"resume: {path} holds a model with other settings; a run resumes with the "
             "architecture it was started with, drop or fix these --model flags",
         )
-    # the frozen base is saved as the run held it: bf16/int8 tensors do not load into fp32 ones
-    saved_base = state["train_config"].get("lora_base_dtype", "fp32")
-    if saved_base != tc.lora_base_dtype:
+    changed = lora_changes(state["train_config"], tc)
+    if changed:
+        flags = " ".join(f"--train.{k} {_flag(v)}" for k, (v, _) in changed.items())
         raise ConfigError(
-            [f"lora_base_dtype: saved {saved_base!r}, now {tc.lora_base_dtype!r}"],
-            f"resume: {path} holds its frozen base as {saved_base}; resume with "
-            f"--train.lora_base_dtype {saved_base}",
+            ["; ".join(f"{k}: saved {was!r}, now {now!r}" for k, (was, now) in changed.items())],
+            f"resume: {path} holds the adapters its run built (their shapes, scale and frozen "
+            f"base are the run's); a resumed run keeps them: resume with {flags}, or start a new "
+            "run with --out",
         )
     if saved_data is not None and saved_data != data_id:
         raise ConfigError(
