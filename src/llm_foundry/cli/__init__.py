@@ -78,15 +78,19 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     show_library_messages()
     from llm_foundry.cli.ranks import per_rank, rank0_only
-    from llm_foundry.config import ConfigError
+    from llm_foundry.cli.signals import held_interrupt, stopped
     from llm_foundry.package import MissingExtra
 
     # under torchrun every rank runs this command line: what follows from it alone (usage and
     # configuration errors, a stop) is said by rank 0; what may differ (I/O) by each rank
     said_once = rank0_only()
     try:
-        command = importlib.import_module(f"llm_foundry.cli.{COMMANDS[name][0]}")
+        with held_interrupt():  # Ctrl-C while torch loads: raised once it has loaded
+            command = importlib.import_module(f"llm_foundry.cli.{COMMANDS[name][0]}")
         return command.main(rest) or 0
+    except KeyboardInterrupt:  # Ctrl-C where a command has no handler of its own
+        with said_once:
+            return stopped(f"llm-foundry {name}", "SIGINT", "before it finished")
     except MissingExtra as e:  # an optional part not installed: its install line, no traceback
         with said_once:
             print(f"llm-foundry {name}: error: {one_line(e, MAX_ERROR)}", file=sys.stderr)
@@ -105,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:  # a file in the way, ...
         print(per_rank(f"llm-foundry {name}: error: {capped(str(e))}"), file=sys.stderr)
         return 2
-    except (ConfigError, KeyError, ValueError) as e:
+    except (KeyError, ValueError) as e:  # a ConfigError among them
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         line = f"llm-foundry {name}: error: {capped(str(msg))}"
         if getattr(e, "rank_alone", False):  # one rank's own (cli/ranks.py): said with its rank
@@ -114,11 +118,6 @@ def main(argv: list[str] | None = None) -> int:
         with said_once:
             print(line, file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # Ctrl-C where a command has no handler of its own
-        from llm_foundry.cli.options import stopped
-
-        with said_once:
-            return stopped(f"llm-foundry {name}", "SIGINT", "before it finished")
     except _run_stops() as e:
         with said_once:
             print(f"llm-foundry {name}: {capped(str(e))}", file=sys.stderr)

@@ -14,7 +14,8 @@ from llm_foundry.ablation import (
     write_report,
 )
 from llm_foundry.ablation.spec import LIST_AXIS_SEPARATOR, LIST_FIELDS, parse_override
-from llm_foundry.cli.options import SettingsParser, at_least_one, stopped
+from llm_foundry.cli.options import SettingsParser, at_least_one
+from llm_foundry.cli.signals import stopped
 
 
 def main(argv: list[str]) -> int:

@@ -19,7 +19,8 @@ from llm_foundry.bench.attention import (
     valid_kv_heads,
     write_outputs,
 )
-from llm_foundry.cli.options import SettingsParser, at_least_one, stopped
+from llm_foundry.cli.options import SettingsParser, at_least_one
+from llm_foundry.cli.signals import stopped
 from llm_foundry.messages import shown
 
 BENCHMARKS = ["attention"]  # `llm-foundry bench NAME`

@@ -12,10 +12,9 @@ import dataclasses
 import difflib
 import inspect
 import re
-import signal
-import sys
 from functools import cache
 
+from llm_foundry.cli.signals import stopped  # noqa: F401 - cli/train.py imports it from here
 from llm_foundry.settings import SECTIONS, Settings, config_names, field_names, resolve, scalar
 
 
@@ -191,13 +190,3 @@ def quantize_choice(scheme: str | None, group_size: int | None, flag: str = "--q
     if group_size is not None and scheme != "int4":
         raise ValueError(f"--group-size {group_size} applies to {flag} int4 only")
     return scheme, group_size or 64
-
-
-def stopped(prog: str, signal_name: str | None, what: str) -> int:
-    """Say on stderr (one line) that a signal stopped the command, and return the exit status
-    a shell gives a process its signal ended: 128 + the signal's number (SIGINT 130, SIGTERM
-    143)."""
-    sig = signal.Signals[signal_name] if signal_name in signal.Signals.__members__ else None
-    sig = sig or signal.SIGINT
-    print(f"{prog}: stopped by {sig.name}: {what}", file=sys.stderr, flush=True)
-    return 128 + sig.value

@@ -49,7 +49,7 @@ def count(flag: str, text: str | int) -> int:
 
 
 def main(argv: list[str]) -> int:
-    from llm_foundry.cli.options import stopped
+    from llm_foundry.cli.signals import stopped
     from llm_foundry.data import DATASETS
     from llm_foundry.data.corpus import BAD_UTF8
     from llm_foundry.data.documents import (
