@@ -7,10 +7,18 @@ from __future__ import annotations
 import time
 
 import pytest
-from test_serve import char_checkpoint, client, running
+from _bytes_bpe import bytes_bpe
+from test_serve import (  # noqa: F401 - fixtures
+    ask,
+    assert_openai_error,
+    char_checkpoint,
+    client,
+    running,
+)
 
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
+tokenizers = pytest.importorskip("tokenizers")
 
 
 @pytest.fixture(scope="module")
@@ -65,3 +73,142 @@ def test_a_non_streamed_request_whose_client_left_is_cancelled_while_tokens_flow
         assert requests_counted(url) == {("completions", "499"): 3}
         r = client(url).completions.create(model="tiny", prompt="ROMEO:", max_tokens=3)
         assert r.usage.completion_tokens == 3
+
+
+# ---- prompts far past the context -------------------------------------------------------------
+def _byte_level(vocab_size: int = 300, normalizer=None):
+    """A byte-level BPE (every byte a token) trained on CORPUS, with ``normalizer``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizer
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    tok.train_from_iterator([CORPUS], trainer)
+    return tok
+
+
+def _sentencepiece_like(normalizer=None, fallback: bool = True):
+    """A Metaspace BPE with byte-fallback tokens (as Llama's tokenizer.json), with
+    ``normalizer``; without ``fallback``: no byte tokens, unknown characters fused into one."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from llm_foundry.serve.prompt_size import BYTE_FALLBACK
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=fallback, fuse_unk=not fallback))
+    tok.normalizer = normalizer
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    specials = ["<unk>", *(BYTE_FALLBACK if fallback else [])]
+    trainer = trainers.BpeTrainer(vocab_size=400, show_progress=False, special_tokens=specials)
+    tok.train_from_iterator([CORPUS], trainer)
+    return tok
+
+
+CORPUS = "First Citizen:\nBefore we proceed any further, hear me speak. Café naïve\n" * 20
+
+
+def _hard_texts(hf) -> list[str]:
+    """Texts that encode to as few tokens per character as can be found: the longest tokens'
+    texts repeated, words of the corpus, scripts the vocabulary lacks, combining marks."""
+    vocab = hf.get_vocab(with_added_tokens=True)
+    longest = sorted(vocab, key=len)[-5:]
+    texts = [hf.decode([vocab[t]]) * 50 for t in longest if hf.decode([vocab[t]])]
+    return texts + [CORPUS * 3, "世界🙂" * 40, "e\u0301" * 200, "\u1100\u1161\u11a8" * 100,
+                    "  \n\t " * 100, "a" * 3000]  # fmt: skip
+
+
+BOUNDED = {
+    "ours (BPETokenizer)": lambda: bytes_bpe().hf,
+    "byte-level": _byte_level,
+    "byte-level, NFC": lambda: _byte_level(normalizer=tokenizers.normalizers.NFC()),
+    "byte-fallback, NFKC": lambda: _sentencepiece_like(tokenizers.normalizers.NFKC()),
+}
+
+
+@pytest.mark.parametrize("make", BOUNDED.values(), ids=list(BOUNDED))
+def test_a_texts_length_bounds_its_tokens_from_below_where_a_bound_is_given(make):
+    """``chars_per_token`` against the tokenizer's own encode: no text encodes to fewer than
+    ceil(characters / bound) tokens, and without a normalizer the longest token repeated meets
+    it."""
+    from llm_foundry.serve.prompt_size import hf_chars_per_token, min_tokens
+
+    hf = make()
+    per_token = hf_chars_per_token(hf)
+    assert per_token is not None
+    tight = False
+    for text in _hard_texts(hf):
+        got = len(hf.encode(text, add_special_tokens=False).ids)
+        assert got >= min_tokens(len(text), per_token), (text[:40], got, per_token)
+        tight |= got == min_tokens(len(text), per_token)
+    assert tight or hf.normalizer is not None  # a normalizer's factor is a worst case
+
+
+def test_no_bound_is_claimed_where_the_pipeline_can_drop_characters():
+    """A pre-tokenizer that drops spaces, a normalizer that strips, WordPiece (a long word is
+    one [UNK]), unknown characters fused into one token: a text of any length can encode to
+    a few tokens, and no bound is given."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+
+    from llm_foundry.serve.prompt_size import hf_chars_per_token
+
+    spaces = _byte_level()
+    spaces.pre_tokenizer = pre_tokenizers.Whitespace()
+    wordpiece = Tokenizer(models.WordPiece({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
+    wordpiece.pre_tokenizer = pre_tokenizers.Whitespace()
+    fused = _sentencepiece_like(fallback=False)
+    for hf, text in ((spaces, " " * 5000 + "a"), (_byte_level(normalizer=normalizers.Strip()),
+                     " " * 5000 + "a"), (wordpiece, "b" * 5000), (fused, "世" * 5000)):  # fmt: skip
+        assert len(hf.encode(text, add_special_tokens=False).ids) <= 2
+        assert hf_chars_per_token(hf) is None
+
+
+@pytest.fixture(scope="module")
+def byte_level_checkpoint(tmp_path_factory):
+    """A random model (128 positions) over ``_byte_level()``'s 300 ids, with no end of text."""
+    import torch
+
+    from llm_foundry.checkpoint import save_checkpoint
+    from llm_foundry.models import Transformer
+    from llm_foundry.presets import get_preset
+
+    path = tmp_path_factory.mktemp("serve-byte-level") / "ckpt"
+    tok = _byte_level()
+    torch.manual_seed(0)
+    save_checkpoint(Transformer(get_preset("llama-shakespeare-char", vocab_size=tok.get_vocab_size(),
+                                           n_layers=1, dim=32, n_heads=2, max_seq_len=128)),
+                    path)  # fmt: skip
+    tok.save(str(path / "tokenizer.json"))
+    return path
+
+
+def test_a_prompt_far_past_the_context_is_refused_before_it_is_encoded(
+    byte_level_checkpoint, monkeypatch
+):
+    """3.9 MB of prompt (under the body limit) on a byte-level BPE model of 128 positions: 400
+    context_length_exceeded naming 'prompt' (a chat: 'messages') with no text longer than the
+    bound encoded; a prompt the bound lets through is still refused by its exact count."""
+    from llm_foundry.serve import app
+
+    encoded: list[int] = []
+    encode = app._encode
+    monkeypatch.setattr(app, "_encode", lambda tok, text: (encoded.append(len(text)),
+                                                           encode(tok, text))[1])  # fmt: skip
+    with running(byte_level_checkpoint, slots=1) as (url, served):
+        most = 128 * served.chars_per_token
+        for endpoint, body, param in (
+            ("completions", {"prompt": "a " * 1_950_000}, "prompt"),
+            ("chat", {"messages": [{"role": "user", "content": "a " * 1_950_000}]}, "messages"),
+        ):  # fmt: skip
+            r = ask(url, endpoint, {"model": "tiny", "max_tokens": 2, **body})
+            error = assert_openai_error(r, 400)
+            assert (error["code"], error["param"]) == ("context_length_exceeded", param)
+            assert "at least" in error["message"]
+        assert all(n < most for n in encoded), (encoded, most)
+        r = ask(url, "completions", {"model": "tiny", "prompt": "ROMEO: " * 30})
+        error = assert_openai_error(r, 400)
+        assert error["code"] == "context_length_exceeded" and "at least" not in error["message"]
+        assert encoded  # encoded, and counted exactly
+        r = ask(url, "completions", {"model": "tiny", "prompt": "ROMEO:", "max_tokens": 2})
+        assert r.status_code == 200, r.text[:300]

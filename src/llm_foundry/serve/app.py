@@ -19,6 +19,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from llm_foundry.data.sft import check_messages
 from llm_foundry.data.sources import DataError
@@ -26,6 +27,7 @@ from llm_foundry.messages import one_line, shown
 from llm_foundry.serve.engine import Engine, Params, QueueFull, Sequence
 from llm_foundry.serve.offsets import StreamedOffsets, text_offsets
 from llm_foundry.serve.page import add_page
+from llm_foundry.serve.prompt_size import chars_per_token, min_tokens
 
 try:
     from fastapi import FastAPI, Request
@@ -108,6 +110,11 @@ class Served:
     chat_stop: tuple[str, ...] = ()  # a chat template's plain-text end of turn
     created: int = field(default_factory=lambda: int(time.time()))
     adapters: list[str] = field(default_factory=list)
+
+    @cached_property
+    def chars_per_token(self) -> float | None:
+        """The most characters one token stands for (None: not bounded; ``prompt_size``)."""
+        return chars_per_token(self.tokenizer)
 
     def adapter_of(self, model) -> int:
         """The engine's adapter for a request's ``model``: 0 for the served model's name, k
@@ -219,8 +226,36 @@ def _params(body: dict, chat: bool, context: int) -> tuple[Params, int]:
 
 
 def _prompt_ids(served: Served, body: dict, chat: bool) -> list[int]:
-    tok = served.tokenizer
-    hf = getattr(tok, "kind", "") == "hf"
+    """The request's prompt as token ids: its ids, or its text (a chat's rendered) encoded; a
+    text too long for the context whatever it encodes to is refused before it is encoded."""
+    prompt = _prompt_text(served, body, chat)
+    if isinstance(prompt, list):
+        return prompt
+    least, context = min_tokens(len(prompt), served.chars_per_token), served.engine.context
+    if least >= context:
+        raise BadRequest(
+            f"the prompt is {len(prompt):,} characters, so at least {least:,} tokens (a token "
+            f"of this tokenizer stands for {served.chars_per_token:g} characters at most); the "
+            f"model's context is {context}", "messages" if chat else "prompt",
+            code="context_length_exceeded",
+        )  # fmt: skip
+    try:
+        return _encode(served.tokenizer, prompt)
+    except ValueError as e:
+        raise BadRequest(f"the prompt cannot be encoded: {e}", "prompt") from None
+
+
+def _encode(tok, text: str) -> list[int]:
+    """``text``'s ids, no special tokens added; a Hugging Face tokenizer's through encode_batch,
+    which lets go of the GIL while it works (its encode holds it: the server would stall)."""
+    hf = getattr(tok, "hf", None)
+    if hf is None:
+        return tok.encode(text)
+    return hf.encode_batch([text], add_special_tokens=False)[0].ids
+
+
+def _prompt_text(served: Served, body: dict, chat: bool) -> str | list[int]:
+    """The request's prompt: a text (a chat's rendered in its template) or token ids."""
     if chat:
         from llm_foundry.chat import render_chat
 
@@ -260,10 +295,7 @@ def _prompt_ids(served: Served, body: dict, chat: bool) -> list[int]:
             raise BadRequest(
                 "'prompt' must be a non-empty string (or one list of token ids)", "prompt"
             )
-    try:
-        return tok.encode(text, add_special_tokens=False) if hf else tok.encode(text)
-    except ValueError as e:
-        raise BadRequest(f"the prompt cannot be encoded: {e}", "prompt") from None
+    return text
 
 
 # ---- responses ----------------------------------------------------------------------------------
