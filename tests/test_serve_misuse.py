@@ -212,3 +212,43 @@ def test_a_prompt_far_past_the_context_is_refused_before_it_is_encoded(
         assert encoded  # encoded, and counted exactly
         r = ask(url, "completions", {"model": "tiny", "prompt": "ROMEO:", "max_tokens": 2})
         assert r.status_code == 200, r.text[:300]
+
+
+# ---- text that is not Unicode; failures counted -----------------------------------------------
+@pytest.mark.parametrize("model", ["byte-level", "char"])
+def test_a_lone_surrogate_is_a_400_naming_the_field_not_a_500(
+    model, byte_level_checkpoint, long_checkpoint
+):
+    """JSON can escape half of a UTF-16 pair alone ("\\ud800"); Python reads it into a string no
+    tokenizer takes (the official client cannot even send it: JSON as curl sends it). Both
+    tokenizers: 400 invalid_request_error naming 'prompt' or 'messages' and where the surrogate
+    is; the server goes on."""
+    path = byte_level_checkpoint if model == "byte-level" else long_checkpoint
+    with running(path, slots=1) as (url, _):
+        r = ask(url, "completions", {"model": "tiny", "prompt": "a\ud800b", "max_tokens": 2})
+        error = assert_openai_error(r, 400)
+        assert (error["type"], error["param"]) == ("invalid_request_error", "prompt")
+        assert "lone surrogate \\ud800 at character 1" in error["message"]
+        messages = [{"role": "user", "content": "hi"}, {"role": "user", "content": "x\udfff"}]
+        r = ask(url, "chat", {"model": "tiny", "messages": messages, "max_tokens": 2})
+        error = assert_openai_error(r, 400)
+        assert error["param"] == "messages" and "messages[1].content" in error["message"]
+        r = ask(url, "completions", {"model": "tiny", "prompt": "First", "max_tokens": 2})
+        assert r.status_code == 200, r.text[:300]
+        assert requests_counted(url) == {("completions", "400"): 1, ("chat", "400"): 1,
+                                         ("completions", "200"): 1}  # fmt: skip
+
+
+def test_a_failed_request_is_counted_under_500(long_checkpoint, monkeypatch):
+    """A handler that raises (the tokenizer broke) and an engine row that fails (the decoder
+    broke): each a 500, each counted in llm_foundry_requests_total under status 500."""
+    with running(long_checkpoint, slots=1) as (url, served):
+        body = {"model": "tiny", "prompt": "First", "max_tokens": 2}
+        with monkeypatch.context() as m:
+            m.setattr(served.tokenizer, "encode", lambda text: 1 / 0)
+            assert_openai_error(ask(url, "completions", body), 500)
+        with monkeypatch.context() as m:
+            m.setattr(served.engine.tok, "decode", lambda ids: 1 / 0)
+            chat = {"model": "tiny", "messages": [{"role": "user", "content": "a"}]}
+            assert_openai_error(ask(url, "chat", chat), 500)
+        assert requests_counted(url) == {("completions", "500"): 1, ("chat", "500"): 1}

@@ -46,6 +46,8 @@ COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for completions
 MAX_REQUEST_BYTES = 4 * 2**20  # default bound on a request body (--max-request-bytes)
 DISCONNECT_CHECK_S = 0.25  # how often a non-streamed request asks whether its client is there
 READ = ["GET", "HEAD"]  # HEAD as GET without the body: what health checkers send
+# the routes that generate, by their name in /metrics
+ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 
 # the request fields each endpoint implements (besides those in OFF)
 COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop",
@@ -270,6 +272,8 @@ def _prompt_text(served: Served, body: dict, chat: bool) -> str | list[int]:
         except DataError as e:
             raise BadRequest(str(e), "messages") from None
         messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+        for j, m in enumerate(messages):
+            _check_unicode(m["content"], f"messages[{j}].content", "messages")
         try:
             text = render_chat(served.template, messages, add_generation_prompt=True,
                                **served.specials)  # fmt: skip
@@ -295,7 +299,20 @@ def _prompt_text(served: Served, body: dict, chat: bool) -> str | list[int]:
             raise BadRequest(
                 "'prompt' must be a non-empty string (or one list of token ids)", "prompt"
             )
+        _check_unicode(text, "'prompt'", "prompt")
     return text
+
+
+def _check_unicode(text: str, what: str, param: str) -> None:
+    """Refuse a string that is not Unicode text: JSON's escapes can write a lone surrogate
+    (\\ud800), which no encoding has (tokenizers fail on it, deep inside)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise BadRequest(
+            f"{what} is not valid Unicode: a lone surrogate \\u{ord(text[e.start]):04x} at "
+            f"character {e.start:,} (a UTF-16 half with no other half)", param,
+        ) from None  # fmt: skip
 
 
 # ---- responses ----------------------------------------------------------------------------------
@@ -353,6 +370,9 @@ def create_app(served: Served, max_request_bytes: int = MAX_REQUEST_BYTES) -> Fa
 
     @app.exception_handler(Exception)
     async def failed(request: Request, e: Exception):
+        endpoint = ENDPOINTS.get(request.url.path)
+        if endpoint is not None:
+            count(endpoint, 500)
         message = f"the server failed on this request ({type(e).__name__}: {one_line(str(e))})"
         return JSONResponse(error_body(message, kind="server_error"), 500)
 
@@ -606,7 +626,6 @@ def create_app(served: Served, max_request_bytes: int = MAX_REQUEST_BYTES) -> Fa
         if failed:
             count(endpoint, 500)
             return JSONResponse(error_body(failed[0], kind="server_error"), 500)
-        count(endpoint, 200)
         choices = []
         for i in range(n):
             lp = None
@@ -623,6 +642,7 @@ def create_app(served: Served, max_request_bytes: int = MAX_REQUEST_BYTES) -> Fa
             else:
                 choices.append({"index": i, "text": texts[i], "logprobs": lp,
                                 "finish_reason": _finish_reason(reasons[i])})  # fmt: skip
+        count(endpoint, 200)
         return {"id": rid, "object": obj, "created": created, "model": model,
                 "choices": choices, "usage": usage()}  # fmt: skip
 
