@@ -770,11 +770,9 @@ def test_a_text_stream_prepared_again_is_kept_as_it_is_or_refused_until_restart(
     rc, err = cli_status(other, capsys)
     assert rc == 2 and f"(the text's sha256: {sha['a.txt']}… then, {sha['b.txt']}… now)" in err
     assert stamps(out) == before
-    # --restart prepares it again; --sft prepares anew anyway
+    # --restart prepares it again
     assert cli_status([*other, "--restart"], capsys)[0] == 0
     assert load_meta(out)["sha256"].startswith(sha["b.txt"])
-    rc, err = cli_status(["prepare", "--sft", "rows.jsonl", "--out", str(out), "--restart"], capsys)
-    assert rc == 2 and "--restart is for --text, --dataset and --input" in err
     # a meta.json from before settings were recorded cannot be compared
     meta = load_meta(out)
     del meta["settings"]

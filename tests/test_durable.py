@@ -130,7 +130,8 @@ def test_an_earlier_tokenizers_metadata_is_removed_only_once_meta_json_is_gone(t
     prepare_sft(out, tmp_path / "sft.jsonl", tmp_path / "with" / "tokenizer.json", 0.25)
     assert (out / "generation_config.json").is_file()
     disk.clear()
-    prepare_sft(out, tmp_path / "sft.jsonl", tmp_path / "without" / "tokenizer.json", 0.25)
+    prepare_sft(out, tmp_path / "sft.jsonl", tmp_path / "without" / "tokenizer.json", 0.25,
+                restart=True)  # fmt: skip
     assert not (out / "generation_config.json").exists()
     assert "generation_config.json" not in json.loads((out / "meta.json").read_text())["files"]
 

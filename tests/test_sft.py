@@ -14,7 +14,7 @@ from conftest import cli_status
 from llm_foundry.data import DataError
 from llm_foundry.data.batches import IGNORE
 from llm_foundry.data.sft import SFTSampler, encode_row, prepare_sft, read_rows
-from llm_foundry.tokenizer import CharTokenizer
+from llm_foundry.tokenizer import CharTokenizer, load_tokenizer
 
 TEXT = "ROMEO: what light? JULIET: ay me!\nUSER: ASSISTANT: SYSTEM: who speaks next\n" * 3
 ROWS = [
@@ -369,7 +369,7 @@ def test_an_interrupted_re_prepare_is_refused_by_fine_tuning_not_trained_on(sft_
     monkeypatch.setattr(sources, "write_atomic", cut)
     monkeypatch.setattr(sft_module, "write_atomic", cut, raising=False)
     with pytest.raises(KeyboardInterrupt):
-        prepare_sft(data, rows, data.parent / "tokenizer.json", 0.25)
+        prepare_sft(data, rows, data.parent / "tokenizer.json", 0.25, restart=True)
     monkeypatch.undo()
     with pytest.raises(DataError, match=r"meta.json is missing.*interrupted"):
         SFTSampler(data, "train", block_size=80, batch_size=2)
@@ -402,7 +402,7 @@ def test_a_running_fine_tune_keeps_the_files_it_maps_whole(sft_dir):
     old = SFTSampler(data, "train", block_size=80, batch_size=2)
     before = np.array(old.data), np.array(old.mask), np.array(old.offsets)
     rows = _rows_file(data.parent / "swapped.jsonl", SWAPPED)
-    prepare_sft(data, rows, data.parent / "tokenizer.json", 0.25)
+    prepare_sft(data, rows, data.parent / "tokenizer.json", 0.25, restart=True)
     for was, now in zip(before, (old.data, old.mask, old.offsets), strict=True):
         np.testing.assert_array_equal(np.asarray(now), was)
     new = SFTSampler(data, "train", block_size=80, batch_size=2)
@@ -601,7 +601,7 @@ def test_ctrl_c_during_prepare_sft_is_one_line_and_exit_130(sft_dir, monkeypatch
     ctrl_c.__wrapped__ = sft_module.encode_row
     monkeypatch.setattr(sft_module, "encode_row", ctrl_c)
     argv = ["prepare", "--sft", str(rows), "--tokenizer-from", str(data.parent / "tokenizer.json")]
-    rc, err = cli_status([*argv, "--out", str(data)], capsys)
+    rc, err = cli_status([*argv, "--out", str(data), "--restart"], capsys)
     assert rc == 130
     assert err.count("\n") == 1 and err.startswith("llm-foundry prepare: stopped by SIGINT: ")
     # cut short while encoding: the old data is still there, whole and checked
@@ -631,3 +631,47 @@ def test_out_of_range_demo_flags_are_one_line(tmp_path, capsys, flags, message):
     rc, err = cli_status(argv, capsys)
     assert rc == 2 and err.count("\n") == 1 and message in err, err
     assert not (tmp_path / "out").exists()
+
+
+def test_prepare_sft_again_is_nothing_to_do_or_refused_as_text_prepares_are(sft_dir, capsys):
+    """The same rows and settings again: nothing to do. Other rows or settings, or a directory
+    that holds a text corpus (--sft or --sft-demo): refused, naming what differs and --restart,
+    nothing written. A training run's directory: refused."""
+    data, _ = sft_dir
+    root, tok = data.parent, str(data.parent / "tokenizer.json")
+    stamps = lambda d: {p.name: p.stat().st_mtime_ns for p in d.iterdir()}  # noqa: E731
+    before = stamps(data)
+    argv = ["prepare", "--sft", str(root / "rows.jsonl"), "--tokenizer-from", tok, "--out",
+            str(data), "--val-fraction", "0.25"]  # fmt: skip
+    assert cli_status(argv, capsys) == (0, "")
+    assert stamps(data) == before
+    swapped = _rows_file(root / "swapped.jsonl", SWAPPED)
+    rc, err = cli_status([*argv[:2], str(swapped), *argv[3:]], capsys)
+    assert rc == 2 and "is already prepared from other rows or settings (the rows' sha256: " in err
+    assert err.endswith("add --restart to prepare it again from scratch, or write to another "
+                        "--out\n")  # fmt: skip
+    rc, err = cli_status([*argv[:-1], "0.5"], capsys)
+    assert rc == 2 and "(settings.val_fraction: 0.25 then, 0.5 now)" in err
+    assert stamps(data) == before
+    assert cli_status([*argv[:2], str(swapped), *argv[3:], "--restart"], capsys)[0] == 0
+    assert "JULIE" in load_tokenizer(data / "tokenizer.json").decode(
+        np.asarray(SFTSampler(data, "train", block_size=80, batch_size=2).data)
+    )
+
+    # a text corpus there: neither --sft nor --sft-demo writes into it
+    (root / "play.txt").write_text("ROMEO:\nWhat light?\n\nJULIET:\nAy me!\n\n" * 20)
+    text = root / "text"
+    assert cli_status(["prepare", "--text", str(root / "play.txt"), "--out", str(text)],
+                      capsys)[0] == 0  # fmt: skip
+    before = stamps(text)
+    for flags in (["--sft", str(root / "rows.jsonl")], ["--text", str(root / "play.txt"),
+                                                       "--sft-demo"]):  # fmt: skip
+        rc, err = cli_status(["prepare", *flags, "--tokenizer-from", tok, "--out", str(text)],
+                             capsys)  # fmt: skip
+        assert rc == 2 and f"{text} already holds " in err and "--restart" in err, err
+        assert stamps(text) == before  # no rows.jsonl, nothing replaced
+    run = root / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    rc, err = cli_status([*argv[:-3], str(run)], capsys)
+    assert rc == 2 and "is a training run's directory (run.json, checkpoints/)" in err
+    assert list(run.iterdir()) == [run / "checkpoints"]

@@ -178,7 +178,8 @@ def test_a_prepared_directory_drops_an_earlier_tokenizers_files(tmp_path):
     assert (tmp_path / "sft" / "chat_template.jinja").is_file()
     ours = BPETokenizer.train("What is 3 plus one? 4 " * 20, 300)
     ours.save(tmp_path / "tokenizer.json")
-    meta = prepare_sft(tmp_path / "sft", tmp_path / "rows.jsonl", tmp_path / "tokenizer.json")
+    meta = prepare_sft(tmp_path / "sft", tmp_path / "rows.jsonl", tmp_path / "tokenizer.json",
+                       restart=True)  # fmt: skip
     assert not [n for n in METADATA_FILES if (tmp_path / "sft" / n).exists()]
     assert not set(METADATA_FILES) & set(meta["files"])
     SFTSampler(tmp_path / "sft", "train", block_size=16, batch_size=2).next()

@@ -12,7 +12,11 @@ Three kinds of input, one per call:
   whole documents held out for validation; an interrupted run resumes when run again, a complete
   one run again does nothing (the same inputs and settings) or is refused (others; ``--restart``
   prepares it again);
-- fine-tuning rows (``--sft``): prompt/completion or chat rows, the loss on the answers.
+- fine-tuning rows (``--sft``): prompt/completion or chat rows, the loss on the answers; run
+  again on a complete directory it does nothing (the same rows and settings) or is refused
+  (others; ``--restart``).
+
+A training run's directory is refused as ``--out``.
 
 Ctrl-C stops it with one line and exit status 130; what it leaves is either complete (meta.json
 there, its files checked against it) or recognisably not (no meta.json)."""
@@ -20,6 +24,7 @@ there, its files checked against it) or recognisably not (no meta.json)."""
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import re
 import sys
@@ -118,8 +123,8 @@ def main(argv: list[str]) -> int:
         "--restart",
         action="store_true",
         help="prepare --out from scratch, discarding what a prepare left there (without it, an "
-        "interrupted document prepare resumes, and a complete prepare is kept: nothing to do "
-        "with the same inputs and settings, refused with others)",
+        "interrupted document prepare resumes, and a complete prepare of any kind is kept: "
+        "nothing to do with the same inputs and settings, refused with others)",
     )
     p.add_argument("--json", action="store_true", help="print meta.json")
 
@@ -311,8 +316,10 @@ def _check_flags(ns) -> None:
         )
     if ns.val_fraction is not None and not 0 < ns.val_fraction < 1:
         raise ValueError(f"--val-fraction {ns.val_fraction}: must be strictly between 0 and 1")
-    if ns.restart and sft:
-        raise ValueError("--restart is for --text, --dataset and --input: --sft prepares anew")
+    out = Path(ns.out)
+    if (out / "run.json").is_file() or (out / "checkpoints").is_dir():
+        raise ValueError(f"--out {ns.out} is a training run's directory (run.json, checkpoints/): "
+                         "give prepare a directory of its own")  # fmt: skip
     if ns.rows is not None and not ns.sft_demo:
         raise ValueError("--rows is for --sft-demo (how many demonstration rows to make)")
     if ns.sft_demo and ns.rows is not None and ns.rows < 2:
@@ -370,6 +377,7 @@ def _check_flags(ns) -> None:
 def _prepare_sft(ns) -> int:
     from llm_foundry import lock
     from llm_foundry.data.sft import prepare_sft
+    from llm_foundry.data.shard_writer import AlreadyPrepared
     from llm_foundry.rundir import checkpoint_dir
 
     if not ns.tokenizer_from:
@@ -380,12 +388,15 @@ def _prepare_sft(ns) -> int:
     if not tok.is_file():
         raise FileNotFoundError(f"--tokenizer-from {ns.tokenizer_from}: no tokenizer.json there")
     fraction = 0.1 if ns.val_fraction is None else ns.val_fraction
-    if ns.sft_demo:
-        with lock.hold(ns.out, "data directory", readers=True):
-            rows = _demo_rows(ns)
-            meta = prepare_sft(ns.out, rows, tok, fraction)
-    else:
-        meta = prepare_sft(ns.out, ns.sft, tok, fraction)
+    try:
+        if ns.sft_demo:
+            with lock.hold(ns.out, "data directory", readers=True):
+                rows = _demo_rows(ns, tok, fraction)
+                meta = prepare_sft(ns.out, rows, tok, fraction, restart=ns.restart)
+        else:
+            meta = prepare_sft(ns.out, ns.sft, tok, fraction, restart=ns.restart)
+    except AlreadyPrepared as done:
+        return _already(done, ns.json)
     if ns.json:
         print(json.dumps(meta, indent=2))
     else:
@@ -397,11 +408,12 @@ def _prepare_sft(ns) -> int:
     return 0
 
 
-def _demo_rows(ns) -> str:
+def _demo_rows(ns, tok: Path, fraction: float) -> str:
     """Write the demonstration rows made from --dataset / --text to OUT/rows.jsonl (the caller
-    holds OUT's lock)."""
+    holds OUT's lock), once OUT is known to hold no other prepare (rows.jsonl is one of its
+    files): the same rows and settings raise AlreadyPrepared."""
     from llm_foundry.data import load_shakespeare, read_text_files
-    from llm_foundry.data.sft import OUTPUTS
+    from llm_foundry.data.sft import OUTPUTS, check_sft_prepared, sft_settings
     from llm_foundry.data.sft_demo import demo_rows
     from llm_foundry.data.sources import refuse_overwriting_inputs, write_atomic
 
@@ -414,5 +426,9 @@ def _demo_rows(ns) -> str:
     rows = demo_rows(text, DEMO_ROWS if ns.rows is None else ns.rows)
     if not rows:
         raise ValueError("no speeches found (paragraphs starting with a 'NAME:' or 'NAME.' line)")
-    write_atomic(out / "rows.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+    content = "".join(json.dumps(r) + "\n" for r in rows)
+    if not ns.restart:
+        digest = hashlib.sha256(content.encode("utf-8")).hexdigest()
+        check_sft_prepared(out, digest, sft_settings(tok, fraction))
+    write_atomic(out / "rows.jsonl", content)
     return str(out / "rows.jsonl")

@@ -61,6 +61,13 @@ from llm_foundry.data.batches import (
     packed_row,
 )
 from llm_foundry.data.encode import token_dtype
+from llm_foundry.data.shard_writer import (
+    AGAIN,
+    SHOWN_DIFFERENCES,
+    AlreadyPrepared,
+    differences,
+    prepared_before,
+)
 from llm_foundry.data.sources import (
     DataError,
     publish,
@@ -258,12 +265,51 @@ class _SplitWriter:
             f.close()
 
 
+def sft_settings(tokenizer_file: str | Path, val_fraction: float) -> dict:
+    """What besides its rows makes a prepared SFT directory what it is (meta.json's
+    ``settings``): the validation fraction and the tokenizer's files, by digest."""
+    tokenizer_file = Path(tokenizer_file)
+    files = [
+        tokenizer_file,
+        *(tokenizer_file.parent / n for n in metadata_files(tokenizer_file.parent)),
+    ]
+    return {
+        "val_fraction": val_fraction,
+        "tokenizer": {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in files},
+    }
+
+
+def check_sft_prepared(out: Path, rows_sha256: str, settings: dict) -> None:
+    """Before SFT rows are prepared in ``out``: ``AlreadyPrepared`` when it holds a complete
+    prepare of the same rows (their bytes' sha256) and ``settings``; a one-line DataError
+    naming what differs and --restart when it holds another (of any kind); nothing when none."""
+    meta = prepared_before(Path(out), "sft", "settings", "the settings it was prepared with")
+    if meta is None:
+        return
+    found = []
+    if meta.get("sha256") != rows_sha256:
+        found.append(f"the rows' sha256: {str(meta.get('sha256'))[:12]}… then, "
+                     f"{rows_sha256[:12]}… now")  # fmt: skip
+    found += differences(meta["settings"], settings, SHOWN_DIFFERENCES - len(found), "settings")
+    if found:
+        raise DataError(
+            f"{out} is already prepared from other rows or settings ({'; '.join(found)}); {AGAIN}"
+        )
+    raise AlreadyPrepared(Path(out), meta)
+
+
 def prepare_sft(
-    out_dir: str | Path, jsonl: str | Path, tokenizer_file: str | Path, val_fraction: float = 0.1
+    out_dir: str | Path,
+    jsonl: str | Path,
+    tokenizer_file: str | Path,
+    val_fraction: float = 0.1,
+    restart: bool = False,
 ) -> dict:
     """Tokenize the rows of ``jsonl`` with the tokenizer in ``tokenizer_file`` (the model's own;
     an HF tokenizer's chat template beside it, in ``tokenizer_config.json``, renders the chats)
-    into ``out_dir``; the last ``val_fraction`` of the rows (at least one) are validation."""
+    into ``out_dir``; the last ``val_fraction`` of the rows (at least one) are validation. A
+    directory that holds a complete prepare already: the same rows and settings are nothing to
+    do (``AlreadyPrepared``), others refused (``restart``: prepared anew)."""
     if (
         isinstance(val_fraction, bool)
         or not isinstance(val_fraction, numbers.Real)
@@ -310,17 +356,21 @@ def prepare_sft(
             return encode_chat(tok, template, specials, row)
         return encode_row(tok, row)
 
+    settings = sft_settings(tokenizer_file, val_fraction)
     created = not out.exists()
     with lock.hold(out, "data directory", readers=True):
+        if not restart:  # under the lock: one may have completed since
+            check_sft_prepared(out, digest.hexdigest(), settings)
         try:
-            return _write_sft(out, jsonl, tokenizer_file, tok, encode, n_rows - n_val, digest)
+            return _write_sft(out, jsonl, tokenizer_file, tok, encode, n_rows - n_val, digest,
+                              settings)  # fmt: skip
         except BaseException:
             if created:  # leave no directory behind a refused input
                 shutil.rmtree(out, ignore_errors=True)
             raise
 
 
-def _write_sft(out, jsonl, tokenizer_file, tok, encode, n_train, first_digest) -> dict:
+def _write_sft(out, jsonl, tokenizer_file, tok, encode, n_train, first_digest, settings) -> dict:
     """The second pass, under the directory's lock: rows encoded into temporary files, then
     published (``sources.publish``)."""
     dtype = token_dtype(tok.vocab_size)
@@ -354,6 +404,7 @@ def _write_sft(out, jsonl, tokenizer_file, tok, encode, n_train, first_digest) -
             dtype=np.dtype(dtype).name,
             vocab_size=tok.vocab_size,
             tokenizer_file="tokenizer.json",
+            settings=settings,
         )
         for split, w in writers.items():
             meta[f"{split}_tokens"] = w.tokens
