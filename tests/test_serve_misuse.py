@@ -189,11 +189,11 @@ def test_a_prompt_far_past_the_context_is_refused_before_it_is_encoded(
     """3.9 MB of prompt (under the body limit) on a byte-level BPE model of 128 positions: 400
     context_length_exceeded naming 'prompt' (a chat: 'messages') with no text longer than the
     bound encoded; a prompt the bound lets through is still refused by its exact count."""
-    from llm_foundry.serve import app
+    from llm_foundry.serve import prompts
 
     encoded: list[int] = []
-    encode = app._encode
-    monkeypatch.setattr(app, "_encode", lambda tok, text: (encoded.append(len(text)),
+    encode = prompts._encode
+    monkeypatch.setattr(prompts, "_encode", lambda tok, text: (encoded.append(len(text)),
                                                            encode(tok, text))[1])  # fmt: skip
     with running(byte_level_checkpoint, slots=1) as (url, served):
         most = 128 * served.chars_per_token

@@ -2,10 +2,10 @@
 /v1/chat/completions (both with server-sent-event streaming), /health and /metrics. A request's
 ``model`` is the served model's name or, with LoRA adapters over it, an adapter's.
 
-Requests are checked here (types, ranges, context length) and refused with OpenAI's error body
-and HTTP 400 (404 for an unknown model, 413 for a body over the size limit, 503 with Retry-After
-when the queue is full); a request that fails never reaches the engine, so it cannot disturb the
-others. OpenAI fields this server does not implement (``logit_bias``, ``tools``, ...) are refused
+Requests are checked (``fields``: types and ranges; ``prompts``: the prompt, the context length)
+and refused with OpenAI's error body and HTTP 400 (404 for an unknown model, 413 for a body over
+the size limit, 503 with Retry-After when the queue is full); a request that fails never reaches
+the engine, so it cannot disturb the others. OpenAI fields this server does not implement (``logit_bias``, ``tools``, ...) are refused
 by name unless they hold the value that means "off", and unknown fields are refused as OpenAI
 does: nothing a client asks for is silently ignored. Every error the app answers (unknown
 routes and methods, failures) has OpenAI's body, ``{"error": {message, type, param, code}}``.
@@ -21,13 +21,22 @@ import uuid
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from llm_foundry.data.sft import check_messages
-from llm_foundry.data.sources import DataError
 from llm_foundry.messages import one_line, shown
 from llm_foundry.serve.engine import Engine, Params, QueueFull, Sequence
+from llm_foundry.serve.fields import (
+    BadRequest,
+    check_fields,
+    error_body,
+    fit_context,
+    limit_field,
+    request_params,
+)
 from llm_foundry.serve.offsets import StreamedOffsets, text_offsets
 from llm_foundry.serve.page import add_page
-from llm_foundry.serve.prompt_size import chars_per_token, min_tokens
+from llm_foundry.serve.prompt_size import chars_per_token
+from llm_foundry.serve.prompts import prompt_ids
+
+_prompt_ids = prompt_ids  # the name it had here
 
 try:
     from fastapi import FastAPI, Request
@@ -41,60 +50,11 @@ except ImportError as e:  # the optional [serve] extra
         raise  # installed but broken: its own error
     raise missing_extra("serve needs FastAPI and uvicorn", "serve", str(e)) from None
 
-MAX_LOGPROBS = 5  # OpenAI's bound for completions
-COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for completions
 MAX_REQUEST_BYTES = 4 * 2**20  # default bound on a request body (--max-request-bytes)
 DISCONNECT_CHECK_S = 0.25  # how often a non-streamed request asks whether its client is there
 READ = ["GET", "HEAD"]  # HEAD as GET without the body: what health checkers send
 # the routes that generate, by their name in /metrics
 ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
-
-# the request fields each endpoint implements (besides those in OFF)
-COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop",
-          "seed", "logprobs", "user"}  # fmt: skip
-FIELDS = {
-    False: COMMON | {"prompt"},
-    True: COMMON | {"messages", "max_completion_tokens", "top_logprobs",
-                    # about OpenAI's own service (storage, billing, caching): no effect here
-                    "metadata", "store", "service_tier", "safety_identifier",
-                    "prompt_cache_key", "parallel_tool_calls"},
-}  # fmt: skip
-
-
-def _is_zero(v) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool) and v == 0
-
-
-# OpenAI fields not implemented here: accepted only at the value that means "off" (or null)
-OFF: dict[str, tuple[str, object]] = {
-    "logit_bias": ("{}", lambda v: v == {}),
-    "presence_penalty": ("0", _is_zero),
-    "frequency_penalty": ("0", _is_zero),
-    "best_of": ("1", lambda v: type(v) is int and v == 1),
-    "echo": ("false", lambda v: v is False),
-    "suffix": ('""', lambda v: v == ""),
-    "response_format": ('{"type": "text"}', lambda v: v == {"type": "text"}),
-    "tools": ("[]", lambda v: v == []),
-    "functions": ("[]", lambda v: v == []),
-    "tool_choice": ('"none"', lambda v: v == "none"),
-    "function_call": ('"none"', lambda v: v == "none"),
-    "modalities": ('["text"]', lambda v: v == ["text"]),
-    "audio": ("", lambda v: False),
-    "prediction": ("", lambda v: False),
-    "reasoning_effort": ("", lambda v: False),
-    "web_search_options": ("", lambda v: False),
-    "verbosity": ("", lambda v: False),
-}
-
-
-class BadRequest(Exception):
-    def __init__(self, message: str, param: str | None = None, status: int = 400, code=None):
-        super().__init__(message)
-        self.param, self.status, self.code = param, status, code
-
-
-def error_body(message: str, param=None, code=None, kind="invalid_request_error") -> dict:
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 @dataclass
@@ -129,190 +89,6 @@ class Served:
         has = f"has {valid}" if not self.adapters else f"has {valid} (the base and its adapters)"
         raise BadRequest(f"The model {shown(model)} does not exist; this server {has}", "model",
                          404, "model_not_found")  # fmt: skip
-
-
-# ---- request fields ---------------------------------------------------------------------------
-def _check_fields(body: dict, chat: bool) -> None:
-    """Refuse fields this endpoint does not know, and implemented-nowhere OpenAI fields unless
-    they hold their "off" value: a request is never answered as if they were not there."""
-    unknown = [k for k in body if k not in FIELDS[chat] and k not in OFF]
-    if unknown:
-        names = ", ".join(shown(k) for k in unknown[:3])
-        more = f" and {len(unknown) - 3} more" if len(unknown) > 3 else ""
-        plural = "s" if len(unknown) > 1 else ""
-        raise BadRequest(f"Unrecognized request argument{plural} supplied: {names}{more}")
-    for key, (off, accepts) in OFF.items():
-        value = body.get(key)
-        if value is not None and not accepts(value):
-            allowed = f"null or {off}" if off else "null"
-            raise BadRequest(
-                f"'{key}' is not supported by this server (it accepts only {allowed}), got "
-                f"{shown(value)}", key,
-            )  # fmt: skip
-
-
-def _number(body, key, default, lo, hi, integer=False):
-    """``body[key]`` (``default`` when absent or null) checked to be a number in [lo, hi] (no
-    upper bound when ``hi`` is None)."""
-    value = body.get(key, default)
-    if value is None:
-        return default
-    ok = isinstance(value, int) if integer else isinstance(value, int | float)
-    if isinstance(value, bool) or not ok or not lo <= value <= (value if hi is None else hi):
-        kind = "an integer" if integer else "a number"
-        bounds = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-        raise BadRequest(f"'{key}' must be {kind} {bounds}, got {shown(value)}", key)
-    return value
-
-
-def _limit_field(body: dict, chat: bool) -> str | None:
-    """The field that bounds the reply's tokens in ``body`` (None: not given)."""
-    keys = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
-    return next((k for k in keys if body.get(k) is not None), None)
-
-
-def _fit_context(prompt: int, max_tokens: int, key: str | None, context: int, chat: bool) -> int:
-    """The reply's bound for a prompt of ``prompt`` tokens: ``max_tokens`` asked by the field
-    ``key`` must fit in the context after the prompt (OpenAI's context_length_exceeded error
-    otherwise); not asked (``key`` None), it is cut to the context left."""
-    if prompt >= context:
-        raise BadRequest(
-            f"the prompt is {prompt} tokens; the model's context is {context}, leaving no room "
-            "for a reply", "messages" if chat else "prompt", code="context_length_exceeded",
-        )  # fmt: skip
-    if key is not None and prompt + max_tokens > context:
-        raise BadRequest(
-            f"This model's maximum context length is {context} tokens; you requested "
-            f"{prompt + max_tokens} tokens: {prompt} in the prompt and {max_tokens} for the "
-            f"completion; set '{key}' to at most {context - prompt}, or leave it out for a "
-            "reply up to the end of the context", key, code="context_length_exceeded",
-        )  # fmt: skip
-    return min(max_tokens, context - prompt)
-
-
-def _params(body: dict, chat: bool, context: int) -> tuple[Params, int]:
-    """The request's generation settings and its number of choices; ``max_tokens`` is checked
-    against ``context`` once the prompt is known (``_fit_context``)."""
-    stop = body.get("stop")
-    if isinstance(stop, str):
-        stop = [stop]
-    if stop is not None and not (
-        isinstance(stop, list) and len(stop) <= 4 and all(isinstance(s, str) and s for s in stop)
-    ):
-        raise BadRequest(
-            f"'stop' must be a string or up to 4 non-empty strings, got {shown(stop)}", "stop"
-        )
-    if chat:
-        want = body.get("logprobs")
-        if want is not None and not isinstance(want, bool):
-            raise BadRequest(f"'logprobs' must be true or false, got {shown(want)}", "logprobs")
-        top = _number(body, "top_logprobs", 0, 0, 20, integer=True)
-        logprobs = top if want else None
-    else:
-        logprobs = _number(body, "logprobs", None, 0, MAX_LOGPROBS, integer=True)
-    key = _limit_field(body, chat)
-    default = context if chat else COMPLETION_TOKENS
-    max_tokens = default if key is None else _number(body, key, None, 1, None, integer=True)
-    params = Params(
-        max_tokens=max_tokens,
-        temperature=float(_number(body, "temperature", 1.0, 0.0, 2.0)),
-        top_p=_number(body, "top_p", None, 0.0, 1.0),
-        seed=_number(body, "seed", None, -(2**63), 2**63 - 1, integer=True),
-        stop=tuple(stop or ()),
-        logprobs=logprobs,
-    )
-    if params.top_p is not None and params.top_p == 0:
-        raise BadRequest("'top_p' must be > 0", "top_p")
-    n = _number(body, "n", 1, 1, 16, integer=True)
-    return params, n
-
-
-def _prompt_ids(served: Served, body: dict, chat: bool) -> list[int]:
-    """The request's prompt as token ids: its ids, or its text (a chat's rendered) encoded; a
-    text too long for the context whatever it encodes to is refused before it is encoded."""
-    prompt = _prompt_text(served, body, chat)
-    if isinstance(prompt, list):
-        return prompt
-    least, context = min_tokens(len(prompt), served.chars_per_token), served.engine.context
-    if least >= context:
-        raise BadRequest(
-            f"the prompt is {len(prompt):,} characters, so at least {least:,} tokens (a token "
-            f"of this tokenizer stands for {served.chars_per_token:g} characters at most); the "
-            f"model's context is {context}", "messages" if chat else "prompt",
-            code="context_length_exceeded",
-        )  # fmt: skip
-    try:
-        return _encode(served.tokenizer, prompt)
-    except ValueError as e:
-        raise BadRequest(f"the prompt cannot be encoded: {e}", "prompt") from None
-
-
-def _encode(tok, text: str) -> list[int]:
-    """``text``'s ids, no special tokens added; a Hugging Face tokenizer's through encode_batch,
-    which lets go of the GIL while it works (its encode holds it: the server would stall)."""
-    hf = getattr(tok, "hf", None)
-    if hf is None:
-        return tok.encode(text)
-    return hf.encode_batch([text], add_special_tokens=False)[0].ids
-
-
-def _prompt_text(served: Served, body: dict, chat: bool) -> str | list[int]:
-    """The request's prompt: a text (a chat's rendered in its template) or token ids."""
-    if chat:
-        from llm_foundry.chat import render_chat
-
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise BadRequest(
-                "'messages' must be a non-empty list of {role, content} objects with string "
-                "values", "messages",
-            )  # fmt: skip
-        try:  # the roles and contents fine-tuning takes, so a served model sees no others
-            check_messages(messages, "messages", "the request")
-        except DataError as e:
-            raise BadRequest(str(e), "messages") from None
-        messages = [{"role": m["role"], "content": m["content"]} for m in messages]
-        for j, m in enumerate(messages):
-            _check_unicode(m["content"], f"messages[{j}].content", "messages")
-        try:
-            text = render_chat(served.template, messages, add_generation_prompt=True,
-                               **served.specials)  # fmt: skip
-        except ValueError as e:
-            raise BadRequest(str(e), "messages") from None
-    else:
-        text = body.get("prompt")
-        if isinstance(text, list) and len(text) == 1 and isinstance(text[0], str):
-            text = text[0]
-        if (
-            isinstance(text, list)
-            and text
-            and all(isinstance(i, int) and not isinstance(i, bool) for i in text)
-        ):
-            vocab = served.engine.model.cfg.vocab_size
-            bad = next((i for i in text if not 0 <= i < vocab), None)
-            if bad is not None:
-                raise BadRequest(
-                    f"'prompt' token ids must be in [0, {vocab}), got {shown(bad)}", "prompt"
-                )
-            return list(text)
-        if not isinstance(text, str) or not text:
-            raise BadRequest(
-                "'prompt' must be a non-empty string (or one list of token ids)", "prompt"
-            )
-        _check_unicode(text, "'prompt'", "prompt")
-    return text
-
-
-def _check_unicode(text: str, what: str, param: str) -> None:
-    """Refuse a string that is not Unicode text: JSON's escapes can write a lone surrogate
-    (\\ud800), which no encoding has (tokenizers fail on it, deep inside)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise BadRequest(
-            f"{what} is not valid Unicode: a lone surrogate \\u{ord(text[e.start]):04x} at "
-            f"character {e.start:,} (a UTF-16 half with no other half)", param,
-        ) from None  # fmt: skip
 
 
 # ---- responses ----------------------------------------------------------------------------------
@@ -490,8 +266,8 @@ def create_app(served: Served, max_request_bytes: int = MAX_REQUEST_BYTES) -> Fa
                 raise BadRequest("the request body must be a JSON object")
             model = body.get("model", served.name)
             adapter = served.adapter_of(model)
-            _check_fields(body, chat)
-            params, n = _params(body, chat, engine.context)
+            check_fields(body, chat)
+            params, n = request_params(body, chat, engine.context)
             bound = engine.slots + engine.max_queue
             if n > bound:
                 raise BadRequest(
@@ -501,9 +277,9 @@ def create_app(served: Served, max_request_bytes: int = MAX_REQUEST_BYTES) -> Fa
             if chat:
                 params.stop = tuple(dict.fromkeys(params.stop + served.chat_stop))
             # encoding a long prompt takes a while: in a worker thread, not the event loop
-            prompt = await asyncio.to_thread(_prompt_ids, served, body, chat)
-            params.max_tokens = _fit_context(len(prompt), params.max_tokens,
-                                             _limit_field(body, chat), engine.context, chat)  # fmt: skip
+            prompt = await asyncio.to_thread(prompt_ids, served, body, chat)
+            params.max_tokens = fit_context(len(prompt), params.max_tokens,
+                                             limit_field(body, chat), engine.context, chat)  # fmt: skip
             stream = body.get("stream", False)
             if not isinstance(stream, bool):
                 raise BadRequest(f"'stream' must be true or false, got {shown(stream)}", "stream")

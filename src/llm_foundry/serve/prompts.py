@@ -1,0 +1,99 @@
+"""A request's prompt: its token ids, or its text (a chat's rendered in the model's template)
+checked and encoded. A text too long for the context whatever it encodes to is refused from its
+length before it is encoded (``prompt_size``)."""
+
+from __future__ import annotations
+
+from llm_foundry.data.sft import check_messages
+from llm_foundry.data.sources import DataError
+from llm_foundry.messages import shown
+from llm_foundry.serve.fields import BadRequest
+from llm_foundry.serve.prompt_size import min_tokens
+
+
+def prompt_ids(served, body: dict, chat: bool) -> list[int]:
+    """The request's prompt as token ids: its ids, or its text (a chat's rendered) encoded; a
+    text too long for the context whatever it encodes to is refused before it is encoded."""
+    prompt = _prompt_text(served, body, chat)
+    if isinstance(prompt, list):
+        return prompt
+    least, context = min_tokens(len(prompt), served.chars_per_token), served.engine.context
+    if least >= context:
+        raise BadRequest(
+            f"the prompt is {len(prompt):,} characters, so at least {least:,} tokens (a token "
+            f"of this tokenizer stands for {served.chars_per_token:g} characters at most); the "
+            f"model's context is {context}", "messages" if chat else "prompt",
+            code="context_length_exceeded",
+        )  # fmt: skip
+    try:
+        return _encode(served.tokenizer, prompt)
+    except ValueError as e:
+        raise BadRequest(f"the prompt cannot be encoded: {e}", "prompt") from None
+
+
+def _encode(tok, text: str) -> list[int]:
+    """``text``'s ids, no special tokens added; a Hugging Face tokenizer's through encode_batch,
+    which lets go of the GIL while it works (its encode holds it: the server would stall)."""
+    hf = getattr(tok, "hf", None)
+    if hf is None:
+        return tok.encode(text)
+    return hf.encode_batch([text], add_special_tokens=False)[0].ids
+
+
+def _prompt_text(served, body: dict, chat: bool) -> str | list[int]:
+    """The request's prompt: a text (a chat's rendered in its template) or token ids."""
+    if chat:
+        from llm_foundry.chat import render_chat
+
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise BadRequest(
+                "'messages' must be a non-empty list of {role, content} objects with string "
+                "values", "messages",
+            )  # fmt: skip
+        try:  # the roles and contents fine-tuning takes, so a served model sees no others
+            check_messages(messages, "messages", "the request")
+        except DataError as e:
+            raise BadRequest(str(e), "messages") from None
+        messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+        for j, m in enumerate(messages):
+            _check_unicode(m["content"], f"messages[{j}].content", "messages")
+        try:
+            text = render_chat(served.template, messages, add_generation_prompt=True,
+                               **served.specials)  # fmt: skip
+        except ValueError as e:
+            raise BadRequest(str(e), "messages") from None
+    else:
+        text = body.get("prompt")
+        if isinstance(text, list) and len(text) == 1 and isinstance(text[0], str):
+            text = text[0]
+        if (
+            isinstance(text, list)
+            and text
+            and all(isinstance(i, int) and not isinstance(i, bool) for i in text)
+        ):
+            vocab = served.engine.model.cfg.vocab_size
+            bad = next((i for i in text if not 0 <= i < vocab), None)
+            if bad is not None:
+                raise BadRequest(
+                    f"'prompt' token ids must be in [0, {vocab}), got {shown(bad)}", "prompt"
+                )
+            return list(text)
+        if not isinstance(text, str) or not text:
+            raise BadRequest(
+                "'prompt' must be a non-empty string (or one list of token ids)", "prompt"
+            )
+        _check_unicode(text, "'prompt'", "prompt")
+    return text
+
+
+def _check_unicode(text: str, what: str, param: str) -> None:
+    """Refuse a string that is not Unicode text: JSON's escapes can write a lone surrogate
+    (\\ud800), which no encoding has (tokenizers fail on it, deep inside)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise BadRequest(
+            f"{what} is not valid Unicode: a lone surrogate \\u{ord(text[e.start]):04x} at "
+            f"character {e.start:,} (a UTF-16 half with no other half)", param,
+        ) from None  # fmt: skip
