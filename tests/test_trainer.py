@@ -562,9 +562,13 @@ def test_tensorboard_without_the_extra_says_how_to_install_it(data_dir, tmp_path
 
     line = install_line("tensorboard")  # this installation's: its local directory, or the index
     assert line.startswith("pip install ") and line.endswith("[tensorboard]'")
+    before_int, before_term = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
     with pytest.raises(ImportError) as err:
         make_trainer(data_dir, tmp_path / "run", max_steps=2, tensorboard=True).run()
     assert str(err.value) == f"train.tensorboard=true needs TensorBoard: {line}"
+    # the run never started its steps: Ctrl-C is the caller's again (no stop handler left behind)
+    assert signal.getsignal(signal.SIGINT) is before_int
+    assert signal.getsignal(signal.SIGTERM) is before_term
 
 
 def test_tensorboard_after_a_crash_and_resume_holds_each_step_once(data_dir, tmp_path):

@@ -10,7 +10,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -101,18 +103,49 @@ def _base_model(checkpoint: str):
 
 def main(argv: list[str], finetune: bool = False) -> int:
     prog = f"llm-foundry {'finetune' if finetune else 'train'}"
+    ran: dict = {}  # the Trainer, once built: whether a signal has stopped it already
     # a reader that goes away (`| head`) neither ends the run nor costs it a checkpoint: why
     # going on silently rather than stopping is in cli/streams.py
-    with outliving_reader(prog):
+    with outliving_reader(prog), second_interrupt_held(lambda: _stopping(ran)):
         try:
-            return _main(argv, finetune, prog)
-        except KeyboardInterrupt:  # Ctrl-C outside the training loop (which saves and says so)
+            return _main(argv, finetune, prog, ran)
+        except KeyboardInterrupt as e:  # Ctrl-C outside the training loop (which saves and says so)
             with rank0_only():  # every rank of a torchrun job got it
-                return stopped(prog, "SIGINT", "interrupted outside the training steps; nothing "
-                               "was saved then (checkpoints written before it stay)")  # fmt: skip
+                return stopped(prog, "SIGINT", str(e) or "interrupted outside the training "
+                               "steps; nothing was saved then (checkpoints written before it "
+                               "stay)")  # fmt: skip
 
 
-def _main(argv: list[str], finetune: bool, prog: str) -> int:
+def _stopping(ran: dict) -> bool:
+    """Whether the run's trainer was asked to stop by a signal (it saves, then the command ends)."""
+    trainer = ran.get("trainer")
+    return trainer is not None and trainer.stop_signal is not None
+
+
+@contextlib.contextmanager
+def second_interrupt_held(stopping):
+    """Within it, Ctrl-C raises KeyboardInterrupt as usual unless ``stopping()`` says a signal
+    has asked the run to stop already: a second Ctrl-C then repeats that request and is let go,
+    so the checkpoint, summary.json and the command's last line (how to resume) are written
+    whole. Only in the main thread, where SIGINT raises KeyboardInterrupt (not ignored or
+    handled otherwise)."""
+    main_thread = threading.current_thread() is threading.main_thread()
+    if not main_thread or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
+        return
+
+    def on_sigint(signum, frame):
+        if not stopping():
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _main(argv: list[str], finetune: bool, prog: str, ran: dict) -> int:
     from llm_foundry import lock
     from llm_foundry.rundir import RunDir
     from llm_foundry.train.state import CheckpointNotWritten, resume_point
@@ -189,7 +222,7 @@ def _main(argv: list[str], finetune: bool, prog: str) -> int:
         import torch.distributed as dist
 
         try:
-            result = train_and_report(cfg, train_cfg, data_dir, out, resume=ns.resume)
+            result = train_and_report(cfg, train_cfg, data_dir, out, resume=ns.resume, ran=ran)
             if dist.is_initialized():  # ranks tear down together, not while rank 0 still writes
                 dist.barrier()
         except (ValueError, KeyError) as e:  # said once by rank 0, unless raised by one rank alone
@@ -408,17 +441,17 @@ def prepare_default(data: Path) -> None:
     rank0_prepares(data, run)
 
 
-def train_and_report(model_cfg, train_cfg, data: str | Path, out: Path, resume: bool = False):
+def train_and_report(model_cfg, train_cfg, data: str | Path, out: Path, resume: bool = False,
+                     ran: dict | None = None):  # fmt: skip
     """Train on ``data`` (a directory or a mixture spec), then (rank 0) plot the losses, print a
-    sample and write summary.json."""
+    sample and write summary.json. ``ran["trainer"]``: the Trainer, once built."""
     from llm_foundry.accounting import human
-    from llm_foundry.generate import sample_text
-    from llm_foundry.plots import plot_losses
-    from llm_foundry.rundir import METRICS
     from llm_foundry.tokenizer import load_any_tokenizer
     from llm_foundry.train.trainer import Trainer
 
     trainer = Trainer(model_cfg, train_cfg, data, out, resume=resume)
+    if ran is not None:
+        ran["trainer"] = trainer
     # the sample at the end needs the tokenizer (ours, or the HF one of a model the data was
     # prepared with): a missing one fails now, not after training
     try:
@@ -464,21 +497,36 @@ def train_and_report(model_cfg, train_cfg, data: str | Path, out: Path, resume: 
     result = trainer.run()
     if not w.main:  # rank 0 alone plots, samples and summarises
         return result
+    try:
+        _report(trainer, result, tok, out, first, f"{out.name}: {n / 1e6:.2f}M params")
+    except KeyboardInterrupt:  # the steps are done and saved: only what follows them was cut
+        raise KeyboardInterrupt(
+            f"after the training steps ({result.step} of {train_cfg.max_steps} done; saved "
+            f"{result.checkpoint}): the loss plot, sample or {SUMMARY} may be missing"
+        ) from None
+    return result
+
+
+def _report(trainer, result, tok, out: Path, first: int, title: str) -> None:
+    """After the run: the loss plot, a sample (a finished run's), summary.json and the last
+    line (rank 0)."""
+    from llm_foundry.generate import sample_text
+    from llm_foundry.plots import plot_losses
+    from llm_foundry.rundir import METRICS
+
+    tc = trainer.tc
     best = f"{result.best_val_loss:.4f}" if result.best_val_loss is not None else "n/a"
     if result.step == first and (out / SUMMARY).exists():  # nothing trained: the run as it was
         print(f"done: step {result.step}, best val loss {best}; {out / SUMMARY} kept")
-        return result
-    plot_losses(out / METRICS, out / "loss.png", title=f"{out.name}: {n / 1e6:.2f}M params")
-    if train_cfg.sample_tokens and not result.interrupted and not trainer.sharded:
-        text = sample_text(
-            trainer.model, tok, train_cfg.sample_tokens, train_cfg.seed, train_cfg.block_size
-        )
+        return
+    plot_losses(out / METRICS, out / "loss.png", title=title)
+    if tc.sample_tokens and not result.interrupted and not trainer.sharded:
+        text = sample_text(trainer.model, tok, tc.sample_tokens, tc.seed, tc.block_size)
         (out / "sample.txt").write_text(text)
         print("\n--- sample (temperature 0.8, top-k 50) ---" + text + "\n---")
     (out / SUMMARY).write_text(json.dumps(summary(result, out), indent=2))
     ended = "stopped" if result.interrupted else "done"  # the caller says how to go on
     print(f"{ended}: step {result.step}, best val loss {best}; curves in {out / 'loss.png'}")
-    return result
 
 
 def summary(result, out: Path) -> dict:

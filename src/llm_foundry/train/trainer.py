@@ -124,6 +124,21 @@ def stopping_reason(reason: str | None, world: D.World) -> str:
     return why if rank == 0 else f"rank {rank}: {why}"
 
 
+class _Counted:
+    """A reference scorer that moves ``bar`` on by the pairs of each batch it scores (each of
+    ``ranks`` ranks scores its share: the bar counts them all)."""
+
+    def __init__(self, reference, bar, ranks: int):
+        self.reference, self.bar, self.ranks = reference, bar, ranks
+        self.done = 0  # pairs scored (a disabled bar counts none)
+
+    def logps(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        out = self.reference.logps(x, y)
+        self.done += len(x) // 2 * self.ranks  # x: B chosen rows, then B rejected
+        self.bar.update(len(x) // 2 * self.ranks)
+        return out
+
+
 class Trainer:
     """One training run in ``out_dir``: its pieces built from the configs (``train.build``,
     ``optim``, ``precision``, ``distributed``), then ``run`` steps, evaluates and checkpoints.
@@ -218,6 +233,9 @@ class Trainer:
         self.skipped = 0
         self.resumed_from: Path | None = None
         self.stopped_early: dict | None = None  # {step, reason} once should_stop ends the run
+        # the signal that asked run() to stop: a second one is the same request (the command
+        # holds it back while the checkpoint and summary are written)
+        self.stop_signal: str | None = None
         self.data_id = sources_fingerprint(self.sources)
         # the loss of one micro-batch, by task: (loss, its statistics to log) (train/dpo.py)
         self.batch_loss = {"lm": self._lm_loss, "dpo": self._dpo_loss}[tc.task]
@@ -279,7 +297,18 @@ class Trainer:
         if tc.dpo_reference == "model":
             return scorer
         samplers = {split: self._sampler(split, tc.seed) for split in ("train", "val")}
-        table = score_all(scorer, samplers, tc.batch_size, self.device, world=self.world)
+        pairs = sum(s.pairs for s in samplers.values())
+        with tqdm(total=pairs, desc="DPO reference", unit="pair", dynamic_ncols=True,
+                  disable=not (tc.progress and self.world.main)) as bar:  # fmt: skip
+            counted = _Counted(scorer, bar, self.world.world_size)
+            try:
+                table = score_all(counted, samplers, tc.batch_size, self.device, world=self.world)
+            except KeyboardInterrupt:  # nothing is kept of a partial table
+                raise KeyboardInterrupt(
+                    f"while precomputing the DPO reference log-probabilities ({counted.done:,} of "
+                    f"{pairs:,} pairs scored; train.dpo_reference=precomputed): nothing was "
+                    f"trained or saved; run the command again (the scoring starts over)"
+                ) from None
         if self.world.main:
             save_table(path, table, key)
         return StoredReference(table)
@@ -638,9 +667,8 @@ class Trainer:
         stop = {"signal": None}
 
         def request_stop(signum, frame):
-            stop["signal"] = signal.Signals(signum).name
+            stop["signal"] = self.stop_signal = signal.Signals(signum).name
 
-        old = {s: signal.signal(s, request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
         # a resumed run hides what the interrupted one logged after its checkpoint, as in
         # metrics.jsonl
         purge = self.step + 1 if self.resumed_from else None
@@ -661,6 +689,8 @@ class Trainer:
         self.model.train()
         # the next batches built while this step runs; saved states are those of batches trained
         self.feed = self.sampler
+        # installed last before the loop's try: what raises before it leaves no handler behind
+        old = {s: signal.signal(s, request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             self.feed = Prefetch(self.sampler, tc.prefetch) if tc.prefetch else self.sampler
             while self.step < tc.max_steps:
@@ -737,7 +767,7 @@ class Trainer:
                         [stop["signal"] is not None, early is not None], self.world, self.device
                     )
                     if signalled:
-                        stop["signal"] = stop["signal"] or "SIGTERM"
+                        stop["signal"] = self.stop_signal = stop["signal"] or "SIGTERM"
                     if stopping:
                         early = stopping_reason(early, self.world)  # only at a stop: rare
                 if early is not None:  # saved in this step's checkpoint
