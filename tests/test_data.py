@@ -124,6 +124,23 @@ def test_prepare_several_files_joined_by_newlines(tmp_path):
     assert meta["source"] == f"{a.resolve()}, {b.resolve()}"
 
 
+@pytest.mark.parametrize("tokenizer", ["char", "bpe"])
+def test_a_byte_order_mark_opening_a_text_file_is_not_text(tmp_path, tokenizer):
+    """As prepare --input does: the mark some editors write is left out of the stream (of the
+    character vocabulary too), whichever file it opens; the files' bytes stay meta's sha256."""
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_bytes(b"\xef\xbb\xbf" + b"mountain air\n" * 30)
+    b.write_bytes(b"\xef\xbb\xbf" + b"river\n" * 30)
+    vocab = dict(vocab_size=270) if tokenizer == "bpe" else {}
+    meta = prepare(tmp_path / "o", text_files=[a, b], tokenizer=tokenizer, **vocab)
+    tok = load_tokenizer(tmp_path / "o" / "tokenizer.json")
+    ids = np.concatenate([load_split(tmp_path / "o", s) for s in ("train", "val")])
+    text = tok.decode(ids.tolist())
+    assert text == "mountain air\n" * 30 + "river\n" * 30
+    assert tokenizer == "bpe" or "\ufeff" not in tok.chars
+    assert meta["sha256"] == hashlib.sha256(a.read_bytes() + b.read_bytes()).hexdigest()
+
+
 def test_token_dtype_switches_to_uint32_past_65536():
     assert token_dtype(65) == np.uint16
     assert token_dtype(65_536) == np.uint16  # ids 0..65535 fit

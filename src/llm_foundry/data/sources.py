@@ -200,8 +200,9 @@ def _clean_play(raw: str) -> str:
 
 
 def read_text_files(paths: Sequence[str | Path]) -> tuple[str, str]:
-    """Concatenate UTF-8 files (a newline added between them where one is missing) into one
-    string. A single file comes back byte for byte, so its sha256 in meta.json is the file's."""
+    """Concatenate UTF-8 files (a newline added between them where one is missing; a byte order
+    mark opening one left out) into one string. meta.json's sha256 is of the files' bytes: a
+    single file's is the file's."""
     if not paths:
         raise DataError("no text files given; pass at least one UTF-8 text file")
     source = TextSource(files=paths)
@@ -279,7 +280,7 @@ def publish(
 
 class TextSource:
     """A corpus as a stream of text pieces, read again on every ``pieces()`` call: UTF-8 files
-    (joined by a newline where one is missing) or a string. ``sha256`` and ``n_chars`` describe
+    (joined by a newline where one is missing, an opening byte order mark left out) or a string. ``sha256`` and ``n_chars`` describe
     the whole stream once it has been read through."""
 
     def __init__(self, files: Sequence[str | Path] = (), text: str | None = None, name: str = ""):
@@ -308,9 +309,11 @@ class TextSource:
             n_chars = len(self.text)
             yield self.text
         for i, path in enumerate(self.files):
-            last = ""
+            last, first = "", True
             for piece, raw in _read_utf8_blocks(path, block_bytes):
                 digest.update(raw)
+                if first and piece:  # a byte order mark opening a file (some editors'): not text
+                    piece, first = piece.removeprefix("\ufeff"), False
                 n_chars += len(piece)
                 last = piece[-1:] or last
                 yield piece
