@@ -11,9 +11,12 @@ from _bytes_bpe import bytes_bpe
 from test_serve import (  # noqa: F401 - fixtures
     ask,
     assert_openai_error,
+    base_body,
     char_checkpoint,
     client,
     running,
+    small_checkpoint,
+    small_server,
 )
 
 httpx = pytest.importorskip("httpx")
@@ -252,3 +255,26 @@ def test_a_failed_request_is_counted_under_500(long_checkpoint, monkeypatch):
             chat = {"model": "tiny", "messages": [{"role": "user", "content": "a"}]}
             assert_openai_error(ask(url, "chat", chat), 500)
         assert requests_counted(url) == {("completions", "500"): 1, ("chat", "500"): 1}
+
+
+# ---- field values ------------------------------------------------------------------------------
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_every_optional_field_null_is_as_if_left_out(small_server, endpoint):  # noqa: F811
+    """What SDKs that send every optional field send: each field the endpoint takes (model and
+    stream included) as null gives the greedy reply of the request without them, from the
+    served model."""
+    from llm_foundry.serve.fields import FIELDS, OFF
+
+    url, _, greedy = small_server
+    body = base_body(endpoint)
+    chat = endpoint == "chat"
+    nulls = {k: None for k in [*FIELDS[chat], *OFF] if k not in body and k not in
+             ("prompt", "messages")}  # fmt: skip
+    assert ask(url, endpoint, {**body, "stream": None}).status_code == 200
+    r = ask(url, endpoint, {**body, **nulls, "model": None})
+    assert r.status_code == 200, r.text[:300]
+    reply = r.json()
+    assert reply["model"] == "tiny" and reply["object"] == ("chat.completion" if chat else
+                                                            "text_completion")  # fmt: skip
+    choice = reply["choices"][0]
+    assert (choice["message"]["content"] if chat else choice["text"]) == greedy[endpoint]

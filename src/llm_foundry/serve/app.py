@@ -30,6 +30,7 @@ from llm_foundry.serve.fields import (
     fit_context,
     limit_field,
     request_params,
+    streaming,
 )
 from llm_foundry.serve.offsets import StreamedOffsets, text_offsets
 from llm_foundry.serve.page import add_page
@@ -264,7 +265,7 @@ def create_app(served: Served, max_request_bytes: int = MAX_REQUEST_BYTES) -> Fa
             body = await read_json(request)
             if not isinstance(body, dict):
                 raise BadRequest("the request body must be a JSON object")
-            model = body.get("model", served.name)
+            model = served.name if body.get("model") is None else body["model"]
             adapter = served.adapter_of(model)
             check_fields(body, chat)
             params, n = request_params(body, chat, engine.context)
@@ -280,18 +281,7 @@ def create_app(served: Served, max_request_bytes: int = MAX_REQUEST_BYTES) -> Fa
             prompt = await asyncio.to_thread(prompt_ids, served, body, chat)
             params.max_tokens = fit_context(len(prompt), params.max_tokens,
                                              limit_field(body, chat), engine.context, chat)  # fmt: skip
-            stream = body.get("stream", False)
-            if not isinstance(stream, bool):
-                raise BadRequest(f"'stream' must be true or false, got {shown(stream)}", "stream")
-            options = body.get("stream_options") or {}
-            if not isinstance(options, dict) or not isinstance(
-                options.get("include_usage", False), bool
-            ):  # fmt: skip
-                raise BadRequest(
-                    "'stream_options' must be an object whose 'include_usage' is true or "
-                    f"false, got {shown(options)}", "stream_options",
-                )  # fmt: skip
-            usage_chunk = options.get("include_usage") is True
+            stream, usage_chunk = streaming(body)
         except BadRequest as e:
             return refuse(endpoint, e)
 

@@ -150,3 +150,18 @@ def request_params(body: dict, chat: bool, context: int) -> tuple[Params, int]:
         raise BadRequest("'top_p' must be > 0", "top_p")
     n = number(body, "n", 1, 1, 16, integer=True)
     return params, n
+
+
+def streaming(body: dict) -> tuple[bool, bool]:
+    """(whether to stream the reply, whether a last chunk gives the usage); ``stream`` null is
+    false, as left out."""
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise BadRequest(f"'stream' must be true, false or null, got {shown(stream)}", "stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
+        raise BadRequest(
+            "'stream_options' must be an object whose 'include_usage' is true or "
+            f"false, got {shown(options)}", "stream_options",
+        )  # fmt: skip
+    return stream is True, options.get("include_usage") is True
