@@ -333,16 +333,26 @@ def test_a_text_stream_prepared_over_a_document_corpus_leaves_no_shard(tmp_path,
     assert len(split_shards(out, "train")) == 1 and len(load_split(out, "train")) == 900
 
 
-def test_ctrl_c_is_one_line_exit_130_and_the_same_command_resumes(
-    tmp_path, corpus, monkeypatch, capsys
+@pytest.mark.parametrize("sig, status", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_ctrl_c_or_sigterm_is_one_line_and_the_same_command_resumes(
+    tmp_path, corpus, monkeypatch, capsys, sig, status
 ):
+    """Ctrl-C, or SIGTERM (a scheduler's preemption), after the first shard: one line, the
+    shell's status for the signal, and the same command resumes to the bytes of a whole run."""
     argv = ["prepare", "--input", *map(str, corpus), "--vocab-size", "400", "--shard-tokens",
             "3000", "--out", str(tmp_path / "d")]  # fmt: skip
-    interrupt_after_shards(monkeypatch, 1)
+    save = documents_mod.save_progress
+
+    def signal_then(out, record):  # the signal itself, delivered to this process
+        save(out, record)
+        if record["splits"]:
+            os.kill(os.getpid(), getattr(signal, sig))
+
+    monkeypatch.setattr(documents_mod, "save_progress", signal_then)
     rc, err = cli_status(argv, capsys)
     monkeypatch.undo()
-    assert rc == 130 and err.count("\n") == 1
-    assert "stopped by SIGINT" in err and "run the same command again to resume" in err
+    assert rc == status and err.count("\n") == 1, err
+    assert f"stopped by {sig}" in err and "run the same command again to resume" in err
     rc, err = cli_status(argv, capsys)
     assert rc == 0, err
     prepare_documents(tmp_path / "whole", corpus, **KW)

@@ -54,7 +54,7 @@ def count(flag: str, text: str | int) -> int:
 
 
 def main(argv: list[str]) -> int:
-    from llm_foundry.cli.signals import stopped
+    from llm_foundry.cli.signals import stopped, terminate_as_interrupt
     from llm_foundry.data import DATASETS
     from llm_foundry.data.corpus import BAD_UTF8
     from llm_foundry.data.documents import (
@@ -205,21 +205,22 @@ def main(argv: list[str]) -> int:
     ns.documents = bool(ns.given)
     _check_flags(ns)
     try:
-        if ns.sft_demo or ns.sft:
-            return _prepare_sft(ns)
-        if ns.documents:
-            return _prepare_documents(ns)
-        from llm_foundry.data import prepare
+        with terminate_as_interrupt() as signalled:  # SIGTERM stops it as Ctrl-C does
+            if ns.sft_demo or ns.sft:
+                return _prepare_sft(ns)
+            if ns.documents:
+                return _prepare_documents(ns)
+            from llm_foundry.data import prepare
 
-        meta = prepare(
-            ns.out,
-            dataset=ns.dataset,
-            text_files=ns.text,
-            tokenizer=ns.tokenizer or "char",
-            vocab_size=ns.vocab_size,
-            val_fraction=0.1 if ns.val_fraction is None else ns.val_fraction,
-            restart=ns.restart,
-        )
+            meta = prepare(
+                ns.out,
+                dataset=ns.dataset,
+                text_files=ns.text,
+                tokenizer=ns.tokenizer or "char",
+                vocab_size=ns.vocab_size,
+                val_fraction=0.1 if ns.val_fraction is None else ns.val_fraction,
+                restart=ns.restart,
+            )
     except AlreadyPrepared as done:
         return _already(done, ns.json)
     except KeyboardInterrupt:
@@ -235,7 +236,7 @@ def main(argv: list[str]) -> int:
             state = f"{out} is incomplete (no meta.json): run prepare again"
         else:
             state = "nothing was written"
-        return stopped("llm-foundry prepare", "SIGINT", state)
+        return stopped("llm-foundry prepare", (signalled or ["SIGINT"])[0], state)
     if ns.json:
         print(json.dumps(meta, indent=2))
     else:

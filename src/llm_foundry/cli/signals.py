@@ -39,3 +39,24 @@ def held_interrupt():
         signal.signal(signal.SIGINT, signal.default_int_handler)
     if asked:
         raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def terminate_as_interrupt():
+    """Within it, SIGTERM (a scheduler's preemption, ``kill``) ends the work as Ctrl-C does: a
+    KeyboardInterrupt, so the same cleanup runs and the same line is said. Yields a list that
+    names the signal that stopped it ("SIGTERM"; empty for a Ctrl-C)."""
+    got: list[str] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield got
+        return
+
+    def interrupt(*_):
+        got.append("SIGTERM")
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield got
+    finally:
+        signal.signal(signal.SIGTERM, old)
