@@ -646,3 +646,35 @@ def test_a_lora_checkpoint_as_adapter_goes_on_its_base_and_no_other(tiny_config,
         load_any(tmp_path / "tuned", adapter=tmp_path / "tuned")
     with pytest.raises(ValueError, match="neither a PEFT adapter"):
         load_any(tmp_path / "base", adapter=tmp_path / "base")
+
+
+@pytest.mark.parametrize("base_dtype", ["fp32", "bf16", "int8"])
+def test_a_lora_run_put_on_other_base_weights_of_its_shape_says_so(base_dtype, tiny_config,
+                                                                    tmp_path):  # fmt: skip
+    from llm_foundry.checkpoint import save_checkpoint
+    from llm_foundry.loading import load_any
+
+    torch.manual_seed(0)
+    base = Transformer(tiny_config()).eval()
+    save_checkpoint(base, tmp_path / "base")
+    tuned = copy.deepcopy(base)
+    add_lora(tuned, ("wq", "w3"), r=4, alpha=8, base_dtype=base_dtype)
+    _randomise(tuned, seed=2)
+    save_checkpoint(tuned, tmp_path / "tuned")
+    _, _, info = load_any(tmp_path / "base", adapter=tmp_path / "tuned")
+    assert "note:" not in info.merged_note()  # its own base: nothing to say
+    # the same base trained on: a norm and an adapted projection moved
+    for changed in ("layers.1.mlp_norm.weight", "layers.0.attn.wq.weight"):
+        other = copy.deepcopy(base)
+        with torch.no_grad():
+            other.get_parameter(changed).add_(0.5)
+        save_checkpoint(other, tmp_path / changed)
+        _, _, info = load_any(tmp_path / changed, adapter=tmp_path / "tuned")
+        # every base tensor, but the int8-held projections' (2 targets in 2 layers)
+        compared = len(base.state_dict()) - (2 * 2 if base_dtype == "int8" else 0)
+        seen = changed in info.merged_note()
+        assert seen == (base_dtype != "int8" or "norm" in changed), info.merged_note()
+        if seen:
+            assert (f"; note: they were trained over other base weights than these (1 of "
+                    f"{compared} tensors differ: {changed}): give --checkpoint the base they "
+                    "were fine-tuned from") in info.merged_note()  # fmt: skip

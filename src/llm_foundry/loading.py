@@ -162,7 +162,14 @@ def put_adapter(model, adapter: str | Path) -> dict:
     of ours, whose adapters are taken and its frozen base left behind."""
     import torch
 
-    from llm_foundry.models.lora import apply_lora_settings, fold_lora, lora_layers, lora_settings
+    from llm_foundry.messages import first_few
+    from llm_foundry.models.lora import (
+        apply_lora_settings,
+        base_differences,
+        fold_lora,
+        lora_layers,
+        lora_settings,
+    )
 
     path = Path(adapter)
     if not path.is_dir():
@@ -176,9 +183,15 @@ def put_adapter(model, adapter: str | Path) -> dict:
         tuned = read_checkpoint(path, lambda ckpt: _lora_model(model, path, ckpt), "--adapter")
         trained = lora_settings(tuned)
         settings = {**trained, "base_dtype": "fp32"}  # the base is the one given
+        # the run holds the base it was fitted over: a base retrained since is said
+        differ, compared = base_differences(model, tuned)
         apply_lora_settings(model, settings)
         if trained.get("base_dtype", "fp32") != "fp32":  # fitted to the rounded weights: say so
             settings["trained_over"] = trained["base_dtype"]
+        if differ:
+            settings["other_base"] = (
+                f"{len(differ)} of {compared} tensors differ: {first_few(differ)}"
+            )
         ours = lora_layers(model)
         with torch.no_grad():
             for name, layer in lora_layers(tuned).items():

@@ -401,6 +401,31 @@ def lora_settings(model: nn.Module) -> dict | None:
     return settings
 
 
+def base_differences(model: nn.Module, tuned: nn.Module) -> tuple[list[str], int]:
+    """(names of ``tuned``'s frozen-base tensors that differ from ``model``'s, how many were
+    compared): ``tuned`` a LoRA model (adapters not merged), ``model`` a plain one of the same
+    architecture. Compared where the base is held exactly: every tensor outside the adapted
+    projections, and their weights where held in fp32 or bf16 (int8 and 4-bit codes are not
+    recomputed)."""
+    mine, differ, compared = model.state_dict(), [], 0
+    layers = lora_layers(tuned)
+    for name, t in tuned.state_dict().items():
+        owner, _, leaf = name.rpartition(".")
+        if leaf in ("lora_A", "lora_B"):
+            continue
+        if owner.endswith(".base") and owner.removesuffix(".base") in layers:
+            layer = layers[owner.removesuffix(".base")]
+            if layer.base_dtype not in ("fp32", "bf16") or leaf not in ("weight", "bias"):
+                continue
+            name = f"{owner.removesuffix('.base')}.{leaf}"
+        if name not in mine:
+            continue
+        compared += 1
+        if not torch.equal(mine[name].to(t.dtype), t):
+            differ.append(name)
+    return differ, compared
+
+
 def describe_merge(settings: dict, source: str | None = None) -> str:
     """One line saying that adapters with ``settings`` (``lora_settings``) were merged into the
     base weights, and from where."""
@@ -409,9 +434,17 @@ def describe_merge(settings: dict, source: str | None = None) -> str:
     where = f" of {source}" if source else ""
     over = settings.get("trained_over")  # an --adapter run fitted to a rounded base
     trained = f" (trained over the {over}-rounded base, put on this one)" if over else ""
+    other = settings.get("other_base")  # a LoRA run put on a base unlike its frozen one
+    note = (
+        f"; note: they were trained over other base weights than these ({other}): give "
+        "--checkpoint the base they were fine-tuned from"
+        if other
+        else ""
+    )
     return (
         f"merged the LoRA adapters{where}{trained} (r={settings['r']}, alpha={settings['alpha']}, "
         f"on {', '.join(settings['targets'])}) into the base weights: widen(W) + s·B·A{widened}"
+        f"{note}"
     )
 
 
