@@ -259,16 +259,16 @@ def test_a_failed_request_is_counted_under_500(long_checkpoint, monkeypatch):
 
 # ---- field values ------------------------------------------------------------------------------
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
-def test_every_optional_field_null_is_as_if_left_out(small_server, endpoint):  # noqa: F811
+def test_every_optional_field_null_is_as_if_left_out(request, endpoint):
     """What SDKs that send every optional field send: each field the endpoint takes (model and
     stream included) as null gives the greedy reply of the request without them, from the
     served model."""
     from llm_foundry.serve.fields import FIELDS, OFF
 
-    url, _, greedy = small_server
+    url, _, greedy = request.getfixturevalue("small_server")
     body = base_body(endpoint)
     chat = endpoint == "chat"
-    nulls = {k: None for k in [*FIELDS[chat], *OFF] if k not in body and k not in
+    nulls = {k: None for k in [*FIELDS[chat], *OFF[chat]] if k not in body and k not in
              ("prompt", "messages")}  # fmt: skip
     assert ask(url, endpoint, {**body, "stream": None}).status_code == 200
     r = ask(url, endpoint, {**body, **nulls, "model": None})
@@ -278,3 +278,81 @@ def test_every_optional_field_null_is_as_if_left_out(small_server, endpoint):  #
                                                             "text_completion")  # fmt: skip
     choice = reply["choices"][0]
     assert (choice["message"]["content"] if chat else choice["text"]) == greedy[endpoint]
+
+
+MESSAGE = [{"role": "user", "content": "a"}]
+REFUSED = [  # (endpoint, fields over the base request, the param named, words of the message)
+    ("chat", {"top_logprobs": 3}, "top_logprobs", "'logprobs': true"),
+    ("chat", {"logprobs": False, "top_logprobs": 0}, "top_logprobs", "'logprobs': true"),
+    ("completions", {"stream_options": {"include_usage": True}}, "stream_options", "'stream'"),
+    ("chat", {"stream": False, "stream_options": {}}, "stream_options", "'stream': true"),
+    ("completions", {"stream": True, "stream_options": {"foo": 1}}, "stream_options", "foo"),
+    *[("chat", {"stream": True, "stream_options": {"include_usage": v}}, "stream_options",
+       "include_usage") for v in (0, 1, "", "true")],  # fmt: skip
+    ("chat", {"stream": True, "stream_options": {"include_obfuscation": True}},
+     "stream_options", "include_obfuscation"),  # fmt: skip
+    *[(e, {"user": v}, "user", "'user' must be a string") for e in ("completions", "chat")
+      for v in (123, {"a": 1}, True)],  # fmt: skip
+    *[("chat", {"metadata": v}, "metadata", "'metadata' must be") for v in
+      (5, "a", [], {"a": 1}, {"a": None}, {"k" * 65: "v"}, {"a": "v" * 513},
+       {str(i): "v" for i in range(17)})],  # fmt: skip
+    ("chat", {"store": "yes"}, "store", "'store' must be true or false"),
+    ("chat", {"messages": [{**MESSAGE[0], "name": "bob"}]}, "messages", "messages[0].'name'"),
+    ("chat", {"messages": [*MESSAGE, {**MESSAGE[0], "x": 1}]}, "messages", "messages[1].'x'"),
+    ("chat", {"messages": [{**MESSAGE[0], "tool_calls": []}]}, "messages", "'tool_calls'"),
+    *[("chat", {k: v}, None, f"'{k}'") for k, v in (("echo", False), ("suffix", ""),
+                                                      ("best_of", 1))],  # fmt: skip
+    *[("completions", {k: v}, None, f"'{k}'") for k, v in (("tools", []),
+                                                             ("response_format", {"type": "text"}))],
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("endpoint, fields, param, words", REFUSED,
+                         ids=[f"{e}-{','.join(f)}-{i}" for i, (e, f, _, _) in
+                              enumerate(REFUSED)])  # fmt: skip
+def test_a_field_that_would_be_ignored_is_refused_by_name(request, endpoint, fields, param, words):
+    """What OpenAI refuses is refused here too, naming the field, rather than answered as if it
+    were not there: top_logprobs without logprobs true, stream_options without stream true (or
+    with keys or values it lacks), user and metadata of the wrong type, keys a message does not
+    have (or has for what this server does not do), one endpoint's fields sent to the other."""
+    url, _, greedy = request.getfixturevalue("small_server")
+    error = assert_openai_error(ask(url, endpoint, {**base_body(endpoint), **fields}), 400)
+    assert (error["type"], error["param"]) == ("invalid_request_error", param)
+    assert words in error["message"], error["message"]
+
+
+ACCEPTED = [
+    ("chat", {"logprobs": True, "top_logprobs": 2}),
+    ("chat", {"logprobs": True, "top_logprobs": None}),
+    ("chat", {"logprobs": None, "top_logprobs": None}),
+    ("completions", {"stream": False, "stream_options": None}),
+    *[
+        ("chat", {"stream": True, "stream_options": o})
+        for o in (
+            {},
+            {"include_usage": True},
+            {"include_usage": None},
+            {"include_usage": False, "include_obfuscation": False},
+        )
+    ],  # fmt: skip
+    ("completions", {"user": "someone"}),
+    ("chat", {"user": "someone", "metadata": {"k" * 64: "v" * 512}, "store": False}),
+    ("chat", {"metadata": {str(i): "v" for i in range(16)}}),
+    ("chat", {"messages": [{**MESSAGE[0], "name": None, "tool_calls": None}]}),
+]
+
+
+@pytest.mark.parametrize("endpoint, fields", ACCEPTED, ids=[f"{e}-{i}" for i, (e, _) in
+                                                            enumerate(ACCEPTED)])  # fmt: skip
+def test_the_valid_neighbours_of_each_refused_value_are_served(request, endpoint, fields):
+    url, _, greedy = request.getfixturevalue("small_server")
+    body = {**base_body(endpoint), **fields}
+    if "messages" in fields:
+        body["messages"] = [{**m, "content": "a"} for m in fields["messages"]]
+    r = ask(url, endpoint, body)
+    assert r.status_code == 200, r.text[:300]
+    if not fields.get("stream"):
+        choice = r.json()["choices"][0]
+        assert (choice["message"]["content"] if endpoint == "chat" else choice["text"]) == greedy[
+            endpoint
+        ]

@@ -19,31 +19,47 @@ FIELDS = {
                     "metadata", "store", "service_tier", "safety_identifier",
                     "prompt_cache_key", "parallel_tool_calls"},
 }  # fmt: skip
+# fields about OpenAI's own service: their types checked (as OpenAI does), no effect here
+SERVICE = {"user": (str, "a string"), "store": (bool, "true or false"),
+           "service_tier": (str, "a string"), "safety_identifier": (str, "a string"),
+           "prompt_cache_key": (str, "a string"),
+           "parallel_tool_calls": (bool, "true or false")}  # fmt: skip
+METADATA = (16, 64, 512)  # OpenAI's bounds: pairs, characters of a key, of a value
+STREAM_OPTIONS = {"include_usage", "include_obfuscation"}
 
 
 def _is_zero(v) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool) and v == 0
 
 
-# OpenAI fields not implemented here: accepted only at the value that means "off" (or null)
-OFF: dict[str, tuple[str, object]] = {
+# OpenAI fields not implemented here: accepted only at the value that means "off" (or null);
+# each endpoint's own (a completions field sent for a chat is unknown there, as OpenAI has it)
+_OFF_BOTH: dict[str, tuple[str, object]] = {
     "logit_bias": ("{}", lambda v: v == {}),
     "presence_penalty": ("0", _is_zero),
     "frequency_penalty": ("0", _is_zero),
-    "best_of": ("1", lambda v: type(v) is int and v == 1),
-    "echo": ("false", lambda v: v is False),
-    "suffix": ('""', lambda v: v == ""),
-    "response_format": ('{"type": "text"}', lambda v: v == {"type": "text"}),
-    "tools": ("[]", lambda v: v == []),
-    "functions": ("[]", lambda v: v == []),
-    "tool_choice": ('"none"', lambda v: v == "none"),
-    "function_call": ('"none"', lambda v: v == "none"),
-    "modalities": ('["text"]', lambda v: v == ["text"]),
-    "audio": ("", lambda v: False),
-    "prediction": ("", lambda v: False),
-    "reasoning_effort": ("", lambda v: False),
-    "web_search_options": ("", lambda v: False),
-    "verbosity": ("", lambda v: False),
+}
+OFF: dict[bool, dict[str, tuple[str, object]]] = {
+    False: {
+        **_OFF_BOTH,
+        "best_of": ("1", lambda v: type(v) is int and v == 1),
+        "echo": ("false", lambda v: v is False),
+        "suffix": ('""', lambda v: v == ""),
+    },
+    True: {
+        **_OFF_BOTH,
+        "response_format": ('{"type": "text"}', lambda v: v == {"type": "text"}),
+        "tools": ("[]", lambda v: v == []),
+        "functions": ("[]", lambda v: v == []),
+        "tool_choice": ('"none"', lambda v: v == "none"),
+        "function_call": ('"none"', lambda v: v == "none"),
+        "modalities": ('["text"]', lambda v: v == ["text"]),
+        "audio": ("", lambda v: False),
+        "prediction": ("", lambda v: False),
+        "reasoning_effort": ("", lambda v: False),
+        "web_search_options": ("", lambda v: False),
+        "verbosity": ("", lambda v: False),
+    },
 }
 
 
@@ -60,13 +76,13 @@ def error_body(message: str, param=None, code=None, kind="invalid_request_error"
 def check_fields(body: dict, chat: bool) -> None:
     """Refuse fields this endpoint does not know, and implemented-nowhere OpenAI fields unless
     they hold their "off" value: a request is never answered as if they were not there."""
-    unknown = [k for k in body if k not in FIELDS[chat] and k not in OFF]
+    unknown = [k for k in body if k not in FIELDS[chat] and k not in OFF[chat]]
     if unknown:
         names = ", ".join(shown(k) for k in unknown[:3])
         more = f" and {len(unknown) - 3} more" if len(unknown) > 3 else ""
         plural = "s" if len(unknown) > 1 else ""
         raise BadRequest(f"Unrecognized request argument{plural} supplied: {names}{more}")
-    for key, (off, accepts) in OFF.items():
+    for key, (off, accepts) in OFF[chat].items():
         value = body.get(key)
         if value is not None and not accepts(value):
             allowed = f"null or {off}" if off else "null"
@@ -74,6 +90,30 @@ def check_fields(body: dict, chat: bool) -> None:
                 f"'{key}' is not supported by this server (it accepts only {allowed}), got "
                 f"{shown(value)}", key,
             )  # fmt: skip
+    for key, (kind, what) in SERVICE.items():
+        value = body.get(key)
+        if value is not None and type(value) is not kind:
+            raise BadRequest(f"'{key}' must be {what} or null, got {shown(value)}", key)
+    _check_metadata(body.get("metadata"))
+
+
+def _check_metadata(metadata) -> None:
+    """OpenAI's ``metadata``: null or an object of up to 16 string values, keys up to 64
+    characters, values up to 512."""
+    pairs, key_chars, value_chars = METADATA
+    if metadata is None:
+        return
+    if not (
+        isinstance(metadata, dict)
+        and len(metadata) <= pairs
+        and all(len(k) <= key_chars for k in metadata)
+        and all(isinstance(v, str) and len(v) <= value_chars for v in metadata.values())
+    ):  # fmt: skip
+        raise BadRequest(
+            f"'metadata' must be null or an object of up to {pairs} string values (keys up to "
+            f"{key_chars} characters, values up to {value_chars}), got {shown(metadata)}",
+            "metadata",
+        )
 
 
 def number(body, key, default, lo, hi, integer=False):
@@ -131,6 +171,11 @@ def request_params(body: dict, chat: bool, context: int) -> tuple[Params, int]:
         want = body.get("logprobs")
         if want is not None and not isinstance(want, bool):
             raise BadRequest(f"'logprobs' must be true or false, got {shown(want)}", "logprobs")
+        if body.get("top_logprobs") is not None and want is not True:
+            raise BadRequest(
+                "'top_logprobs' asks for alternatives to the tokens' log probabilities: it "
+                f"needs 'logprobs': true, got 'logprobs': {shown(want)}", "top_logprobs",
+            )  # fmt: skip
         top = number(body, "top_logprobs", 0, 0, 20, integer=True)
         logprobs = top if want else None
     else:
@@ -154,14 +199,47 @@ def request_params(body: dict, chat: bool, context: int) -> tuple[Params, int]:
 
 def streaming(body: dict) -> tuple[bool, bool]:
     """(whether to stream the reply, whether a last chunk gives the usage); ``stream`` null is
-    false, as left out."""
+    false, as left out; ``stream_options`` only with ``stream`` true."""
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise BadRequest(f"'stream' must be true, false or null, got {shown(stream)}", "stream")
-    options = body.get("stream_options") or {}
-    if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
+    options = body.get("stream_options")
+    if options is None:
+        return stream is True, False
+    if stream is not True:
         raise BadRequest(
-            "'stream_options' must be an object whose 'include_usage' is true or "
-            f"false, got {shown(options)}", "stream_options",
+            "'stream_options' is for streamed replies: set 'stream': true, or leave "
+            "'stream_options' out", "stream_options",
         )  # fmt: skip
-    return stream is True, options.get("include_usage") is True
+    if not isinstance(options, dict):
+        raise BadRequest(f"'stream_options' must be an object, got {shown(options)}",
+                         "stream_options")  # fmt: skip
+    unknown = [k for k in options if k not in STREAM_OPTIONS]
+    if unknown:
+        raise BadRequest(
+            f"'stream_options' has the key {shown(unknown[0])}; it takes "
+            f"{' and '.join(map(repr, sorted(STREAM_OPTIONS)))}", "stream_options",
+        )  # fmt: skip
+    usage = options.get("include_usage")
+    if usage is not None and not isinstance(usage, bool):
+        raise BadRequest(f"'stream_options.include_usage' must be true, false or null, got "
+                         f"{shown(usage)}", "stream_options")  # fmt: skip
+    if options.get("include_obfuscation") not in (None, False):  # padding chunks: not done
+        raise BadRequest(
+            "'stream_options.include_obfuscation' is not supported by this server (it "
+            f"accepts only null or false), got {shown(options['include_obfuscation'])}",
+            "stream_options",
+        )  # fmt: skip
+    return True, usage is True
+
+
+def check_unicode(text: str, what: str, param: str) -> None:
+    """Refuse a string that is not Unicode text: JSON's escapes can write a lone surrogate
+    (\\ud800), which no encoding has (tokenizers fail on it, deep inside)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise BadRequest(
+            f"{what} is not valid Unicode: a lone surrogate \\u{ord(text[e.start]):04x} at "
+            f"character {e.start:,} (a UTF-16 half with no other half)", param,
+        ) from None  # fmt: skip

@@ -4,10 +4,9 @@ length before it is encoded (``prompt_size``)."""
 
 from __future__ import annotations
 
-from llm_foundry.data.sft import check_messages
-from llm_foundry.data.sources import DataError
 from llm_foundry.messages import shown
-from llm_foundry.serve.fields import BadRequest
+from llm_foundry.serve.chat_messages import chat_messages
+from llm_foundry.serve.fields import BadRequest, check_unicode
 from llm_foundry.serve.prompt_size import min_tokens
 
 
@@ -45,19 +44,7 @@ def _prompt_text(served, body: dict, chat: bool) -> str | list[int]:
     if chat:
         from llm_foundry.chat import render_chat
 
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise BadRequest(
-                "'messages' must be a non-empty list of {role, content} objects with string "
-                "values", "messages",
-            )  # fmt: skip
-        try:  # the roles and contents fine-tuning takes, so a served model sees no others
-            check_messages(messages, "messages", "the request")
-        except DataError as e:
-            raise BadRequest(str(e), "messages") from None
-        messages = [{"role": m["role"], "content": m["content"]} for m in messages]
-        for j, m in enumerate(messages):
-            _check_unicode(m["content"], f"messages[{j}].content", "messages")
+        messages = chat_messages(body.get("messages"))
         try:
             text = render_chat(served.template, messages, add_generation_prompt=True,
                                **served.specials)  # fmt: skip
@@ -83,17 +70,5 @@ def _prompt_text(served, body: dict, chat: bool) -> str | list[int]:
             raise BadRequest(
                 "'prompt' must be a non-empty string (or one list of token ids)", "prompt"
             )
-        _check_unicode(text, "'prompt'", "prompt")
+        check_unicode(text, "'prompt'", "prompt")
     return text
-
-
-def _check_unicode(text: str, what: str, param: str) -> None:
-    """Refuse a string that is not Unicode text: JSON's escapes can write a lone surrogate
-    (\\ud800), which no encoding has (tokenizers fail on it, deep inside)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise BadRequest(
-            f"{what} is not valid Unicode: a lone surrogate \\u{ord(text[e.start]):04x} at "
-            f"character {e.start:,} (a UTF-16 half with no other half)", param,
-        ) from None  # fmt: skip
