@@ -198,6 +198,25 @@ def test_a_directory_notes_and_counts_what_it_leaves_out(tmp_path, notes):
         "type": 3, "hidden": 2, "broken_link": 1, "linked_directory": 1, "duplicate_link": 0}  # fmt: skip
 
 
+def test_a_pattern_leaves_out_what_a_directory_would_and_says_so(tmp_path, notes):
+    """`junk/*` takes the files a walk of junk/ takes (and walks the folders it matches) and
+    leaves out the same entries, with the same note and counts: other types and a broken link
+    skipped, not fatal nor silent, and a linked folder not followed; a hidden name it matched
+    was asked for."""
+    junk = junk_directory(tmp_path)
+    pattern = f"{junk}/*"
+    (group,) = resolve_inputs([pattern])
+    assert [Path(f.path).name for f in group.files] == [f"d{i:02d}.txt" for i in range(12)] + [
+        "more.jsonl"
+    ]
+    assert skipped_note(group) == (
+        f"note: --input {pattern}: skipped 5 entries: 3 of other types (.csv x1, .md x1, .txt.gz "
+        f"x1), 1 broken link ({junk}/gone.txt), 1 linked directory, not followed ({junk}/linked)"
+    )
+    (hidden,) = resolve_inputs([f"{junk}/.h*"])
+    assert [Path(f.path).name for f in hidden.files] == [".hidden.txt"]
+
+
 def test_a_directory_of_nothing_readable_says_what_it_skipped_and_a_gz_text_is_refused_alike(
     tmp_path,
 ):

@@ -215,7 +215,8 @@ def _check_text_flags(groups: list[Group], text_column: str | None, text_field: 
 
 def _group(arg: str, split: str, number: int, hf_split, column, flag: str) -> Group:
     group = Group(arg, split)
-    if any(c in arg for c in "*?["):
+    globbed = any(c in arg for c in "*?[")
+    if globbed:
         matches = sorted(glob.glob(os.path.expanduser(arg), recursive=True))
         if not matches:
             raise DataError(f"{flag} {arg!r} matches no file")
@@ -228,6 +229,8 @@ def _group(arg: str, split: str, number: int, hf_split, column, flag: str) -> Gr
     for path in paths:
         if is_saved_dataset(path):
             group.files.append(_dataset(str(path), number, hf_split, column, flag))
+        elif globbed:  # a pattern's matches are taken and left out as a directory's entries are
+            found += _entries([path], group.skipped, hidden_too=True)
         elif path.is_dir():
             found += _walk(path, group.skipped)
         elif path.is_file():
@@ -252,10 +255,17 @@ def _walk(directory: Path, skipped: dict[str, list[str]]) -> list[Path]:
     """The files of a type prepare reads under ``directory``, in name order (a folder's files
     where its name sorts, as ``sorted(rglob)`` orders them); what is left out goes to
     ``skipped`` by reason."""
+    return _entries(sorted(directory.iterdir(), key=lambda p: p.name), skipped)
+
+
+def _entries(entries: list[Path], skipped: dict[str, list[str]], hidden_too: bool = False):
+    """The files of a type prepare reads among ``entries`` and under those that are folders
+    (walked, unless a link); the rest go to ``skipped`` by reason. ``hidden_too``: names
+    starting with '.' are taken too (a pattern that matched them asked for them)."""
     found = []
-    for entry in sorted(directory.iterdir(), key=lambda p: p.name):
+    for entry in entries:
         name = str(entry)
-        if entry.name.startswith("."):  # hidden, and not walked into (.git, .cache, ...)
+        if entry.name.startswith(".") and not hidden_too:  # hidden, not walked into (.git, ...)
             skipped.setdefault("hidden", []).append(name)
         elif entry.is_symlink() and not entry.exists():
             skipped.setdefault("broken_link", []).append(name)
