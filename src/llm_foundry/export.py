@@ -56,10 +56,14 @@ def convert_to_gguf(
     return out, info.merged_note()
 
 
-def convert_to_peft(src: str | Path, out_dir: str | Path, family: str | None = None) -> dict:
+def convert_to_peft(src: str | Path, out_dir: str | Path, family: str | None = None,
+                    base: str | None = None) -> dict:  # fmt: skip
     """``llm-foundry convert --to-peft RUN --out DIR``: the LoRA adapters of a fine-tuning run or
-    checkpoint alone, in PEFT's format for the HF export of the base it was tuned from. Returns
-    what was written: the settings, the base named in adapter_config.json, the base's storage."""
+    checkpoint alone, in PEFT's format for the HF export of the base it was tuned from. The base
+    adapter_config.json names (what ``AutoPeftModelForCausalLM`` loads) is ``base``, an HF
+    directory of the run's architecture, else the run's train.init_from as recorded. Returns
+    what was written: the settings, the base named, whether transformers can load it
+    (``base_is_hf``)."""
     from llm_foundry.checkpoint import load_checkpoint, read_lora
     from llm_foundry.interop.peft import save_adapter
     from llm_foundry.loading import checkpoint_kind
@@ -79,13 +83,39 @@ def convert_to_peft(src: str | Path, out_dir: str | Path, family: str | None = N
 
     # a run directory means its latest checkpoint, read again if a training run replaces it
     lora, model, ckpt = read_checkpoint(src, read, "--to-peft")
-    # the base it was tuned from, as the run recorded it (a step directory's run is two up)
-    run = ckpt.parent.parent if ckpt.parent.name == CHECKPOINTS else None
-    train = (read_run_info(run).get("train") or {}) if run else {}
-    base = str(train.get("init_from") or "")
+    if base is not None:
+        _check_peft_base(base, model.cfg)
+    else:  # the base it was tuned from, as the run recorded it (a step directory's run is two up)
+        run = ckpt.parent.parent if ckpt.parent.name == CHECKPOINTS else None
+        train = (read_run_info(run).get("train") or {}) if run else {}
+        base = str(train.get("init_from") or "")
     with new_directory(out_dir) as tmp:
         save_adapter(model, tmp, family, base=base)
-    return {"from": str(src), "to": str(out_dir), "lora": lora, "base": base}
+    return {"from": str(src), "to": str(out_dir), "lora": lora, "base": base,
+            "base_is_hf": _is_hf_dir(base)}  # fmt: skip
+
+
+def _is_hf_dir(path: str) -> bool:
+    """Whether ``path`` is an HF transformers directory (config.json with a model_type)."""
+    from llm_foundry.loading import checkpoint_kind
+
+    try:
+        return bool(path) and checkpoint_kind(Path(path))[0] == "hf"
+    except (OSError, ValueError):
+        return False
+
+
+def _check_peft_base(base: str, cfg) -> None:
+    """Refuse, in one line, a --peft-base that is not an HF directory of ``cfg``'s weights."""
+    if not _is_hf_dir(base):
+        raise ValueError(f"--peft-base {base}: not an HF transformers directory (config.json with "
+                         "a model_type); give the base's `convert --to-hf` export")  # fmt: skip
+    from llm_foundry.interop.hf import config_from_hf, transformers
+
+    diff = cfg.weight_differences(config_from_hf(transformers.AutoConfig.from_pretrained(base)))
+    if diff:
+        raise ValueError(f"--peft-base {base} is another model than the adapters were trained on "
+                         f"({'; '.join(diff[:3])})")  # fmt: skip
 
 
 def convert_from_hf(src_dir: str | Path, out_ckpt: str | Path) -> Path:

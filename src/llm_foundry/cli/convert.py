@@ -72,8 +72,17 @@ def main(argv: list[str]) -> int:
         help="--to-gguf: type of the 2-D weights: f32 (default), f16, bf16, q8_0, q4_0 "
         "(norms and biases stay f32)",
     )
+    p.add_argument(
+        "--peft-base",
+        metavar="HF_DIR",
+        default=None,
+        help="--to-peft: the HF directory adapter_config.json names as the base (what "
+        "AutoPeftModelForCausalLM loads; default: the run's train.init_from)",
+    )
     p.add_argument("--json", action="store_true", help="print what was written as JSON")
     ns = p.parse_args(argv)
+    if ns.peft_base is not None and not ns.to_peft:
+        raise ValueError(f"--peft-base {ns.peft_base} applies to --to-peft only")
     if ns.outtype is not None and not ns.to_gguf:
         raise ValueError(f"--outtype {ns.outtype} applies to --to-gguf only")
     ns.outtype = ns.outtype or "f32"
@@ -102,23 +111,30 @@ def main(argv: list[str]) -> int:
             if not absent(e, "gguf"):
                 raise  # installed but broken: its own error
             raise missing_extra("convert --to-gguf needs the gguf package", "gguf") from None
+        from llm_foundry.accounting import human
         from llm_foundry.export import convert_to_gguf
 
         out, merged = convert_to_gguf(ns.to_gguf, ns.out, ns.outtype)
         what = {"from": ns.to_gguf, "to": str(out), "format": "gguf", "outtype": ns.outtype}
         what["bytes"], what["merged"] = out.stat().st_size, merged
-        text = f"wrote gguf {ns.outtype} file to {out} ({what['bytes'] / 2**20:.1f} MiB)"
+        text = f"wrote gguf {ns.outtype} file to {out} ({human(what['bytes'], 'B')})"
         _say(what, text, ns.json)
         return 0
     from llm_foundry.export import convert_from_hf, convert_to_hf, convert_to_peft
 
     if ns.to_peft:
-        done = convert_to_peft(ns.to_peft, ns.out, ns.family)
+        done = convert_to_peft(ns.to_peft, ns.out, ns.family, ns.peft_base)
         lora, kept = done["lora"], done["lora"].get("base_dtype", "fp32")
         base = f" for the base {done['base']}" if done["base"] else ""
         trained = f" (trained over the {kept}-rounded base)" if kept != "fp32" else ""
         text = (f"wrote the PEFT adapter (r={lora['r']}, {', '.join(lora['targets'])}) to "
                 f"{done['to']}{base}{trained}")  # fmt: skip
+        if not done["base_is_hf"]:  # AutoPeftModelForCausalLM would fail to load that base
+            named = done["base"] or "no base"
+            text += (f"\nnote: adapter_config.json's base_model_name_or_path is {named}, which "
+                     "transformers cannot load: AutoPeftModelForCausalLM needs the base's HF "
+                     f"export (convert --to-hf BASE --out HF_DIR), named by --peft-base HF_DIR; "
+                     f"or load it yourself: PeftModel.from_pretrained(model, '{done['to']}')")  # fmt: skip
         what = {**done, "format": "peft", "merged": None}
     elif ns.from_hf:
         out = convert_from_hf(ns.from_hf, ns.out)

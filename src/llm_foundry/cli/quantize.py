@@ -26,6 +26,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--out", required=True, help="directory to write")
     p.add_argument("--json", action="store_true", help="print what was written as JSON")
     ns = p.parse_args(argv)
+    from llm_foundry.accounting import human
     from llm_foundry.cli.options import quantize_choice
     from llm_foundry.quantize import quantize_checkpoint
 
@@ -40,8 +41,8 @@ def main(argv: list[str]) -> int:
     group = f" (groups of {done['group_size']})" if "group_size" in done else ""
     print(
         f"wrote {done['scheme']}{group} checkpoint to {done['to']}: {len(done['layers'])} "
-        f"projections quantized, weights read per token {b['before'] / 2**20:.1f} MiB -> "
-        f"{b['after'] / 2**20:.1f} MiB ({b['before'] / b['after']:.2f}x less)"
+        f"projections quantized, weights read per token {human(b['before'], 'B')} -> "
+        f"{human(b['after'], 'B')} ({b['before'] / b['after']:.2f}x less)"
     )
     if done["kept_fp32"]:
         print(f"kept in fp32 (shape the kernel does not take): {', '.join(done['kept_fp32'])}")

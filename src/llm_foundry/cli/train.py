@@ -469,11 +469,13 @@ def train_and_report(model_cfg, train_cfg, data: str | Path, out: Path, resume: 
 
             k = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
             held, fp32 = frozen_base_bytes(trainer.model)
+            low = train_cfg.lora_base_dtype != "fp32"  # held in less than fp32: say how much less
             print(
                 f"LoRA r={train_cfg.lora_r} on {train_cfg.lora_targets}: {k:,} trainable "
                 f"parameters ({k / n:.2%} of {n:,}); AdamW state {human(8 * k, 'B')} instead "
                 f"of {human(8 * n, 'B')}; frozen weights of the adapted projections "
-                f"{human(held, 'B')} {train_cfg.lora_base_dtype} (fp32: {human(fp32, 'B')})"
+                f"{human(held, 'B')} {train_cfg.lora_base_dtype}"
+                + (f" (fp32: {human(fp32, 'B')})" if low else "")
             )
         print(
             f"model: {n:,} parameters ({trainer.model.num_params(non_embedding=True):,} "
