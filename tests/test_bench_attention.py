@@ -196,6 +196,8 @@ def test_ctrl_c_is_one_line_and_keeps_the_rows_measured(tmp_path):
     assert proc.returncode == 130 and stdout == ""
     report = json.loads((out / "attention_bench.json").read_text())
     assert report["stopped_by"] == "SIGINT" and report["rows_planned"] == 8
+    # the command as it was run (the subcommand here; the script in test_a_whole_run...)
+    assert report["command"] == " ".join(["llm-foundry bench attention", *TINY, "--out", str(out)])
     assert [(r["seq_len"], r["impl"], r["status"]) for r in report["rows"]] == [
         (16, "manual", "ok"),
         (16, "sdpa", "ok"),
@@ -208,5 +210,7 @@ def test_ctrl_c_is_one_line_and_keeps_the_rows_measured(tmp_path):
 
 def test_a_whole_run_is_not_marked_partial(bench):
     out, report = bench
+    assert report["command"] == " ".join(["python benchmarks/bench_attention.py", *TINY, "--out",
+                                          str(out)])  # fmt: skip
     assert report["stopped_by"] is None and report["rows_planned"] == len(report["rows"])
     assert "partial" not in (out / "attention_bench.md").read_text().splitlines()[0]

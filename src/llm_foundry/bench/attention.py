@@ -309,7 +309,7 @@ def machine(device: str) -> dict:
     return info
 
 
-def bench(args, argv: list[str]) -> dict:
+def bench(args, argv: list[str], prog: str = "bench_attention.py") -> dict:
     """The report: settings, machine, methods and one row per (KV heads, T, impl). Ctrl-C
     (SIGINT) ends it early: ``stopped_by`` then names the signal and ``rows`` holds the rows
     measured before it (``rows_planned`` says how many the whole run has)."""
@@ -326,7 +326,10 @@ def bench(args, argv: list[str]) -> dict:
     settings |= {k: getattr(args, k) for k in ("repeats", "warmup", "max_mem_gib")}
     return dict(
         date=time.strftime("%Y-%m-%d"),
-        command="python benchmarks/bench_attention.py " + " ".join(argv),
+        # as it was run: the command line's subcommand, or the script in a clone
+        command=" ".join(
+            [prog if prog.startswith("llm-foundry") else f"python benchmarks/{prog}", *argv]
+        ),  # fmt: skip
         machine=machine(args.device),
         settings=settings,
         time_method=TIME_METHOD,

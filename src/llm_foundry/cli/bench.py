@@ -49,7 +49,13 @@ def parse_args(argv: list[str], prog: str = "bench_attention.py") -> argparse.Na
         description="Manual attention vs SDPA: time and peak memory for each sequence length "
         "and KV-head count (MHA, GQA, MQA).",
     )
-    ap.add_argument("--seq-lens", type=_int_list, default=[256, 512, 1024, 2048, 4096])
+    ap.add_argument(
+        "--seq-lens",
+        type=_int_list,
+        default=[256, 512, 1024, 2048, 4096],
+        help="sequence lengths T, comma-separated (default: 256,512,1024,2048,4096; minutes on "
+        "a CPU, fp16 slower there)",
+    )
     ap.add_argument("--batch", type=at_least_one, default=1)
     ap.add_argument("--heads", type=at_least_one, default=12, help="query heads H")
     ap.add_argument("--head-dim", type=at_least_one, default=64)
@@ -132,7 +138,7 @@ def attention_main(argv: list[str] | None = None, prog: str = "bench_attention.p
     except argparse.ArgumentError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
-    report = bench(args, argv)
+    report = bench(args, argv, prog)
     paths = write_outputs(report, args.out) if args.out and report["rows"] else {}
     if report["stopped_by"]:  # one line; the rows measured are kept in --out, marked partial
         done = f"{len(report['rows'])} of {report['rows_planned']} rows measured"
