@@ -321,6 +321,11 @@ def test_cli_data_path_errors_name_the_path_given(tmp_path, capsys):
         want = rf"^--data {given}: no {plain / 'meta.json'}: .*`llm-foundry prepare`"
         with pytest.raises(ValueError, match=want):
             main([*args, str(given)])
+    (plain / ".progress.json").write_text("{}")  # what an interrupted prepare leaves
+    with pytest.raises(ValueError, match=rf"^--data {plain}: no {plain / 'meta.json'}: its "
+                       "`llm-foundry prepare` was interrupted; run the same prepare command "
+                       "again to finish it$"):  # fmt: skip
+        main([*args, str(plain)])
     (corpus := tmp_path / "corpus.jsonl").write_text('{"text": "abc"}\n')
     want = (rf"^--data {corpus} is a file of documents, .*`llm-foundry prepare --input {corpus} "
             r"--tokenizer-from CHECKPOINT --out DIR`$")  # fmt: skip

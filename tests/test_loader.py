@@ -215,7 +215,9 @@ def test_a_packed_document_computes_what_it_computes_alone(docs, pe, tiny_config
 
 
 def test_packing_needs_document_indexes(text_dir):
-    with pytest.raises(DataError, match=r"train.bin has no document index: .* prepare the corpus"):
+    with pytest.raises(
+        DataError, match=r"train.bin has no document index: .* `llm-foundry prepare --input"
+    ):
         Loader([PreparedSplit(text_dir, "train")], None, T, 2, packed=True)
 
 

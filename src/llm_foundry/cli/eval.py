@@ -30,6 +30,11 @@ def _prepared(given: str) -> tuple[Path, Path, dict]:
             raise DataError(f"--data {given} is a file of documents, not a directory `llm-foundry "
                             f"prepare` wrote; make one with the model's tokenizer: `llm-foundry "
                             f"prepare --input {given} --tokenizer-from CHECKPOINT --out DIR`")  # fmt: skip
+        from llm_foundry.data.shard_writer import PROGRESS_FILE
+
+        if (where / PROGRESS_FILE).is_file():
+            raise DataError(f"--data {given}: no {where / 'meta.json'}: its `llm-foundry prepare` "
+                            "was interrupted; run the same prepare command again to finish it")  # fmt: skip
         raise DataError(
             f"--data {given}: no {where / 'meta.json'}: not data written by `llm-foundry "
             "prepare`; make it with the model's tokenizer: `llm-foundry prepare --input FILES "

@@ -106,8 +106,9 @@ def document_starts(data_dir: str | Path, shard: Shard, meta: dict) -> np.ndarra
     from 0 to ``shard.tokens``; checked against the shard."""
     if shard.index is None:
         raise DataError(
-            f"{shard.path} has no document index: it was prepared as one text stream; prepare "
-            "the corpus again for document packing"
+            f"{shard.path} has no document index: it was prepared as one text stream (--text); "
+            "for document packing prepare the corpus as documents: `llm-foundry prepare --input "
+            "FILES --out DIR`"
         )
     data_dir = Path(data_dir)
     with lock.sharing(data_dir):
