@@ -356,3 +356,58 @@ def test_the_valid_neighbours_of_each_refused_value_are_served(request, endpoint
         assert (choice["message"]["content"] if endpoint == "chat" else choice["text"]) == greedy[
             endpoint
         ]
+
+
+# ---- chat in OpenAI's newer forms --------------------------------------------------------------
+def _chat_text(url, messages) -> str:
+    r = ask(url, "chat", {"model": "tiny", "messages": messages, "max_tokens": 8,
+                          "temperature": 0})  # fmt: skip
+    assert r.status_code == 200, r.text[:300]
+    return r.json()["choices"][0]["message"]["content"]
+
+
+def test_text_parts_and_the_developer_role_are_read_as_openai_means_them(request, long_checkpoint):
+    """Content as a list of text parts is their texts joined with newlines, through the
+    official client too; 'developer' is 'system'; each reply equals the string form's."""
+    url, _, greedy = request.getfixturevalue("small_server")
+    part = {"type": "text", "text": "a"}
+    assert _chat_text(url, [{"role": "user", "content": [part]}]) == greedy["chat"]
+    two = _chat_text(url, [{"role": "user", "content": [part, part]}])
+    assert two == _chat_text(url, [{"role": "user", "content": "a\na"}])
+    r = client(url).chat.completions.create(model="tiny", max_tokens=8, temperature=0,
+                                            messages=[{"role": "user", "content": [part]}])  # fmt: skip
+    assert r.choices[0].message.content == greedy["chat"]
+    system = [{"role": "system", "content": "a"}, {"role": "user", "content": "a"}]
+    developer = [{"role": "developer", "content": [part]}, system[1]]
+    with running(long_checkpoint, slots=1) as (url, _):  # a vocabulary that writes SYSTEM
+        assert _chat_text(url, developer) == _chat_text(url, system)
+
+
+PARTS_REFUSED = [  # (content, words of the message)
+    ([{"type": "image_url", "image_url": {"url": "http://x/y.png"}}], "'image_url'"),
+    ([{"type": "text", "text": "a"}, {"type": "input_audio", "input_audio": {}}], "content[1]"),
+    ([{"type": "text", "text": "a", "cache_control": {}}], "must be a text part"),
+    ([{"type": "text", "text": 5}], "must be a text part"),
+    (["a"], "must be a text part"),
+    ([], "non-empty list of text parts"),
+]
+
+
+@pytest.mark.parametrize("content, words", PARTS_REFUSED)
+def test_parts_that_are_not_text_are_refused_by_name(request, content, words):
+    url, _, _ = request.getfixturevalue("small_server")
+    body = {"model": "tiny", "messages": [{"role": "user", "content": content}]}
+    error = assert_openai_error(ask(url, "chat", body), 400)
+    assert error["param"] == "messages" and words in error["message"], error["message"]
+    assert "messages[0].content" in error["message"]
+
+
+def test_a_chat_the_tokenizer_cannot_encode_names_messages(request):
+    """A character the model's vocabulary lacks, in a chat: 400 naming 'messages' (a prompt's
+    names 'prompt')."""
+    url, _, _ = request.getfixturevalue("small_server")
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "\u6771"}]}
+    error = assert_openai_error(ask(url, "chat", body), 400)
+    assert error["param"] == "messages" and "cannot be encoded" in error["message"]
+    error = assert_openai_error(ask(url, "completions", {"model": "tiny", "prompt": "\u6771"}), 400)
+    assert error["param"] == "prompt"

@@ -27,7 +27,9 @@ def prompt_ids(served, body: dict, chat: bool) -> list[int]:
     try:
         return _encode(served.tokenizer, prompt)
     except ValueError as e:
-        raise BadRequest(f"the prompt cannot be encoded: {e}", "prompt") from None
+        what, param = ("the chat, written in its template,", "messages") if chat else (
+            "the prompt", "prompt")  # fmt: skip
+        raise BadRequest(f"{what} cannot be encoded: {e}", param) from None
 
 
 def _encode(tok, text: str) -> list[int]:
