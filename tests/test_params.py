@@ -461,6 +461,21 @@ def test_cli_params_memory_table_and_json(capsys):
     assert json.loads(capsys.readouterr().out)["memory"] == rep
 
 
+def test_cli_memory_of_a_config_recipe_is_its_training_settings(capsys):
+    """--config pretrain-124m-gpt2: the table is the recipe's batch 32 x 1024, bf16 (its dtype
+    auto on a GPU), as memory_report computes them; a flag given still wins."""
+    from llm_foundry.settings import resolve
+
+    argv = ["params", "--config", "pretrain-124m-gpt2", "--memory", "1", "--json"]
+    assert main(argv) == 0
+    cfg = resolve(files=["pretrain-124m-gpt2"]).model
+    rep = memory_report(cfg, 1, 1, dtype="bf16", batch_size=32, seq_len=1024)
+    assert json.loads(capsys.readouterr().out)["memory"] == rep
+    assert main([*argv, "--batch-size", "4"]) == 0
+    rep = memory_report(cfg, 1, 1, dtype="bf16", batch_size=4, seq_len=1024)
+    assert json.loads(capsys.readouterr().out)["memory"] == rep
+
+
 @pytest.mark.parametrize("devices", ["0", "-2"])
 def test_cli_memory_on_no_devices_is_refused_not_ignored(devices, capsys):
     assert main(["params", "--preset", "gpt2", "--memory", devices]) == 2

@@ -36,6 +36,19 @@ MEMORY_FLAGS = {
 }
 
 
+def _take_recipe(ns, train: dict) -> None:
+    """Fill the memory table's flags left unset from a --config file's ``train`` section (its
+    batch, precision, optimizer, recomputation and block size), so the table is the recipe's.
+    ``dtype: auto`` is taken as bf16: what it picks on a GPU with native bf16."""
+    for key in ("batch_size", "optimizer", "activation_checkpointing"):
+        if getattr(ns, key) is None and key in train:
+            setattr(ns, key, train[key])
+    if ns.dtype is None and "dtype" in train:
+        ns.dtype = "bf16" if train["dtype"] == "auto" else train["dtype"]
+    if ns.seq_len is None and "block_size" in train:
+        ns.seq_len = train["block_size"]
+
+
 def check_seq_len(cfg, seq_len: int) -> str | None:
     """A note when ``--seq-len`` runs past ``model.max_seq_len`` on positions without a weight
     per position (the figures are those of the model with its context raised to it); refused
@@ -119,13 +132,15 @@ def main(argv: list[str]) -> int:
             flags = ", ".join("--" + k.replace("_", "-") for k in given)
             verb, them = ("needs", "it") if len(given) == 1 else ("need", "them")
             raise ValueError(f"{flags} {verb} --memory DEVICES (only the memory table uses {them})")
-    for key, default in MEMORY_FLAGS.items():
-        if getattr(ns, key) is None:
-            setattr(ns, key, default)
     if ns.memory is not None and ns.tp is not None:
         check_tp(ns.memory, ns.tp)
     targets_flag = ns.lora_targets
     settings = settings_from(ns, ("model",), extra_keys=("lora_r", "lora_targets"))
+    if ns.memory is not None:  # a --config recipe's training settings, where no flag is given
+        _take_recipe(ns, settings.given.get("train", {}))
+    for key, default in MEMORY_FLAGS.items():
+        if getattr(ns, key) is None:
+            setattr(ns, key, default)
     if targets_flag is not None and not ns.lora_r:
         raise ValueError(f"--lora-targets {targets_flag} needs --lora-r R (the LoRA view)")
     cfg = settings.model
