@@ -196,6 +196,7 @@ def test_the_server_serves_each_adapter_by_name_to_concurrent_clients(base, want
         models = c.models.list().data
         assert [m.id for m in models] == ["tiny", "qv", "mlp", "run"]
         assert all(getattr(m, "parent", None) == "tiny" for m in models[1:])
+        assert [c.models.retrieve(m.id) for m in models] == models  # GET /v1/models/{id}
         names = ["tiny", "qv", "mlp", "run"]
         jobs = [(i % 4, PROMPTS[(i + 2 + i // 4) % 4], LENGTHS[(i + 2 + i // 4) % 4])
                 for i in range(8)]  # fmt: skip

@@ -411,3 +411,22 @@ def test_a_chat_the_tokenizer_cannot_encode_names_messages(request):
     assert error["param"] == "messages" and "cannot be encoded" in error["message"]
     error = assert_openai_error(ask(url, "completions", {"model": "tiny", "prompt": "\u6771"}), 400)
     assert error["param"] == "prompt"
+
+
+# ---- routes ------------------------------------------------------------------------------------
+def test_a_model_is_retrieved_by_its_id_as_openai_answers(request):
+    """GET /v1/models/{id} through the official client: the served model's card, as listed;
+    an unknown id (a name with a slash too) is OpenAI's 404 model_not_found; HEAD as GET."""
+    url, _, _ = request.getfixturevalue("small_server")
+    c = client(url)
+    got = c.models.retrieve("tiny")
+    assert got.model_dump() == c.models.list().data[0].model_dump()
+    assert (got.id, got.object, got.owned_by) == ("tiny", "model", "llm-foundry")
+    for unknown in ("gpt-9", "org/tiny", "tiny/"):
+        with pytest.raises(openai.NotFoundError) as e:
+            c.models.retrieve(unknown)
+        assert (e.value.code, e.value.param) == ("model_not_found", "model")
+        assert unknown in e.value.message
+        assert_openai_error(httpx.get(f"{url}/v1/models/{unknown}", timeout=10), 404)
+    head = httpx.head(url + "/v1/models/tiny", timeout=10)
+    assert head.status_code == 200 and head.content == b""

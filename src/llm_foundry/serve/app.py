@@ -220,12 +220,23 @@ def create_app(served: Served, max_request_bytes: int = MAX_REQUEST_BYTES) -> Fa
         return {"status": "ok", "slots": engine.slots, "busy": engine.busy(),
                 "waiting": engine.queue_length()}  # fmt: skip
 
+    def card(name: str) -> dict:
+        """OpenAI's model object of the served model (or of an adapter over it)."""
+        model = {"id": name, "object": "model", "created": served.created,
+                 "owned_by": "llm-foundry"}  # fmt: skip
+        return model if name == served.name else {**model, "parent": served.name}
+
     @app.api_route("/v1/models", methods=READ)
     async def models():
-        model = {"id": served.name, "object": "model", "created": served.created,
-                 "owned_by": "llm-foundry"}  # fmt: skip
-        adapters = [{**model, "id": name, "parent": served.name} for name in served.adapters]
-        return {"object": "list", "data": [model, *adapters]}
+        return {"object": "list", "data": [card(m) for m in [served.name, *served.adapters]]}
+
+    @app.api_route("/v1/models/{model:path}", methods=READ)
+    async def model(model: str):
+        try:
+            served.adapter_of(model)
+        except BadRequest as e:
+            return JSONResponse(error_body(str(e), e.param, e.code), e.status)
+        return card(model)
 
     @app.api_route("/metrics", methods=READ)
     async def metrics():
