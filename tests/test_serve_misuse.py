@@ -4,6 +4,7 @@ port, checked with the official ``openai`` client and plain HTTP."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -430,3 +431,37 @@ def test_a_model_is_retrieved_by_its_id_as_openai_answers(request):
         assert_openai_error(httpx.get(f"{url}/v1/models/{unknown}", timeout=10), 404)
     head = httpx.head(url + "/v1/models/tiny", timeout=10)
     assert head.status_code == 200 and head.content == b""
+
+
+def test_no_schema_and_a_trailing_slash_is_a_json_404_not_a_redirect(request):
+    """No /openapi.json (nor /docs); POST /v1/completions/ is OpenAI's 404 body, not a 307 the
+    official client would not follow."""
+    url, _, _ = request.getfixturevalue("small_server")
+    for path in ("/openapi.json", "/docs", "/redoc"):
+        assert_openai_error(httpx.get(url + path, timeout=10), 404)
+    body = base_body("completions")
+    for path in ("/v1/completions/", "/v1/chat/completions/", "/health/", "/v1/models/"):
+        r = httpx.post(url + path, json=body, timeout=10) if "compl" in path else httpx.get(
+            url + path, timeout=10)  # fmt: skip
+        assert_openai_error(r, 404)
+    c = openai.OpenAI(base_url=url + "/v1/", api_key="none", max_retries=0)
+    assert c.completions.create(**body).choices  # the client's own slash is still fine
+
+
+def test_a_browser_post_from_another_site_is_refused_and_the_own_page_is_served(request):
+    """A request whose Origin header names another site (what a browser adds to a page's
+    cross-site POST) is 403, before the request is run; this server's own origin (the chat
+    page's requests) and no Origin (curl, the official client) are served."""
+    url, served, greedy = request.getfixturevalue("small_server")
+    body = base_body("completions")
+    before = served.engine.stats.prompt_tokens
+    for origin in ("http://evil.example", "null", url.replace("127.0.0.1", "localhost"),
+                   url + "0", "file://"):  # fmt: skip
+        r = httpx.post(url + "/v1/completions", timeout=10, content=json.dumps(body),
+                       headers={"Origin": origin, "content-type": "text/plain"})  # fmt: skip
+        error = assert_openai_error(r, 403)
+        assert error["code"] == "cross_origin" and origin in error["message"]
+    assert served.engine.stats.prompt_tokens == before  # nothing was run
+    r = httpx.post(url + "/v1/completions", json=body, headers={"Origin": url}, timeout=10)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == greedy["completions"]
+    assert client(url).completions.create(**body).choices[0].text == greedy["completions"]

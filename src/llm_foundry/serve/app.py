@@ -33,6 +33,7 @@ from llm_foundry.serve.fields import (
     streaming,
 )
 from llm_foundry.serve.offsets import StreamedOffsets, text_offsets
+from llm_foundry.serve.origin import SameOrigin
 from llm_foundry.serve.page import add_page
 from llm_foundry.serve.prompt_size import chars_per_token
 from llm_foundry.serve.prompts import prompt_ids
@@ -128,7 +129,11 @@ def create_app(served: Served, max_request_bytes: int = MAX_REQUEST_BYTES) -> Fa
     before it is read whole."""
     if max_request_bytes < 1:
         raise ValueError(f"--max-request-bytes {max_request_bytes} must be >= 1")
-    app = FastAPI(title="llm-foundry", docs_url=None, redoc_url=None)
+    # no generated API pages or schema; a path with a trailing slash is not redirected (clients
+    # do not follow a redirect of a POST): it is an unknown route, answered as one
+    app = FastAPI(title="llm-foundry", docs_url=None, redoc_url=None, openapi_url=None,
+                  redirect_slashes=False)  # fmt: skip
+    app.add_middleware(SameOrigin)
     add_page(app)  # the chat page at /
     engine = served.engine
     relays: dict = {}

@@ -1,0 +1,49 @@
+"""Requests from web pages of other sites are refused (403). A page's script can POST to any
+server this machine reaches, ``localhost`` included, without asking first: a ``text/plain``
+body needs no CORS preflight, and the server would run it (the page could not read the reply,
+but it could spend the server's time, or send a chat under the user's name). Browsers send an
+``Origin`` header with such requests and page scripts cannot remove it; curl, the ``openai``
+client and other SDKs send none, and the chat page at ``/`` sends its own (this server's)."""
+
+from __future__ import annotations
+
+from urllib.parse import urlsplit
+
+from fastapi.responses import JSONResponse
+
+from llm_foundry.messages import shown
+from llm_foundry.serve.fields import error_body
+
+
+def same_origin(origin: str, host: str) -> bool:
+    """Whether ``origin`` (an Origin header: scheme://host[:port]) names the server the request
+    reached (its Host header), by host and port (the scheme is left out: behind a proxy that
+    ends TLS, a page at https:// reaches this server over http); "null" (a sandboxed or file:
+    page) names none."""
+    parts = urlsplit(origin)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        return False
+    return parts.netloc.lower() == host.lower()
+
+
+class SameOrigin:
+    """ASGI middleware: answer 403 (OpenAI's error body) to a request whose Origin header is
+    another site's; everything else goes on to ``app``."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            headers = dict(scope["headers"])
+            origin = headers.get(b"origin", b"").decode("latin-1")
+            host = headers.get(b"host", b"").decode("latin-1")
+            if b"origin" in headers and not same_origin(origin, host):
+                message = (
+                    f"a request from the web page at {shown(origin)} (its Origin header) is "
+                    "refused: this server answers its own page at / and clients that send no "
+                    "Origin (curl, SDKs)"
+                )
+                refusal = JSONResponse(error_body(message, code="cross_origin"), 403)
+                return await refusal(scope, receive, send)
+        await self.app(scope, receive, send)
