@@ -453,6 +453,20 @@ def test_a_file_given_as_a_data_directory_says_how_to_prepare_one(tmp_path, caps
     # through the command that names it
     rc, err = cli_status(["train", "--data", str(corpus), "--out", str(tmp_path / "run")], capsys)
     assert rc == 2 and err == f"llm-foundry train: error: {e.value}\n"
+    # fine-tuning or preference rows: the command that takes them
+    (rows := tmp_path / "chat.jsonl").write_text('{"messages": []}\n')
+    with pytest.raises(DataError) as e:
+        load_meta(rows)
+    assert str(e.value) == (
+        f"data directory {rows} is a file of fine-tuning rows (messages), not a directory "
+        f"`prepare` wrote: make one with `llm-foundry prepare --sft {rows} --tokenizer-from "
+        "MODEL --out DIR`, then --data DIR"
+    )
+    (pairs := tmp_path / "pairs.jsonl").write_text(
+        '{"prompt": "a", "chosen": "b", "rejected": "c"}\n'
+    )
+    with pytest.raises(DataError, match=r"preference rows .*`llm-foundry finetune --task dpo "):
+        load_meta(pairs)
     # a token file of a prepared directory: that directory
     data = _fake_prepared(tmp_path / "data", 100)
     with pytest.raises(DataError) as e:

@@ -331,6 +331,11 @@ def test_cli_data_path_errors_name_the_path_given(tmp_path, capsys):
             r"--tokenizer-from CHECKPOINT --out DIR`$")  # fmt: skip
     with pytest.raises(ValueError, match=want):
         main([*args, str(corpus)])
+    (rows := tmp_path / "rows.jsonl").write_text('{"prompt": "a", "completion": "b"}\n')
+    with pytest.raises(ValueError, match=rf"^--data {rows} is a file of fine-tuning rows \(prompt, "
+                       rf"completion\), .*`llm-foundry prepare --sft {rows} --tokenizer-from "
+                       "CHECKPOINT --out DIR`"):  # fmt: skip
+        main([*args, str(rows)])
     (text := tmp_path / "held-out.txt").write_text("abc")
     with pytest.raises(ValueError, match=rf"^--data {text} is a text file, .*give it as --text"):
         main([*args, str(text)])

@@ -79,6 +79,11 @@ def test_batches_target_exactly_the_masked_tokens(sft_dir):
         ('{"messages": [{"role": "robot", "content": "x"}]}', "messages[0] needs a 'role'"),
         ('{"messages": [{"role": "user", "content": "x"}]}', "no non-empty assistant message"),
         ("[1, 2]", "line 1: a list, expected an object"),
+        # a DPO row: the command that takes it
+        (
+            '{"prompt": "a", "chosen": "b", "rejected": "c"}',
+            "line 1: a preference row .* DPO takes the file as it is .*finetune --task dpo",
+        ),
         ("{oops", "line 1: not JSON"),
         # both formats in one row: one of them would be dropped
         (

@@ -26,6 +26,10 @@ def _prepared(given: str) -> tuple[Path, Path, dict]:
             raise DataError(f"--data {given} is a text file, not a directory `llm-foundry prepare` "
                             f"wrote: give it as --text {given} (encoded with the model's "
                             "tokenizer)")  # fmt: skip
+        from llm_foundry.data.batches import rows_advice
+
+        if path.is_file() and (rows := rows_advice(path, "CHECKPOINT")):  # fine-tuning rows
+            raise DataError(f"--data {given} {rows}")
         if path.is_file() and file_format(path) is not None:  # documents: tokenized as trained
             raise DataError(f"--data {given} is a file of documents, not a directory `llm-foundry "
                             f"prepare` wrote; make one with the model's tokenizer: `llm-foundry "

@@ -295,30 +295,11 @@ def rows_hint(path: Path, checkpoint: str | None) -> None:
     """Refuse --data naming a JSONL file of fine-tuning or preference rows, in one line with the
     command that takes them (``checkpoint``: the model a fine-tune starts from); any other file
     is left to the data loader's own message."""
-    from shlex import quote
-
-    from llm_foundry.data.sft import iter_objects
+    from llm_foundry.data.batches import rows_advice
     from llm_foundry.data.sources import DataError
 
-    try:
-        first = next(iter_objects(path, "rows"), None)
-    except DataError:  # not JSONL: not rows
-        return
-    keys = set(first[1]) if first else set()
-    model = quote(checkpoint) if checkpoint else "MODEL"
-    if {"chosen", "rejected"} <= keys:
-        raise DataError(
-            f"--data {path} is a file of preference rows (prompt, chosen, rejected): `llm-foundry "
-            f"finetune --task dpo --checkpoint {model} --data {quote(str(path))} --out RUN` "
-            "tokenizes and trains on it as it is"
-        )
-    if "messages" in keys or {"prompt", "completion"} <= keys:
-        fields = "messages" if "messages" in keys else "prompt, completion"
-        raise DataError(
-            f"--data {path} is a file of fine-tuning rows ({fields}), not a directory `prepare` "
-            f"wrote: make one with `llm-foundry prepare --sft {quote(str(path))} --tokenizer-from "
-            f"{model} --out DIR`, then --data DIR"
-        )
+    if advice := rows_advice(path, checkpoint or "MODEL"):
+        raise DataError(f"--data {path} {advice}")
 
 
 def nothing_to_resume(out: Path) -> str:

@@ -171,6 +171,10 @@ def _check_row(row: dict, where: str) -> None:
         if not any(m["role"] == "assistant" and m["content"] for m in msgs):
             raise DataError(f"{where}: no non-empty assistant message: nothing to learn from")
         return
+    if "completion" not in row and {"chosen", "rejected"} <= set(row):
+        raise DataError(f"{where}: a preference row (prompt, chosen, rejected), not a fine-tuning "
+                        "row: DPO takes the file as it is (`llm-foundry finetune --task dpo "
+                        "--data FILE`)")  # fmt: skip
     for field in ("prompt", "completion"):
         if not isinstance(row.get(field), str):
             raise DataError(
