@@ -14,7 +14,6 @@ import inspect
 import re
 from functools import cache
 
-from llm_foundry.cli.signals import stopped  # noqa: F401 - cli/train.py imports it from here
 from llm_foundry.settings import SECTIONS, Settings, config_names, field_names, resolve, scalar
 
 

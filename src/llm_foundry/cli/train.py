@@ -21,9 +21,9 @@ from llm_foundry.cli.options import (
     add_settings_arguments,
     join_negative_values,
     settings_from,
-    stopped,
 )
 from llm_foundry.cli.ranks import rank0_only, rank_alone
+from llm_foundry.cli.signals import stopped
 from llm_foundry.cli.streams import outliving_reader
 from llm_foundry.presets import preset_names
 from llm_foundry.settings import read_config_file
