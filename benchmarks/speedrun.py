@@ -57,7 +57,8 @@ from bench_shakespeare import data_dir, load_nanogpt, nanogpt_model
 
 from llm_foundry.ablation import first_crossing, training_seconds
 from llm_foundry.bench import cpu_model
-from llm_foundry.cli.options import SettingsParser, at_least_one, stopped
+from llm_foundry.cli.options import SettingsParser, at_least_one
+from llm_foundry.cli.signals import stopped
 from llm_foundry.data import load_split
 from llm_foundry.plots import read_metrics
 from llm_foundry.presets import get_preset
