@@ -60,6 +60,7 @@ def load_served(checkpoint: str | Path, slots: int = 8, max_queue: int = 64,
     from llm_foundry.loading import load_any
     from llm_foundry.serve.app import Served
     from llm_foundry.serve.engine import Engine
+    from llm_foundry.serve.pieces import Pieces
     from llm_foundry.tokenizer_files import chat_format
 
     model, tok, info = load_any(checkpoint, device, quantize=quantize, group_size=group_size)
@@ -76,8 +77,11 @@ def load_served(checkpoint: str | Path, slots: int = 8, max_queue: int = 64,
     eos = set(info.eos_ids)
     if chat.end_id is not None:
         eos.add(chat.end_id)  # a special token ends the reply by its id
+    pieces = Pieces(tok)  # the reply's text without special tokens; each token's bytes
     engine = Engine(model, tok, slots=slots, max_queue=max_queue, eos_ids=eos, compile=compile,
-                    max_context=max_context, adapters=rows, cuda_graph=cuda_graph)  # fmt: skip
-    served = Served(engine, tok, name, chat.template, chat.variables, adapters=list(adapters))
+                    max_context=max_context, adapters=rows, cuda_graph=cuda_graph,
+                    text=pieces.text)  # fmt: skip
+    served = Served(engine, tok, name, chat.template, chat.variables, adapters=list(adapters),
+                    pieces=pieces)  # fmt: skip
     served.chat_stop = () if chat.end_id is not None else (chat.end,)  # a plain-text end of turn
     return served

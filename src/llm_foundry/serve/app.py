@@ -35,6 +35,7 @@ from llm_foundry.serve.fields import (
 from llm_foundry.serve.offsets import StreamedOffsets, text_offsets
 from llm_foundry.serve.origin import SameOrigin
 from llm_foundry.serve.page import add_page
+from llm_foundry.serve.pieces import Pieces
 from llm_foundry.serve.prompt_size import chars_per_token
 from llm_foundry.serve.prompts import prompt_ids
 
@@ -74,6 +75,11 @@ class Served:
     chat_stop: tuple[str, ...] = ()  # a chat template's plain-text end of turn
     created: int = field(default_factory=lambda: int(time.time()))
     adapters: list[str] = field(default_factory=list)
+    pieces: Pieces | None = None  # what the reply says of tokens (default: the tokenizer's)
+
+    def __post_init__(self):
+        if self.pieces is None:
+            self.pieces = Pieces(self.tokenizer)
 
     @cached_property
     def chars_per_token(self) -> float | None:
@@ -96,14 +102,14 @@ class Served:
 # ---- responses ----------------------------------------------------------------------------------
 def _logprobs_block(served: Served, records: list, chat: bool, offsets: list[int] | None = None):
     """The logprobs of ``records`` ((token, logprob, top) each); a completion's ``text_offset``:
-    ``offsets``, where each token starts in the completion's text (``serve.offsets``). Each
-    token's string is that token decoded alone (U+FFFD for bytes of an unfinished character)."""
-    decode = served.tokenizer.decode
+    ``offsets``, where each token starts in the completion's text (``serve.offsets``). Tokens
+    are named and their bytes given as ``serve.pieces`` has them."""
+    pieces = served.pieces
     if chat:
 
         def entry(token: int, logprob: float) -> dict:
-            text = decode([token])
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+            return {"token": pieces.name(token), "logprob": logprob,
+                    "bytes": list(pieces.token_bytes(token))}  # fmt: skip
 
         return {
             "content": [
@@ -111,11 +117,10 @@ def _logprobs_block(served: Served, records: list, chat: bool, offsets: list[int
                 for t, lp, top in records
             ]
         }
-    tokens = [decode([t]) for t, _, _ in records]
     return {
-        "tokens": tokens,
+        "tokens": [pieces.name(t) for t, _, _ in records],
         "token_logprobs": [lp for _, lp, _ in records],
-        "top_logprobs": [{decode([i]): v for i, v in top} for _, _, top in records],
+        "top_logprobs": [{pieces.name(i): v for i, v in top} for _, _, top in records],
         "text_offset": offsets,
     }
 
@@ -329,13 +334,15 @@ def create_app(served: Served, max_request_bytes: int = MAX_REQUEST_BYTES) -> Fa
         }
         obj = "chat.completion" if chat else "text_completion"
 
+        pieces = served.pieces  # offsets from the tokens' bytes where the text joins them
+        joined = (pieces.text, pieces.token_bytes if pieces.joined else None)
         if stream:
             count(endpoint, 200)  # the status line goes out with the first chunk
             chunk_obj = obj + (".chunk" if chat else "")
 
             async def sse():
                 done = 0
-                offsets = [StreamedOffsets(served.tokenizer.decode) for _ in range(n)]
+                offsets = [StreamedOffsets(*joined) for _ in range(n)]
                 try:
                     if chat:
                         for i in range(n):
@@ -413,10 +420,9 @@ def create_app(served: Served, max_request_bytes: int = MAX_REQUEST_BYTES) -> Fa
             lp = None
             if seqs[i].params.logprobs is not None:
                 ids, at = [r[0] for r in records[i]], None
-                if not chat:  # one decode per token: off the event loop
-                    at = await asyncio.to_thread(
-                        text_offsets, served.tokenizer.decode, ids, texts[i]
-                    )
+                if not chat:  # off the event loop: a decode per token where not joined
+                    at = await asyncio.to_thread(text_offsets, joined[0], ids, texts[i],
+                                                 token_bytes=joined[1])  # fmt: skip
                 lp = _logprobs_block(served, records[i], chat, at)
             if chat:
                 choices.append({"index": i, "message": {"role": "assistant", "content": texts[i]},

@@ -123,6 +123,7 @@ class Engine:
         max_context: int | None = None,
         adapters=None,
         cuda_graph: bool = False,
+        text: Callable[[list[int]], str] | None = None,
     ):
         cfg = model.cfg
         if slots < 1 or max_queue < 0:
@@ -152,6 +153,7 @@ class Engine:
         self._check_memory(cfg, slots, device, dtype, capacity is None)
         self.model, self.tok, self.slots, self.max_queue = model.eval(), tokenizer, slots, max_queue
         self.eos_ids = set(eos_ids)
+        self.text = text or tokenizer.decode  # a reply's text of its ids
         self.adapters = adapters
         # one busy row decodes through the compiled step, whose fused matvec streams weights
         # faster; batches of rows are matrix products either way and run eager (measured:
@@ -489,7 +491,7 @@ class Engine:
         """Emit the text that can no longer change: all of it when ``final``; else hold back
         what could still begin a stop string or an unfinished character (``stops.settle``).
         Returns "stop" when a stop string appeared (the text is emitted up to it)."""
-        text = self.tok.decode(seq.tokens)
+        text = self.text(seq.tokens)
         cut, stopped = settle(text, seq.params.stop, final=final, released=seq.sent)
         if cut > seq.sent or (seq.pending and (final or stopped)):
             seq.emit("text", (text[seq.sent : max(cut, seq.sent)], seq.pending))

@@ -1,0 +1,96 @@
+"""What the server says of tokens: the text of a reply's ids, each token's own bytes and its name
+in logprobs, read from the tokenizer's pipeline.
+
+    text(ids)        the reply's text: special tokens (<bos>, <pad>, ...) left out, as vLLM and
+                     transformers' skip_special_tokens leave them out
+    token_bytes(id)  the bytes the token adds to the text: a byte-level BPE token's own bytes
+                     (one byte of a character split over tokens, not U+FFFD's three), a
+                     character's UTF-8, nothing for a special token; joined, they rebuild the text
+    name(id)         the token in logprobs: its text alone (U+FFFD for a piece of a character),
+                     a special token's own literal (so an alternative such as <eos> is named)
+    joined           True where text(ids) is the UTF-8 of the tokens' bytes joined (errors
+                     replaced): offsets can then be read from the bytes in linear time
+
+Decoders are told apart by a small table keyed by tokenizer.json's decoder type: "ByteLevel"
+(GPT-2's byte alphabet), "Fuse" (pieces joined as they are), and the character tokenizer; any
+other decoder (a sentencepiece one strips the first space, WordPiece joins with spaces) keeps
+the tokenizer's own decode and the exact, general offsets.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+
+def gpt2_bytes() -> dict[str, int]:
+    """GPT-2's byte alphabet (Radford et al. 2019, its encoder.py's bytes_to_unicode), read
+    back: printable Latin-1 bytes stand for themselves, the other 68 bytes (controls, space,
+    ...) for U+0100 onwards, in byte order."""
+    kept = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    moved = [b for b in range(256) if b not in kept]
+    return {**{chr(b): b for b in kept}, **{chr(256 + k): b for k, b in enumerate(moved)}}
+
+
+def _byte_level_bytes(hf) -> Callable[[int], bytes]:
+    """A ByteLevel decoder's bytes of a token: each character of its vocabulary string one byte
+    of GPT-2's alphabet; a token with a character outside it (an added token's text) its own
+    UTF-8, as the decoder has it."""
+    byte_of = gpt2_bytes()
+
+    def token_bytes(i: int) -> bytes:
+        token = hf.id_to_token(i) or ""
+        if all(c in byte_of for c in token):
+            return bytes(byte_of[c] for c in token)
+        return token.encode()
+
+    return token_bytes
+
+
+def _fuse_bytes(hf) -> Callable[[int], bytes]:
+    """A Fuse decoder's bytes of a token: its vocabulary string as it is."""
+    return lambda i: (hf.id_to_token(i) or "").encode()
+
+
+# tokenizer.json's decoder type -> the bytes of one token, where decode joins them
+JOINED = {"ByteLevel": _byte_level_bytes, "Fuse": _fuse_bytes}
+
+
+class Pieces:
+    """``text``, ``token_bytes``, ``name`` and ``joined`` (module docstring) for ``tok``, one
+    of ``tokenizer``'s; ``tok.decode`` is looked up at each call."""
+
+    def __init__(self, tok):
+        self.tok = tok
+        self.specials: frozenset[int] = frozenset()
+        self._names: dict[int, str] = {}
+        self._bytes: Callable[[int], bytes] | None = None
+        hf = getattr(tok, "hf", None)
+        if getattr(tok, "kind", "") == "char":
+            self._bytes = lambda i: tok.chars[i].encode()
+        elif hf is not None:
+            added = hf.get_added_tokens_decoder()
+            self._names = {i: t.content for i, t in added.items() if t.special}
+            self.specials = frozenset(self._names)
+            decoder = (json.loads(hf.to_str()).get("decoder") or {}).get("type")
+            if decoder in JOINED:
+                self._bytes = JOINED[decoder](hf)
+        self.joined = self._bytes is not None
+
+    def text(self, ids) -> str:
+        """The text of ``ids``, special tokens left out."""
+        if self.specials:
+            ids = [i for i in ids if i not in self.specials]
+        return self.tok.decode(ids)
+
+    def token_bytes(self, i: int) -> bytes:
+        """The bytes token ``i`` adds to the text (none for a special token)."""
+        if i in self.specials:
+            return b""
+        if self._bytes is None:  # the token's text alone: exact where it is whole characters
+            return self.tok.decode([i]).encode()
+        return self._bytes(i)
+
+    def name(self, i: int) -> str:
+        """Token ``i`` as logprobs show it."""
+        return self._names[i] if i in self._names else self.tok.decode([i])
