@@ -213,7 +213,7 @@ def test_the_server_serves_each_adapter_by_name_to_concurrent_clients(base, want
         with pytest.raises(openai.NotFoundError) as e:
             c.completions.create(model="qv2", prompt="ROMEO:", max_tokens=2)
         message = e.value.body["message"]
-        assert "'qv2' does not exist" in message and "'tiny', 'qv', 'mlp', 'run'" in message
+        assert '"qv2" does not exist' in message and '"tiny", "qv", "mlp", "run"' in message
         assert e.value.body["code"] == "model_not_found"
         assert served.engine.busy() == 0
 

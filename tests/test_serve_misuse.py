@@ -298,12 +298,12 @@ REFUSED = [  # (endpoint, fields over the base request, the param named, words o
       (5, "a", [], {"a": 1}, {"a": None}, {"k" * 65: "v"}, {"a": "v" * 513},
        {str(i): "v" for i in range(17)})],  # fmt: skip
     ("chat", {"store": "yes"}, "store", "'store' must be true or false"),
-    ("chat", {"messages": [{**MESSAGE[0], "name": "bob"}]}, "messages", "messages[0].'name'"),
-    ("chat", {"messages": [*MESSAGE, {**MESSAGE[0], "x": 1}]}, "messages", "messages[1].'x'"),
-    ("chat", {"messages": [{**MESSAGE[0], "tool_calls": []}]}, "messages", "'tool_calls'"),
-    *[("chat", {k: v}, None, f"'{k}'") for k, v in (("echo", False), ("suffix", ""),
+    ("chat", {"messages": [{**MESSAGE[0], "name": "bob"}]}, "messages", 'messages[0] has the key "name"'),
+    ("chat", {"messages": [*MESSAGE, {**MESSAGE[0], "x": 1}]}, "messages", 'messages[1] has the key "x"'),
+    ("chat", {"messages": [{**MESSAGE[0], "tool_calls": []}]}, "messages", '"tool_calls", which this server'),
+    *[("chat", {k: v}, None, f'"{k}"') for k, v in (("echo", False), ("suffix", ""),
                                                       ("best_of", 1))],  # fmt: skip
-    *[("completions", {k: v}, None, f"'{k}'") for k, v in (("tools", []),
+    *[("completions", {k: v}, None, f'"{k}"') for k, v in (("tools", []),
                                                              ("response_format", {"type": "text"}))],
 ]  # fmt: skip
 
@@ -385,7 +385,7 @@ def test_text_parts_and_the_developer_role_are_read_as_openai_means_them(request
 
 
 PARTS_REFUSED = [  # (content, words of the message)
-    ([{"type": "image_url", "image_url": {"url": "http://x/y.png"}}], "'image_url'"),
+    ([{"type": "image_url", "image_url": {"url": "http://x/y.png"}}], '"image_url"'),
     ([{"type": "text", "text": "a"}, {"type": "input_audio", "input_audio": {}}], "content[1]"),
     ([{"type": "text", "text": "a", "cache_control": {}}], "must be a text part"),
     ([{"type": "text", "text": 5}], "must be a text part"),
@@ -465,3 +465,59 @@ def test_a_browser_post_from_another_site_is_refused_and_the_own_page_is_served(
     r = httpx.post(url + "/v1/completions", json=body, headers={"Origin": url}, timeout=10)
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == greedy["completions"]
     assert client(url).completions.create(**body).choices[0].text == greedy["completions"]
+
+
+# ---- what errors say ---------------------------------------------------------------------------
+SAID = [  # (endpoint, fields over the base request, words of the message)
+    ("completions", {"stream": "yes"}, 'got "yes"'),
+    ("completions", {"temperature": True}, "got true"),
+    ("completions", {"n": None, "logprobs": False}, "got false"),
+    ("chat", {"top_logprobs": 2, "logprobs": None}, "'logprobs': null"),
+    ("chat", {"metadata": {"a": 1}}, 'got {"a": 1}'),
+    ("completions", {"stop": ""}, 'got ""'),
+    ("completions", {"stop": ["a", None]}, 'got ["a", null]'),
+    ("completions", {"model": "gpt-9"}, 'The model "gpt-9" does not exist; this server has "tiny"'),
+    ("completions", {"model": "\ud800"}, 'The model "\\ud800"'),
+    ("completions", {"prompt": "U", "max_tokens": [1.5, "日"]}, 'got [1.5, "日"]'),
+]
+
+
+@pytest.mark.parametrize("endpoint, fields, words", SAID, ids=[w for _, _, w in SAID])
+def test_errors_show_values_as_the_json_the_client_sent(request, endpoint, fields, words):
+    url, _, _ = request.getfixturevalue("small_server")
+    r = ask(url, endpoint, {**base_body(endpoint), **fields})
+    assert words in assert_openai_error(r, 404 if "model" in fields else 400)["message"]
+
+
+def test_an_integer_past_pythons_digit_limit_is_named_not_called_invalid_json(request):
+    """5000 digits is valid JSON; Python reads integers of up to 4300 digits: said so."""
+    url, _, greedy = request.getfixturevalue("small_server")
+    raw = json.dumps(base_body("completions"))[:-1] + ', "max_tokens": ' + "9" * 5000 + "}"
+    r = ask(url, "completions", content=raw.encode(), headers={"content-type": "application/json"})
+    error = assert_openai_error(r, 400)
+    assert error["code"] == "integer_too_long" and "5,000 digits" in error["message"]
+    assert "4,300" in error["message"] and "not valid JSON" not in error["message"]
+    raw = json.dumps(base_body("completions"))[:-1] + ', "seed": -' + "1" * 4300 + "}"
+    assert assert_openai_error(ask(url, "completions", content=raw.encode(), headers={
+        "content-type": "application/json"}), 400)["param"] == "seed"  # fmt: skip
+
+
+def test_serve_on_a_host_that_is_no_address_of_this_machine_says_so(long_checkpoint, capsys):
+    """--host that is no IP address nor a name this machine resolves, an address of another
+    machine, a port in use: one line each, naming what is wrong (not "is the port in use?")."""
+    import socket
+
+    from llm_foundry.cli import main
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        for host, words in (("999.1.1.1", "--host '999.1.1.1' is not an IP address or a host"),
+                            ("192.0.2.1", "--host '192.0.2.1' is not an address of this machine"),
+                            ("127.0.0.1", f"could not serve on 127.0.0.1:{port}: the port is in "
+                                          "use")):  # fmt: skip
+            argv = ["serve", "--checkpoint", str(long_checkpoint), "--host", host, "--port", port]
+            assert main(argv) == 2
+            err = capsys.readouterr().err
+            assert err.count("\n") == 1 and words in err, err

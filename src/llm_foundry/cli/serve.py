@@ -4,6 +4,8 @@ continuous batching, on 127.0.0.1 unless told otherwise."""
 from __future__ import annotations
 
 import argparse
+import errno
+import socket
 import sys
 import threading
 import time
@@ -33,6 +35,27 @@ def adapter_specs(specs: list[str]) -> dict[str, str]:
             raise ValueError(f"--adapter {spec!r}: the name '{name}' is given twice")
         adapters[name] = directory
     return adapters
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A socket listening on ``host``:``port`` (bound here, so that what is wrong is said in
+    one line: a host that is no address, an address not of this machine, a port in use)."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    except (socket.gaierror, UnicodeError) as e:
+        why = e.strerror if isinstance(e, socket.gaierror) else str(e)
+        raise ValueError(f"--host {host!r} is not an IP address or a host name this machine "
+                         f"resolves ({why})") from None  # fmt: skip
+    try:
+        return socket.create_server((host, port), family=family)
+    except OSError as e:
+        if e.errno == errno.EADDRNOTAVAIL:
+            raise ValueError(f"--host {host!r} is not an address of this machine (use "
+                             "127.0.0.1, 0.0.0.0 for every interface, or one of its own "
+                             "addresses)") from None  # fmt: skip
+        why = "the port is in use (choose another --port)" if e.errno == errno.EADDRINUSE else (
+            e.strerror or str(e))  # fmt: skip
+        raise OSError(f"could not serve on {host}:{port}: {why}") from None
 
 
 def main(argv: list[str]) -> int:
@@ -112,13 +135,15 @@ def main(argv: list[str]) -> int:
         served.engine.warm_up()
         print(f"ready in {time.perf_counter() - t:.1f} s", flush=True)
     # HTTP in a thread, the model loop in this (main) thread, where compiled kernels run fastest
+    sock = listen(ns.host, ns.port)
     server = uvicorn.Server(uvicorn.Config(app, host=ns.host, port=ns.port, log_level="warning"))
-    thread = threading.Thread(target=server.run, name="http", daemon=True)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="http",
+                              daemon=True)  # fmt: skip
     thread.start()
     while not server.started and thread.is_alive():
         time.sleep(0.05)
     if not thread.is_alive():
-        raise OSError(f"could not serve on {ns.host}:{ns.port} (is the port in use?)")
+        raise OSError(f"could not serve on {ns.host}:{ns.port}")
     weights = f", {scheme} weights" if scheme else ""
     weights += f", adapters {', '.join(served.adapters)}" if served.adapters else ""
     print(f"serving {served.name} on http://{ns.host}:{ns.port}/v1 ({ns.slots} slots, context "

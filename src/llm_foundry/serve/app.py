@@ -16,15 +16,17 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
+import sys
 import time
 import uuid
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from llm_foundry.messages import one_line, shown
+from llm_foundry.messages import one_line
 from llm_foundry.serve.engine import Engine, Params, QueueFull, Sequence
 from llm_foundry.serve.fields import (
     BadRequest,
+    as_json,
     check_fields,
     error_body,
     fit_context,
@@ -93,9 +95,9 @@ class Served:
             return 0
         if isinstance(model, str) and model in self.adapters:
             return self.adapters.index(model) + 1
-        valid = ", ".join(f"'{m}'" for m in [self.name, *self.adapters])
+        valid = ", ".join(as_json(m) for m in [self.name, *self.adapters])
         has = f"has {valid}" if not self.adapters else f"has {valid} (the base and its adapters)"
-        raise BadRequest(f"The model {shown(model)} does not exist; this server {has}", "model",
+        raise BadRequest(f"The model {as_json(model)} does not exist; this server {has}", "model",
                          404, "model_not_found")  # fmt: skip
 
 
@@ -145,7 +147,7 @@ def create_app(served: Served, max_request_bytes: int = MAX_REQUEST_BYTES) -> Fa
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException):
-        path = shown(request.url.path)
+        path = as_json(request.url.path)
         if e.status_code == 404:
             message = f"Invalid URL ({request.method} {path})"
         elif e.status_code == 405:
@@ -188,7 +190,12 @@ def create_app(served: Served, max_request_bytes: int = MAX_REQUEST_BYTES) -> Fa
                 status=499, code="client_closed_request",
             ) from None  # fmt: skip
         try:
-            return json.loads(data)
+            return json.loads(data, parse_int=_int)
+        except TooManyDigits as e:  # valid JSON, past what Python turns into an int
+            raise BadRequest(
+                f"the request body has an integer of {e.digits:,} digits; this server reads "
+                f"integers of up to {sys.get_int_max_str_digits():,} digits", code="integer_too_long",
+            ) from None  # fmt: skip
         except RecursionError:
             raise BadRequest("the request body is JSON nested too deeply to read") from None
         except (UnicodeDecodeError, ValueError):
@@ -443,6 +450,20 @@ def create_app(served: Served, max_request_bytes: int = MAX_REQUEST_BYTES) -> Fa
         return await generate(request, chat=True)
 
     return app
+
+
+class TooManyDigits(Exception):
+    def __init__(self, digits: int):
+        self.digits = digits
+
+
+def _int(text: str) -> int:
+    """A JSON integer as json.loads reads it; one past Python's digit limit (4300 unless set
+    otherwise) named as such, not as invalid JSON."""
+    try:
+        return int(text)
+    except ValueError:
+        raise TooManyDigits(len(text.lstrip("-"))) from None
 
 
 def _choice(chat: bool, index: int, text: str, logprobs, finish) -> dict:

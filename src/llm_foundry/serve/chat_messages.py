@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from llm_foundry.data.sft import ROLES, check_messages
 from llm_foundry.data.sources import DataError
-from llm_foundry.messages import shown
-from llm_foundry.serve.fields import BadRequest, check_unicode
+from llm_foundry.serve.fields import BadRequest, as_json, check_unicode
 
 # OpenAI's message keys that no chat template here has a place for: null only
 NULL_ONLY = ("name", "tool_calls", "tool_call_id", "function_call", "refusal", "audio")
@@ -39,17 +38,17 @@ def _message(m, where: str) -> dict:
     if not isinstance(m, dict) or m.get("role") not in ROLE_OF:
         raise BadRequest(
             f"{where} needs a 'role' of {', '.join(ROLE_OF)} ('developer' is taken as "
-            f"'system'); got {shown(m)}", "messages",
+            f"'system'); got {as_json(m)}", "messages",
         )  # fmt: skip
     for key, value in m.items():
         if key in ("role", "content") or (key in NULL_ONLY and value is None):
             continue
         why = (
-            f"is not supported by this server (it accepts only null), got {shown(value)}"
+            f"which this server does not support (it accepts only null), got {as_json(value)}"
             if key in NULL_ONLY
-            else "is not a key of a message; a message has 'role' and 'content'"
+            else "which a message does not have; a message has 'role' and 'content'"
         )
-        raise BadRequest(f"{where}.{shown(key)} {why}", "messages")
+        raise BadRequest(f"{where} has the key {as_json(key)}, {why}", "messages")
     content = _content(m.get("content"), f"{where}.content")
     check_unicode(content, f"{where}.content", "messages")
     return {"role": ROLE_OF[m["role"]], "content": content}
@@ -61,16 +60,16 @@ def _content(content, where: str) -> str:
         return content
     if not isinstance(content, list) or not content:
         raise BadRequest(f"{where} must be a string or a non-empty list of text parts "
-                         f'({{"type": "text", "text": ...}}), got {shown(content)}',
+                         f'({{"type": "text", "text": ...}}), got {as_json(content)}',
                          "messages")  # fmt: skip
     texts = []
     for k, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind != "text" and isinstance(kind, str):
-            raise BadRequest(f"{where}[{k}] is a part of type {shown(kind)}; this server takes "
+            raise BadRequest(f"{where}[{k}] is a part of type {as_json(kind)}; this server takes "
                              "text parts only", "messages")  # fmt: skip
         if kind != "text" or set(part) != {"type", "text"} or not isinstance(part["text"], str):
             raise BadRequest(f'{where}[{k}] must be a text part, {{"type": "text", "text": '
-                             f"a string}}, got {shown(part)}", "messages")  # fmt: skip
+                             f"a string}}, got {as_json(part)}", "messages")  # fmt: skip
         texts.append(part["text"])
     return PARTS_JOINED.join(texts)

@@ -4,7 +4,10 @@ endpoint takes, and those it does not implement (refused by name unless "off"). 
 
 from __future__ import annotations
 
-from llm_foundry.messages import shown
+import json
+from collections.abc import Sized
+
+from llm_foundry.messages import LIMIT
 from llm_foundry.serve.engine import Params
 
 MAX_LOGPROBS = 5  # OpenAI's bound for completions
@@ -63,6 +66,21 @@ OFF: dict[bool, dict[str, tuple[str, object]]] = {
 }
 
 
+def as_json(value, limit: int = LIMIT) -> str:
+    """``value`` (a request's, read from JSON) written as JSON (true, null, {"a": 1}, as the
+    client wrote it), or its first ``limit`` characters with '...' and the value's size."""
+    text = json.dumps(value, ensure_ascii=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate cannot be sent back as it is: escaped
+        text = json.dumps(value)
+    if len(text) <= limit:
+        return text
+    unit = "characters" if isinstance(value, str) else "items"
+    size = f" ({len(value):,} {unit})" if isinstance(value, Sized) else ""
+    return f"{text[:limit]}...{size}"
+
+
 class BadRequest(Exception):
     def __init__(self, message: str, param: str | None = None, status: int = 400, code=None):
         super().__init__(message)
@@ -78,7 +96,7 @@ def check_fields(body: dict, chat: bool) -> None:
     they hold their "off" value: a request is never answered as if they were not there."""
     unknown = [k for k in body if k not in FIELDS[chat] and k not in OFF[chat]]
     if unknown:
-        names = ", ".join(shown(k) for k in unknown[:3])
+        names = ", ".join(as_json(k) for k in unknown[:3])
         more = f" and {len(unknown) - 3} more" if len(unknown) > 3 else ""
         plural = "s" if len(unknown) > 1 else ""
         raise BadRequest(f"Unrecognized request argument{plural} supplied: {names}{more}")
@@ -88,12 +106,12 @@ def check_fields(body: dict, chat: bool) -> None:
             allowed = f"null or {off}" if off else "null"
             raise BadRequest(
                 f"'{key}' is not supported by this server (it accepts only {allowed}), got "
-                f"{shown(value)}", key,
+                f"{as_json(value)}", key,
             )  # fmt: skip
     for key, (kind, what) in SERVICE.items():
         value = body.get(key)
         if value is not None and type(value) is not kind:
-            raise BadRequest(f"'{key}' must be {what} or null, got {shown(value)}", key)
+            raise BadRequest(f"'{key}' must be {what} or null, got {as_json(value)}", key)
     _check_metadata(body.get("metadata"))
 
 
@@ -111,7 +129,7 @@ def _check_metadata(metadata) -> None:
     ):  # fmt: skip
         raise BadRequest(
             f"'metadata' must be null or an object of up to {pairs} string values (keys up to "
-            f"{key_chars} characters, values up to {value_chars}), got {shown(metadata)}",
+            f"{key_chars} characters, values up to {value_chars}), got {as_json(metadata)}",
             "metadata",
         )
 
@@ -126,7 +144,7 @@ def number(body, key, default, lo, hi, integer=False):
     if isinstance(value, bool) or not ok or not lo <= value <= (value if hi is None else hi):
         kind = "an integer" if integer else "a number"
         bounds = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-        raise BadRequest(f"'{key}' must be {kind} {bounds}, got {shown(value)}", key)
+        raise BadRequest(f"'{key}' must be {kind} {bounds}, got {as_json(value)}", key)
     return value
 
 
@@ -158,23 +176,23 @@ def fit_context(prompt: int, max_tokens: int, key: str | None, context: int, cha
 def request_params(body: dict, chat: bool, context: int) -> tuple[Params, int]:
     """The request's generation settings and its number of choices; ``max_tokens`` is checked
     against ``context`` once the prompt is known (``fit_context``)."""
-    stop = body.get("stop")
+    asked = stop = body.get("stop")
     if isinstance(stop, str):
         stop = [stop]
     if stop is not None and not (
         isinstance(stop, list) and len(stop) <= 4 and all(isinstance(s, str) and s for s in stop)
     ):
         raise BadRequest(
-            f"'stop' must be a string or up to 4 non-empty strings, got {shown(stop)}", "stop"
+            f"'stop' must be a non-empty string or up to 4 of them, got {as_json(asked)}", "stop"
         )
     if chat:
         want = body.get("logprobs")
         if want is not None and not isinstance(want, bool):
-            raise BadRequest(f"'logprobs' must be true or false, got {shown(want)}", "logprobs")
+            raise BadRequest(f"'logprobs' must be true or false, got {as_json(want)}", "logprobs")
         if body.get("top_logprobs") is not None and want is not True:
             raise BadRequest(
                 "'top_logprobs' asks for alternatives to the tokens' log probabilities: it "
-                f"needs 'logprobs': true, got 'logprobs': {shown(want)}", "top_logprobs",
+                f"needs 'logprobs': true, got 'logprobs': {as_json(want)}", "top_logprobs",
             )  # fmt: skip
         top = number(body, "top_logprobs", 0, 0, 20, integer=True)
         logprobs = top if want else None
@@ -202,7 +220,7 @@ def streaming(body: dict) -> tuple[bool, bool]:
     false, as left out; ``stream_options`` only with ``stream`` true."""
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
-        raise BadRequest(f"'stream' must be true, false or null, got {shown(stream)}", "stream")
+        raise BadRequest(f"'stream' must be true, false or null, got {as_json(stream)}", "stream")
     options = body.get("stream_options")
     if options is None:
         return stream is True, False
@@ -212,22 +230,22 @@ def streaming(body: dict) -> tuple[bool, bool]:
             "'stream_options' out", "stream_options",
         )  # fmt: skip
     if not isinstance(options, dict):
-        raise BadRequest(f"'stream_options' must be an object, got {shown(options)}",
+        raise BadRequest(f"'stream_options' must be an object, got {as_json(options)}",
                          "stream_options")  # fmt: skip
     unknown = [k for k in options if k not in STREAM_OPTIONS]
     if unknown:
         raise BadRequest(
-            f"'stream_options' has the key {shown(unknown[0])}; it takes "
-            f"{' and '.join(map(repr, sorted(STREAM_OPTIONS)))}", "stream_options",
+            f"'stream_options' has the key {as_json(unknown[0])}; it takes "
+            f"{' and '.join(map(as_json, sorted(STREAM_OPTIONS)))}", "stream_options",
         )  # fmt: skip
     usage = options.get("include_usage")
     if usage is not None and not isinstance(usage, bool):
         raise BadRequest(f"'stream_options.include_usage' must be true, false or null, got "
-                         f"{shown(usage)}", "stream_options")  # fmt: skip
+                         f"{as_json(usage)}", "stream_options")  # fmt: skip
     if options.get("include_obfuscation") not in (None, False):  # padding chunks: not done
         raise BadRequest(
             "'stream_options.include_obfuscation' is not supported by this server (it "
-            f"accepts only null or false), got {shown(options['include_obfuscation'])}",
+            f"accepts only null or false), got {as_json(options['include_obfuscation'])}",
             "stream_options",
         )  # fmt: skip
     return True, usage is True

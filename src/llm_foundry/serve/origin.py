@@ -11,8 +11,7 @@ from urllib.parse import urlsplit
 
 from fastapi.responses import JSONResponse
 
-from llm_foundry.messages import shown
-from llm_foundry.serve.fields import error_body
+from llm_foundry.serve.fields import as_json, error_body
 
 
 def same_origin(origin: str, host: str) -> bool:
@@ -40,7 +39,7 @@ class SameOrigin:
             host = headers.get(b"host", b"").decode("latin-1")
             if b"origin" in headers and not same_origin(origin, host):
                 message = (
-                    f"a request from the web page at {shown(origin)} (its Origin header) is "
+                    f"a request from the web page at {as_json(origin)} (its Origin header) is "
                     "refused: this server answers its own page at / and clients that send no "
                     "Origin (curl, SDKs)"
                 )

@@ -4,9 +4,8 @@ length before it is encoded (``prompt_size``)."""
 
 from __future__ import annotations
 
-from llm_foundry.messages import shown
 from llm_foundry.serve.chat_messages import chat_messages
-from llm_foundry.serve.fields import BadRequest, check_unicode
+from llm_foundry.serve.fields import BadRequest, as_json, check_unicode
 from llm_foundry.serve.prompt_size import min_tokens
 
 
@@ -65,7 +64,7 @@ def _prompt_text(served, body: dict, chat: bool) -> str | list[int]:
             bad = next((i for i in text if not 0 <= i < vocab), None)
             if bad is not None:
                 raise BadRequest(
-                    f"'prompt' token ids must be in [0, {vocab}), got {shown(bad)}", "prompt"
+                    f"'prompt' token ids must be in [0, {vocab}), got {as_json(bad)}", "prompt"
                 )
             return list(text)
         if not isinstance(text, str) or not text:
