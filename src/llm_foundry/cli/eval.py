@@ -26,7 +26,7 @@ def _prepared(given: str) -> tuple[Path, Path, dict]:
             raise DataError(f"--data {given} is a text file, not a directory `llm-foundry prepare` "
                             f"wrote: give it as --text {given} (encoded with the model's "
                             "tokenizer)")  # fmt: skip
-        from llm_foundry.data.batches import rows_advice
+        from llm_foundry.data.rows import rows_advice
 
         if path.is_file() and (rows := rows_advice(path, "CHECKPOINT")):  # fine-tuning rows
             raise DataError(f"--data {given} {rows}")

@@ -295,7 +295,7 @@ def rows_hint(path: Path, checkpoint: str | None) -> None:
     """Refuse --data naming a JSONL file of fine-tuning or preference rows, in one line with the
     command that takes them (``checkpoint``: the model a fine-tune starts from); any other file
     is left to the data loader's own message."""
-    from llm_foundry.data.batches import rows_advice
+    from llm_foundry.data.rows import rows_advice
     from llm_foundry.data.sources import DataError
 
     if advice := rows_advice(path, checkpoint or "MODEL"):

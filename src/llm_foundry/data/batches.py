@@ -61,36 +61,14 @@ def load_meta(data_dir: str | Path) -> dict:
     return meta
 
 
-def rows_advice(path: Path, model: str = "MODEL") -> str | None:
-    """What to say of a JSONL file of fine-tuning or preference rows given where a directory
-    ``prepare`` wrote was expected: the command that takes them (``model``: the checkpoint a
-    fine-tune starts from, as typed); None for any other file."""
-    from llm_foundry.data.sft import iter_objects
-
-    try:
-        first = next(iter_objects(path, "rows"), None)
-    except DataError:  # not JSONL: not rows
-        return None
-    keys = set(first[1]) if first else set()
-    file, model = shlex.quote(str(path)), shlex.quote(model) if model != "MODEL" else model
-    if {"chosen", "rejected"} <= keys:
-        return (f"is a file of preference rows (prompt, chosen, rejected): `llm-foundry finetune "
-                f"--task dpo --checkpoint {model} --data {file} --out RUN` tokenizes and trains "
-                "on it as it is")  # fmt: skip
-    if "messages" in keys or {"prompt", "completion"} <= keys:
-        fields = "messages" if "messages" in keys else "prompt, completion"
-        return (f"is a file of fine-tuning rows ({fields}), not a directory `prepare` wrote: make "
-                f"one with `llm-foundry prepare --sft {file} --tokenizer-from {model} --out DIR`, "
-                "then --data DIR")  # fmt: skip
-    return None
-
-
 def not_prepared(path: Path) -> str:
     """What to say of a file given where a directory ``prepare`` wrote was expected."""
     from llm_foundry.data.corpus import file_format
 
     if path.suffix == ".bin" and (path.parent / "meta.json").is_file():
         return f"is one of the token files of {path.parent}: give that directory"
+    from llm_foundry.data.rows import rows_advice
+
     if path.suffix == ".jsonl" and (rows := rows_advice(path)):
         return rows
     if file_format(path) is None:

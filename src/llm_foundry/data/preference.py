@@ -41,9 +41,9 @@ from llm_foundry.data.batches import (
     prepared_kind,
 )
 from llm_foundry.data.encode import token_dtype
+from llm_foundry.data.rows import iter_objects
 from llm_foundry.data.sft import (
     check_messages,
-    iter_objects,
     publish_prepared,
     segments,
     temporaries,
@@ -100,7 +100,7 @@ def check_row(row, where: str) -> dict:
 
 def read_rows(path: str | Path) -> list[tuple[int, dict]]:
     """(line number, row) of every row of a JSONL preference file, read as SFT rows are
-    (``sft.iter_objects``) and checked (``check_row``)."""
+    (``rows.iter_objects``) and checked (``check_row``)."""
     rows = [(i, check_row(row, where)) for i, row, where in iter_objects(path, "preference rows")]
     if len(rows) < 2:
         raise DataError(f"{path} has {len(rows)} row(s); at least 2 are needed (train and val)")

@@ -61,6 +61,7 @@ from llm_foundry.data.batches import (
     packed_row,
 )
 from llm_foundry.data.encode import token_dtype
+from llm_foundry.data.rows import iter_objects
 from llm_foundry.data.shard_writer import (
     AGAIN,
     SHOWN_DIFFERENCES,
@@ -81,60 +82,7 @@ from llm_foundry.tokenizer_files import METADATA_FILES, metadata_files, open_tok
 ROLES = ("system", "user", "assistant")
 TOKEN_FILES = tuple(f"{s}.{k}bin" for s in ("train", "val") for k in ("", "mask.", "offsets."))
 OUTPUTS = (*TOKEN_FILES, "tokenizer.json", "meta.json")
-JSON_SPACE = " \t\r\n"  # what JSON counts as whitespace (str.strip would take U+2028 too)
 FLUSH_TOKENS = 1 << 16  # tokens buffered per split before they are written
-
-
-class _RepeatedKey(ValueError):
-    pass
-
-
-def _object(pairs: list) -> dict:
-    """A JSON object that names a key given twice (json.loads would keep the last silently)."""
-    row = {}
-    for key, value in pairs:
-        if key in row:
-            raise _RepeatedKey(key)
-        row[key] = value
-    return row
-
-
-def iter_objects(path: str | Path, what: str, digest=None) -> Iterator[tuple[int, dict, str]]:
-    """(line number, object, where) of every line of a JSONL file, read one line at a time: UTF-8
-    (a byte-order mark allowed), blank lines skipped, each other line one JSON object naming each
-    key once; a DataError naming the file and line otherwise (``what`` names the file when it is
-    missing). ``digest`` (a hashlib object) is fed every byte read."""
-    path = Path(path)
-    if not path.is_file():
-        raise DataError(f"{what} file {path} does not exist (or is not a file)")
-    with open(path, "rb") as f:
-        for i, raw in enumerate(f, start=1):  # binary lines end at b"\n" only
-            if digest is not None:
-                digest.update(raw)
-            where = f"{path}, line {i}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise DataError(
-                    f"{where}: not UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1}); "
-                    "convert the file to UTF-8"
-                ) from None
-            if i == 1:
-                line = line.removeprefix("\ufeff")  # a byte-order mark some editors write
-            if not line.strip(JSON_SPACE):
-                continue
-            try:
-                row = json.loads(line, object_pairs_hook=_object)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{where}: not JSON ({e.msg}, column {e.colno})") from None
-            except _RepeatedKey as e:
-                raise DataError(
-                    f"{where}: the key {shown(e.args[0])} is given twice in one object; give "
-                    "it once (JSON readers keep only one of them)"
-                ) from None
-            if not isinstance(row, dict):
-                raise DataError(f"{where}: a {type(row).__name__}, expected an object")
-            yield i, row, where
 
 
 def iter_rows(path: str | Path, digest=None) -> Iterator[tuple[int, dict]]:
