@@ -271,3 +271,15 @@ def with_tied(model: nn.Module, sd: dict[str, torch.Tensor]) -> dict[str, torch.
 def _named_in_optimizer_order(model: nn.Module, optimizer):
     by_id = {id(p): n for n, p in model.named_parameters()}
     return [(by_id[id(p)], p) for g in optimizer.param_groups for p in g["params"]]
+
+
+def stopping_reason(reason: str | None, world: World) -> str:
+    """The lowest stopping rank's ``reason`` (this rank's, None when it goes on), named
+    "rank N: REASON" unless N is 0, the same on every rank. Collective: called by every rank at a
+    step some rank's should_stop ends."""
+    import torch.distributed as dist
+
+    reasons: list[str | None] = [None] * world.world_size
+    dist.all_gather_object(reasons, reason)
+    rank, why = next((r, why) for r, why in enumerate(reasons) if why is not None)
+    return why if rank == 0 else f"rank {rank}: {why}"

@@ -173,3 +173,18 @@ def check_same_weights(saved: dict | None, now: dict | None, init_from, checkpoi
                      f"weights than {checkpoint}'s run started from ({saved['checkpoint']}); the "
                      "reference must stay the starting weights: resume with --train.init_from "
                      "naming them, or start a new run with --out")  # fmt: skip
+
+
+class CountedReference:
+    """A reference scorer that moves ``bar`` on by the pairs of each batch it scores (each of
+    ``ranks`` ranks scores its share: the bar counts them all)."""
+
+    def __init__(self, reference, bar, ranks: int):
+        self.reference, self.bar, self.ranks = reference, bar, ranks
+        self.done = 0  # pairs scored (a disabled bar counts none)
+
+    def logps(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        out = self.reference.logps(x, y)
+        self.done += len(x) // 2 * self.ranks  # x: B chosen rows, then B rejected
+        self.bar.update(len(x) // 2 * self.ranks)
+        return out

@@ -71,6 +71,7 @@ from llm_foundry.train.optim import build_optimizer, set_lr, skips_on_device, st
 from llm_foundry.train.precision import choose_precision, recorded_dtype
 from llm_foundry.train.reference import (
     REFERENCE_FILE,
+    CountedReference,
     ModelReference,
     StoredReference,
     check_same_weights,
@@ -110,33 +111,6 @@ class RunResult:
     stopped_early: str | None = None  # why should_stop ended the run before max_steps
     skipped_steps: int = 0
     checkpoint: Path | None = None
-
-
-def stopping_reason(reason: str | None, world: D.World) -> str:
-    """The lowest stopping rank's ``reason`` (this rank's, None when it goes on), named
-    "rank N: REASON" unless N is 0, the same on every rank. Collective: called by every rank at a
-    step some rank's should_stop ends."""
-    import torch.distributed as dist
-
-    reasons: list[str | None] = [None] * world.world_size
-    dist.all_gather_object(reasons, reason)
-    rank, why = next((r, why) for r, why in enumerate(reasons) if why is not None)
-    return why if rank == 0 else f"rank {rank}: {why}"
-
-
-class _Counted:
-    """A reference scorer that moves ``bar`` on by the pairs of each batch it scores (each of
-    ``ranks`` ranks scores its share: the bar counts them all)."""
-
-    def __init__(self, reference, bar, ranks: int):
-        self.reference, self.bar, self.ranks = reference, bar, ranks
-        self.done = 0  # pairs scored (a disabled bar counts none)
-
-    def logps(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        out = self.reference.logps(x, y)
-        self.done += len(x) // 2 * self.ranks  # x: B chosen rows, then B rejected
-        self.bar.update(len(x) // 2 * self.ranks)
-        return out
 
 
 class Trainer:
@@ -300,7 +274,7 @@ class Trainer:
         pairs = sum(s.pairs for s in samplers.values())
         with tqdm(total=pairs, desc="DPO reference", unit="pair", dynamic_ncols=True,
                   disable=not (tc.progress and self.world.main)) as bar:  # fmt: skip
-            counted = _Counted(scorer, bar, self.world.world_size)
+            counted = CountedReference(scorer, bar, self.world.world_size)
             try:
                 table = score_all(counted, samplers, tc.batch_size, self.device, world=self.world)
             except KeyboardInterrupt:  # nothing is kept of a partial table
@@ -769,7 +743,7 @@ class Trainer:
                     if signalled:
                         stop["signal"] = self.stop_signal = stop["signal"] or "SIGTERM"
                     if stopping:
-                        early = stopping_reason(early, self.world)  # only at a stop: rare
+                        early = D.stopping_reason(early, self.world)  # only at a stop: rare
                 if early is not None:  # saved in this step's checkpoint
                     self.stopped_early = dict(step=self.step, reason=early)
                 ends = final or stop["signal"] is not None or early is not None
