@@ -521,3 +521,58 @@ def test_serve_on_a_host_that_is_no_address_of_this_machine_says_so(long_checkpo
             assert main(argv) == 2
             err = capsys.readouterr().err
             assert err.count("\n") == 1 and words in err, err
+
+
+# ---- shutting down -----------------------------------------------------------------------------
+@pytest.mark.heavy
+def test_sigterm_ends_each_reply_in_flight_with_its_last_chunk_before_the_server_exits(
+    long_checkpoint,
+):
+    """`llm-foundry serve` sent SIGTERM while a stream and a whole request run (2000 tokens
+    each): the stream gets a last chunk with finish_reason "length" (cut short), its usage and
+    [DONE]; the whole request its reply so far; the process then exits 0."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    from concurrent.futures import ThreadPoolExecutor
+
+    from test_serve import wait_healthy
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "llm_foundry", "serve", "--checkpoint", str(long_checkpoint),
+           "--port", str(port), "--model-name", "tiny"]  # fmt: skip
+    proc = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, 60)
+        body = {"model": "tiny", "prompt": "ROMEO:", "max_tokens": 2000}
+        with ThreadPoolExecutor(1) as pool:
+            whole = pool.submit(httpx.post, url + "/v1/completions", json=body, timeout=60)
+            stream = {**body, "stream": True, "stream_options": {"include_usage": True}}
+            with httpx.stream("POST", url + "/v1/completions", json=stream, timeout=60) as r:
+                lines = r.iter_lines()
+                first = next(lines)
+                assert wait_until(lambda: httpx.get(url + "/health").json()["busy"] == 2, 10)
+                proc.send_signal(signal.SIGTERM)
+                rest = [x for x in lines if x]
+            reply = whole.result()
+        assert proc.wait(timeout=30) == 0
+    finally:
+        proc.kill()
+        out, err = proc.communicate(timeout=30)
+    chunks = [json.loads(x[6:]) for x in [first, *rest[:-1]]]
+    assert rest[-1] == "data: [DONE]", rest[-3:]
+    finish = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+    assert finish[-1] == "length" and finish.count("length") == 1
+    usage = chunks[-1]["usage"]
+    assert 0 < usage["completion_tokens"] < 2000  # cut short
+    assert reply.status_code == 200, reply.text[:300]
+    choice = reply.json()["choices"][0]
+    assert choice["finish_reason"] == "length"
+    assert len(choice["text"]) == reply.json()["usage"]["completion_tokens"] < 2000
+    assert "Traceback" not in err, err

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import signal
 import socket
 import sys
 import threading
@@ -15,6 +16,7 @@ from llm_foundry.package import absent, missing_extra
 
 MAX_SLOTS = 4096  # sequences decoded together: far past what one forward batches usefully
 MAX_QUEUE = 1_000_000  # requests waiting
+GRACE_S = 10  # seconds replies have to end after SIGTERM
 
 
 def adapter_spec(spec: str) -> tuple[str, str]:
@@ -136,7 +138,10 @@ def main(argv: list[str]) -> int:
         print(f"ready in {time.perf_counter() - t:.1f} s", flush=True)
     # HTTP in a thread, the model loop in this (main) thread, where compiled kernels run fastest
     sock = listen(ns.host, ns.port)
-    server = uvicorn.Server(uvicorn.Config(app, host=ns.host, port=ns.port, log_level="warning"))
+    # on SIGTERM in-flight replies end with their last chunk; one that still has not after
+    # GRACE_S (a client that does not read) is cut
+    server = uvicorn.Server(uvicorn.Config(app, host=ns.host, port=ns.port, log_level="warning",
+                                           timeout_graceful_shutdown=GRACE_S))  # fmt: skip
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="http",
                               daemon=True)  # fmt: skip
     thread.start()
@@ -150,12 +155,23 @@ def main(argv: list[str]) -> int:
           f"{served.engine.context}{weights}); chat page at http://{ns.host}:{ns.port}/",
           flush=True)  # fmt: skip
     watcher = threading.Thread(target=lambda: (thread.join(), served.engine.stop()), daemon=True)
-    watcher.start()  # the HTTP server ending (e.g. on SIGTERM) ends the loop
+    watcher.start()  # the HTTP server ending ends the loop
+
+    def terminate(signum, frame):
+        """SIGTERM: end every reply with a last chunk (the engine), take no new request and
+        stop once the replies are out (uvicorn's graceful shutdown); a second one: at once."""
+        if server.should_exit:
+            server.force_exit = True
+        served.engine.close()
+        server.should_exit = True
+
+    before = signal.signal(signal.SIGTERM, terminate)
     try:
         served.engine.run()
     except KeyboardInterrupt:
         pass
     finally:
+        signal.signal(signal.SIGTERM, before)
         server.should_exit = True
-        thread.join(timeout=10)
+        thread.join(timeout=GRACE_S + 5)
     return 0

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from llm_foundry.messages import one_line
-from llm_foundry.serve.engine import Engine, Params, QueueFull, Sequence
+from llm_foundry.serve.engine import Closing, Engine, Params, QueueFull, Sequence
 from llm_foundry.serve.fields import (
     BadRequest,
     as_json,
@@ -128,7 +128,9 @@ def _logprobs_block(served: Served, records: list, chat: bool, offsets: list[int
 
 
 def _finish_reason(reason: str) -> str:
-    return reason if reason in ("stop", "length") else "stop"
+    """OpenAI's finish_reason for the engine's: a reply cut by the server shutting down is
+    "length" (cut short, as by max_tokens: not a natural end); a cancelled one "stop"."""
+    return {"stop": "stop", "length": "length", "shutdown": "length"}.get(reason, "stop")
 
 
 def create_app(served: Served, max_request_bytes: int = MAX_REQUEST_BYTES) -> FastAPI:
@@ -327,6 +329,8 @@ def create_app(served: Served, max_request_bytes: int = MAX_REQUEST_BYTES) -> Fa
             seqs.append(Sequence(prompt=prompt, params=p, emit=emit, adapter=adapter))
         try:
             engine.submit(seqs)
+        except Closing as e:
+            return refuse(endpoint, BadRequest(str(e), status=503))
         except QueueFull as e:
             return refuse(endpoint, BadRequest(f"the server is busy ({e}); retry later",
                                                status=503))  # fmt: skip

@@ -54,6 +54,10 @@ class QueueFull(Exception):
     """The waiting queue is at its bound: try again later."""
 
 
+class Closing(QueueFull):
+    """The engine is closing (the server is shutting down): no new requests."""
+
+
 def _error(e: BaseException) -> str:
     """A request's "error: ..." finish reason for ``e``: one line, of bounded length."""
     return f"error: {type(e).__name__}: {one_line(e)}"
@@ -76,7 +80,7 @@ class Params:
 class Sequence:
     """One generation in flight. ``emit(kind, payload)`` receives, from the engine's thread:
     ("text", (piece, [(token, logprob, top)...])) as text becomes final, then
-    ("done", finish_reason) once: stop | length | cancelled | error: MESSAGE."""
+    ("done", finish_reason) once: stop | length | cancelled | shutdown | error: MESSAGE."""
 
     prompt: list[int]
     params: Params
@@ -182,6 +186,7 @@ class Engine:
         self._wake = threading.Condition()
         self._thread: threading.Thread | None = None
         self._running = False
+        self._closing = False
 
     def _check_memory(self, cfg, slots: int, device, dtype, doubled: bool) -> None:
         """Refuse, before allocating, a cache larger than the memory left on ``device``: say
@@ -216,6 +221,8 @@ class Engine:
             if not 0 <= s.adapter <= known:
                 raise ValueError(f"adapter {s.adapter} is not one of 0..{known} (0: the base)")
         with self._wake:
+            if self._closing:
+                raise Closing("the server is shutting down")
             if len(self.waiting) + len(seqs) > self.max_queue + self.free_slots():
                 raise QueueFull(f"{len(self.waiting)} requests waiting (bound {self.max_queue})")
             self.waiting.extend(seqs)
@@ -279,6 +286,13 @@ class Engine:
         self._thread.start()
         return self
 
+    def close(self) -> None:
+        """End every request in flight or waiting at the next step, with the text it has so far
+        and the reason "shutdown" (its client gets a last chunk), and take no new ones."""
+        with self._wake:
+            self._closing = True
+            self._wake.notify()
+
     def stop(self) -> None:
         with self._wake:
             self._running = False
@@ -310,7 +324,21 @@ class Engine:
 
     @torch.no_grad()
     def step(self) -> None:
-        """Drop cancelled rows, admit waiting requests into free rows, then one decode step."""
+        """Drop cancelled rows, admit waiting requests into free rows, then one decode step;
+        once closing, end every request instead."""
+        if self._closing:
+            with self._wake:
+                ending, self.waiting = [*self.rows, *self.waiting], collections.deque()
+            for seq in ending:
+                if seq is None:
+                    continue
+                try:
+                    self._flush(seq, final=True)
+                except Exception as e:  # noqa: BLE001 - this request fails, the others end
+                    self._finish(seq, _error(e))
+                self._finish(seq, "shutdown")
+            self.t = 0
+            return
         for seq in list(self.rows):
             if seq is not None and seq.cancelled:
                 self._finish(seq, "cancelled")
