@@ -306,7 +306,9 @@ def test_a_fine_tune_on_a_low_precision_base_learns_as_fp32_and_holds_less(
         model = load_checkpoint(base)
         add_lora(model, ("wq", "w2", "lm_head"), r=4, base_dtype=base_dtype)
         held[base_dtype], fp32 = frozen_base_bytes(model)
-        assert f"{human(held[base_dtype], 'B')} {base_dtype} (fp32: {human(fp32, 'B')})" in printed
+        # the fp32 size beside a low-precision base's (an fp32 base's is said once)
+        low = f" (fp32: {human(fp32, 'B')})" if base_dtype != "fp32" else ""
+        assert f"projections {human(held[base_dtype], 'B')} {base_dtype}{low}\n" in printed
         recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
         val[base_dtype] = [r["val_loss"] for r in recs if "val_loss" in r]
     print({k: (v, f"{v / held['fp32']:.3f}") for k, v in held.items()}, val)
