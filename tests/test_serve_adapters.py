@@ -314,3 +314,53 @@ def test_the_serve_command_with_compile_serves_each_adapter(base, wanted):
         proc.terminate()
         out, err = proc.communicate(timeout=30)
     assert "adapters qv, mlp, run)" in out, err
+
+
+def test_a_lora_run_as_the_base_is_merged_with_its_line_and_takes_no_adapter(base, tmp_path,
+                                                                            capsys):  # fmt: skip
+    """As generate: a LoRA run served is its adapters merged, said in a line; an adapter over
+    it (which would go over its merged ones) is refused in one line."""
+    import shutil
+
+    from llm_foundry.cli.__init__ import show_library_messages
+
+    path, tok, adapters, _ = base
+    run = shutil.copytree(adapters["run"], tmp_path / "run")
+    tok.save(run / "tokenizer.json")
+    show_library_messages()
+    capsys.readouterr()
+    load_served(run, slots=1)
+    assert "merged the LoRA adapters (r=8, alpha=4, on lm_head, w2, wq)" in capsys.readouterr().out
+    err = _refusal(["--checkpoint", str(run), "--adapter", f"qv={adapters['qv']}"], capsys)
+    assert "carries LoRA adapters of its own (merged on load); give the base model" in err
+
+
+def test_an_adapter_run_over_other_base_weights_or_a_rounded_base_is_noted(base, tmp_path,
+                                                                          capsys):  # fmt: skip
+    """A LoRA run's adapters served over a base of its shape that is not the base they were
+    fitted over (retrained since), or fitted over an nf4-rounded copy: served, with the note a
+    merge gives (before: nothing said)."""
+    from llm_foundry.cli.__init__ import show_library_messages
+
+    path, tok, adapters, _ = base
+    other = tmp_path / "other"
+    save_checkpoint(tiny_model(tok, seed=5), other)
+    tok.save(other / "tokenizer.json")
+    rounded = load_checkpoint(path)
+    add_lora(rounded, ("wq", "wv"), r=2, base_dtype="nf4")
+    randomise(rounded, 4)
+    save_checkpoint(rounded, tmp_path / "qlora")
+    show_library_messages()
+    capsys.readouterr()
+    load_served(other, slots=1, adapters={"run": adapters["run"]})
+    err = capsys.readouterr().err
+    assert (
+        f"note: --adapter run={adapters['run']}: trained over other base weights than these ("
+        in err
+    )
+    load_served(path, slots=1, adapters={"q": tmp_path / "qlora"})
+    err = capsys.readouterr().err
+    assert f"note: --adapter q={tmp_path / 'qlora'}: trained over the nf4-rounded base" in err
+    assert "other base weights" not in err  # the base it was fitted over, rounded
+    load_served(path, slots=1, adapters={"run": adapters["run"]})
+    assert "note:" not in capsys.readouterr().err

@@ -121,10 +121,7 @@ def _load(given: Path, ckpt: Path, device, tokenizer, quantize, group_size, adap
         model = from_hf(ckpt).to(device).eval()
     if adapter is not None:
         if lora:
-            raise ValueError(
-                f"--adapter {adapter}: {ckpt} carries LoRA adapters of its own (merged on load); "
-                "give the base model it was fine-tuned from"
-            )
+            raise lora_base_refused(f"--adapter {adapter}", ckpt)
         lora = put_adapter(model, adapter)
     if quantize:
         from llm_foundry.models.quant import quantize_model
@@ -153,6 +150,13 @@ def _load(given: Path, ckpt: Path, device, tokenizer, quantize, group_size, adap
     run = given if ckpt != given and (given / CHECKPOINTS).is_dir() else None
     info = CheckpointInfo(kind, ckpt, run, eos, meta, lora, Path(adapter) if adapter else None)
     return Loaded(model.eval(), tok, info)
+
+
+def lora_base_refused(flag: str, ckpt: Path) -> ValueError:
+    """The error for an adapter given over ``ckpt``, itself a LoRA run (its adapters merged on
+    load: another would go over them)."""
+    return ValueError(f"{flag}: {ckpt} carries LoRA adapters of its own (merged on load); give "
+                      "the base model it was fine-tuned from")  # fmt: skip
 
 
 def put_adapter(model, adapter: str | Path) -> dict:

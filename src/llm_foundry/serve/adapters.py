@@ -7,11 +7,14 @@ its directory and what differs."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
 
 from llm_foundry.models.multi_lora import AdapterRows, LoRAWeights, add_adapters
+
+log = logging.getLogger(__name__)
 
 
 def _taken(model) -> dict[str, LoRAWeights]:
@@ -27,10 +30,14 @@ def _taken(model) -> dict[str, LoRAWeights]:
     return taken
 
 
-def _from_run(model, path: Path) -> dict[str, LoRAWeights]:
-    """The adapters of a LoRA run or checkpoint of ours, refused if trained on another model."""
+def _from_run(model, path: Path, notes: list[str]) -> dict[str, LoRAWeights]:
+    """The adapters of a LoRA run or checkpoint of ours, refused if trained on another model;
+    ``notes`` gets what differs from the base they were fitted over (its rounding, its weights:
+    the words a merge's line uses, ``models.lora``)."""
     from llm_foundry.checkpoint import load_checkpoint, read_config, read_lora
     from llm_foundry.loading import checkpoint_kind
+    from llm_foundry.messages import first_few
+    from llm_foundry.models.lora import base_differences
     from llm_foundry.rundir import checkpoint_dir
 
     neither = ValueError("neither a PEFT adapter (adapter_config.json) nor a LoRA run or "
@@ -44,13 +51,23 @@ def _from_run(model, path: Path) -> dict[str, LoRAWeights]:
     diff = model.cfg.weight_differences(read_config(ckpt))
     if diff:
         raise ValueError(f"trained on another model ({'; '.join(diff[:3])})")
-    return _taken(load_checkpoint(ckpt, merge=False))
+    tuned = load_checkpoint(ckpt, merge=False)
+    over = read_lora(ckpt).get("base_dtype", "fp32")
+    if over != "fp32":  # fitted to the rounded weights, served over these
+        notes.append(f"trained over the {over}-rounded base, put on this one")
+    differ, compared = base_differences(model, tuned)
+    if differ:
+        notes.append(f"trained over other base weights than these ({len(differ)} of {compared} "
+                     f"tensors differ: {first_few(differ)}): give --checkpoint the base they were "
+                     "fine-tuned from")  # fmt: skip
+    return _taken(tuned)
 
 
-def read_adapter(model, path: str | Path) -> dict[str, LoRAWeights]:
+def read_adapter(model, path: str | Path, notes: list[str] | None = None) -> dict[str, LoRAWeights]:
     """Module name -> the LoRA weights the adapter in directory ``path`` puts on ``model``
     (which is left as it was). Raises ValueError (one line, without the directory) when the
-    adapter does not fit the model."""
+    adapter does not fit the model; ``notes`` gets what is worth saying of one that does."""
+    notes = [] if notes is None else notes
     from llm_foundry.interop.hf import ConversionError
     from llm_foundry.interop.peft import CONFIG_FILE, WEIGHTS_FILE, load_adapter
 
@@ -58,7 +75,7 @@ def read_adapter(model, path: str | Path) -> dict[str, LoRAWeights]:
     if not path.is_dir():
         raise FileNotFoundError("no such directory")
     if not ((path / CONFIG_FILE).exists() or (path / WEIGHTS_FILE).exists()):
-        return _from_run(model, path)
+        return _from_run(model, path, notes)
     try:
         load_adapter(model, path)
     except ConversionError as e:
@@ -79,10 +96,13 @@ def load_adapters(model, adapters: dict[str, str | Path]) -> AdapterRows:
                          "from")  # fmt: skip
     weights = {}
     for name, directory in adapters.items():
+        notes: list[str] = []
         try:
-            weights[name] = read_adapter(model, directory)
+            weights[name] = read_adapter(model, directory, notes)
         except (ValueError, OSError) as e:
             why = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise ValueError(f"--adapter {name}={directory}: {why}") from None
+        for note in notes:
+            log.warning(f"note: --adapter {name}={directory}: {note}")
     with torch.no_grad():
         return add_adapters(model, weights)
