@@ -10,9 +10,9 @@ Random small models (seeded), 4096 positions: a byte-level BPE one (a Hugging Fa
 ``tokenizers`` file, 300 ids, no end-of-text token) for the prompt; it and a character one for
 the long replies. Only the public API is used
 (the ``serve`` command, in its own process), so the same file runs against an older commit's
-``src`` (``--src``) for a before/after in one sitting.
+``src`` (``--before``, e.g. a ``git worktree``), in turn with this one, round by round.
 
-    python benchmarks/bench_serve_misuse.py [--json OUT] [--src DIR]
+    python benchmarks/bench_serve_misuse.py [--json OUT] [--src DIR] [--before DIR] [--rounds N]
 """
 
 from __future__ import annotations
@@ -167,24 +167,36 @@ def long_replies(url: str) -> dict:
     return out
 
 
+def measure(models: dict[str, Path], src: str | None) -> dict:
+    """One round against the code in ``src`` (None: this checkout)."""
+    with serving(models["bpe"], src) as url:
+        prompt = big_prompt(url)
+    replies = {}
+    for name in ("char", "bpe"):
+        with serving(models[name], src) as url:
+            replies[name] = long_replies(url)
+    return {"src": src or "this checkout", "load": os.getloadavg(), "big_prompt": prompt,
+            "long_replies_s": replies}  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--src", default=None, help="the src/ directory of the code to measure")
+    p.add_argument("--before", default=None, help="another src/ directory (an older commit's) "
+                   "measured in turn with --src, round by round")  # fmt: skip
+    p.add_argument("--rounds", type=int, default=1)
     ns = p.parse_args()
     from llm_foundry.bench import cpu_model
 
+    rounds = []
     with tempfile.TemporaryDirectory() as tmp:
         models = build(Path(tmp))
-        with serving(models["bpe"], ns.src) as url:
-            prompt = big_prompt(url)
-        replies = {}
-        for name in ("char", "bpe"):
-            with serving(models[name], ns.src) as url:
-                replies[name] = long_replies(url)
-    result = {"cpu": cpu_model(), "load": os.getloadavg(), "src": ns.src or "this checkout",
-              "big_prompt": prompt, "long_replies_s": replies}  # fmt: skip
-    print(json.dumps(result, indent=1))
+        for _ in range(ns.rounds):
+            for src in ([ns.before] if ns.before else []) + [ns.src]:
+                rounds.append(measure(models, src))
+                print(json.dumps(rounds[-1]), flush=True)
+    result = {"cpu": cpu_model(), "date": time.strftime("%Y-%m-%d"), "rounds": rounds}
     if ns.json:
         Path(ns.json).write_text(json.dumps(result, indent=1) + "\n")
 
