@@ -1,14 +1,17 @@
-"""The OpenAI-compatible HTTP API over an ``Engine``: /v1/models, /v1/completions,
-/v1/chat/completions (both with server-sent-event streaming), /health and /metrics. A request's
-``model`` is the served model's name or, with LoRA adapters over it, an adapter's.
+"""The OpenAI-compatible HTTP API over an ``Engine``: /v1/models (and /v1/models/{id}),
+/v1/completions, /v1/chat/completions (both with server-sent-event streaming), /health and
+/metrics. A request's ``model`` is the served model's name or, with LoRA adapters over it, an
+adapter's.
 
 Requests are checked (``fields``: types and ranges; ``prompts``: the prompt, the context length)
 and refused with OpenAI's error body and HTTP 400 (404 for an unknown model, 413 for a body over
 the size limit, 503 with Retry-After when the queue is full); a request that fails never reaches
-the engine, so it cannot disturb the others. OpenAI fields this server does not implement (``logit_bias``, ``tools``, ...) are refused
-by name unless they hold the value that means "off", and unknown fields are refused as OpenAI
-does: nothing a client asks for is silently ignored. Every error the app answers (unknown
-routes and methods, failures) has OpenAI's body, ``{"error": {message, type, param, code}}``.
+the engine, so it cannot disturb the others. OpenAI fields this server does not implement
+(``logit_bias``, ``tools``, ...) are refused by name unless they hold the value that means
+"off", and unknown fields are refused as OpenAI does: nothing a client asks for is silently
+ignored. Every error the app answers (unknown routes and methods, failures) has OpenAI's body,
+``{"error": {message, type, param, code}}``, values shown as the JSON the client sent. A web
+page of another site is refused (403, ``origin``); there is no generated schema or docs page.
 """
 
 from __future__ import annotations
