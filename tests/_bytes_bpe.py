@@ -4,6 +4,8 @@ several tokens (each piece alone decodes to U+FFFD)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from llm_foundry.checkpoint import save_checkpoint
@@ -44,3 +46,17 @@ def force_tokens(monkeypatch):
 
     monkeypatch.setattr(engine, "sample_next", pick)
     return lambda ids: script.__setitem__(slice(None), list(ids))
+
+
+@contextlib.contextmanager
+def forced_server(tok: BPETokenizer, directory):
+    """(url, served, play(ids): the next request's tokens) of a one-slot server on a model of
+    ``tok`` saved in ``directory``, each reply the tokens ``play`` was given."""
+    import pytest
+    from test_serve import running
+
+    path = bpe_model_checkpoint(tok, directory / "ckpt")
+    with pytest.MonkeyPatch.context() as mp:
+        play = force_tokens(mp)
+        with running(path, slots=1) as (url, served):
+            yield url, served, play

@@ -10,8 +10,8 @@ from __future__ import annotations
 import random
 
 import pytest
-from _bytes_bpe import TEXT, bpe_model_checkpoint, bytes_bpe, force_tokens
-from test_serve import client, running
+from _bytes_bpe import TEXT, bytes_bpe, forced_server
+from test_serve import client
 
 from llm_foundry.serve.offsets import StreamedOffsets, text_offsets
 from llm_foundry.serve.pieces import Pieces, gpt2_bytes
@@ -148,11 +148,8 @@ def tok():
 @pytest.fixture(scope="module")
 def server(tok, tmp_path_factory):
     """(url, play(ids): the next request's tokens) of a server on our byte-level BPE."""
-    path = bpe_model_checkpoint(tok, tmp_path_factory.mktemp("serve-pieces") / "ckpt")
-    with pytest.MonkeyPatch.context() as mp:
-        play = force_tokens(mp)
-        with running(path, slots=1) as (url, _):
-            yield url, play
+    with forced_server(tok, tmp_path_factory.mktemp("serve-pieces")) as (url, _, play):
+        yield url, play
 
 
 def test_chat_logprob_bytes_are_each_tokens_own_and_join_to_the_reply(tok, server):

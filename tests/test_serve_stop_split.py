@@ -6,8 +6,8 @@ cut before the stop string (what ``str.find`` on the finished text gives), and a
 from __future__ import annotations
 
 import pytest
-from _bytes_bpe import TEXT, bpe_model_checkpoint, bytes_bpe, force_tokens
-from test_serve import client, running
+from _bytes_bpe import TEXT, bytes_bpe, forced_server
+from test_serve import client
 
 # each begins in ASCII and goes on into a character whose bytes come in several tokens: while
 # they come the text ends in U+FFFD, and the ASCII before it must wait
@@ -22,11 +22,8 @@ def tok():
 @pytest.fixture(scope="module")
 def server(tok, tmp_path_factory):
     """(url, chat's own stop strings, play(ids): the next request's tokens)."""
-    path = bpe_model_checkpoint(tok, tmp_path_factory.mktemp("serve-stops") / "ckpt")
-    with pytest.MonkeyPatch.context() as mp:
-        play = force_tokens(mp)
-        with running(path, slots=1) as (url, served):
-            yield url, served.chat_stop, play
+    with forced_server(tok, tmp_path_factory.mktemp("serve-stops")) as (url, served, play):
+        yield url, served.chat_stop, play
 
 
 def _cut(text: str, stops) -> str:

@@ -33,14 +33,7 @@ from tqdm import tqdm
 
 from llm_foundry import lock
 from llm_foundry.data.batches import file_entry
-from llm_foundry.data.shard_writer import (
-    AGAIN,
-    SHOWN_DIFFERENCES,
-    AlreadyPrepared,
-    differences,
-    prepared_before,
-    remove_unlisted,
-)
+from llm_foundry.data.shard_writer import prepared_before, remove_unlisted, same_or_refused
 from llm_foundry.data.sources import (
     DATASETS,
     DataError,
@@ -213,16 +206,7 @@ def check_stream_prepared(out: Path, source: TextSource, settings: dict) -> None
         return
     for _ in source.pieces():  # read through once: the text's sha256
         pass
-    found = []
-    if meta.get("sha256") != source.sha256:
-        found.append(f"the text's sha256: {str(meta.get('sha256'))[:12]}… then, "
-                     f"{source.sha256[:12]}… now")  # fmt: skip
-    found += differences(meta["settings"], settings, SHOWN_DIFFERENCES - len(found), "settings")
-    if found:
-        raise DataError(
-            f"{out} is already prepared from another text or settings ({'; '.join(found)}); {AGAIN}"
-        )
-    raise AlreadyPrepared(out, meta)
+    same_or_refused(out, meta, source.sha256, settings, "the text's", "another text")
 
 
 def _prepare_locked(source, out, dataset, text_files, settings, progress) -> dict:

@@ -62,13 +62,7 @@ from llm_foundry.data.batches import (
 )
 from llm_foundry.data.encode import token_dtype
 from llm_foundry.data.rows import iter_objects
-from llm_foundry.data.shard_writer import (
-    AGAIN,
-    SHOWN_DIFFERENCES,
-    AlreadyPrepared,
-    differences,
-    prepared_before,
-)
+from llm_foundry.data.shard_writer import prepared_before, same_or_refused
 from llm_foundry.data.sources import (
     DataError,
     publish,
@@ -236,18 +230,8 @@ def check_sft_prepared(out: Path, rows_sha256: str, settings: dict) -> None:
     prepare of the same rows (their bytes' sha256) and ``settings``; a one-line DataError
     naming what differs and --restart when it holds another (of any kind); nothing when none."""
     meta = prepared_before(Path(out), "sft", "settings", "the settings it was prepared with")
-    if meta is None:
-        return
-    found = []
-    if meta.get("sha256") != rows_sha256:
-        found.append(f"the rows' sha256: {str(meta.get('sha256'))[:12]}… then, "
-                     f"{rows_sha256[:12]}… now")  # fmt: skip
-    found += differences(meta["settings"], settings, SHOWN_DIFFERENCES - len(found), "settings")
-    if found:
-        raise DataError(
-            f"{out} is already prepared from other rows or settings ({'; '.join(found)}); {AGAIN}"
-        )
-    raise AlreadyPrepared(Path(out), meta)
+    if meta is not None:
+        same_or_refused(out, meta, rows_sha256, settings, "the rows'", "other rows")
 
 
 def prepare_sft(

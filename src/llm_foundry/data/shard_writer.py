@@ -245,6 +245,24 @@ def prepared_before(out: Path, kind: str | None, recorded: str, what: str) -> di
     return meta
 
 
+def same_or_refused(
+    out: Path, meta: dict, sha256: str, settings: dict, whose: str, other: str
+) -> None:
+    """``out`` holds the complete prepare ``meta`` of one source (a text, rows): raise
+    ``AlreadyPrepared`` when its digest is ``sha256`` and its settings ``settings``, else a
+    one-line DataError naming the first differences and --restart. ``whose``/``other`` word
+    them ("the text's" / "another text")."""
+    found = []
+    if meta.get("sha256") != sha256:
+        found.append(f"{whose} sha256: {str(meta.get('sha256'))[:12]}… then, {sha256[:12]}… now")
+    found += differences(meta["settings"], settings, SHOWN_DIFFERENCES - len(found), "settings")
+    if found:
+        raise DataError(
+            f"{out} is already prepared from {other} or settings ({'; '.join(found)}); {AGAIN}"
+        )
+    raise AlreadyPrepared(Path(out), meta)
+
+
 def check_prepared(out: Path, identity: dict) -> None:
     """Before a document corpus is prepared in ``out``: ``AlreadyPrepared`` when ``out`` holds a
     complete prepare of ``identity`` (inputs and settings, as meta.json records them), a
