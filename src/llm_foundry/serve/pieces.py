@@ -24,12 +24,10 @@ from collections.abc import Callable
 
 
 def gpt2_bytes() -> dict[str, int]:
-    """GPT-2's byte alphabet (Radford et al. 2019, its encoder.py's bytes_to_unicode), read
-    back: printable Latin-1 bytes stand for themselves, the other 68 bytes (controls, space,
-    ...) for U+0100 onwards, in byte order."""
-    kept = [*range(33, 127), *range(161, 173), *range(174, 256)]
-    moved = [b for b in range(256) if b not in kept]
-    return {**{chr(b): b for b in kept}, **{chr(256 + k): b for k, b in enumerate(moved)}}
+    """GPT-2's byte alphabet read back: symbol -> the byte it spells (``gguf.byte_symbols``)."""
+    from llm_foundry.interop.gguf import byte_symbols
+
+    return {c: b for b, c in enumerate(byte_symbols())}
 
 
 def _byte_level_bytes(hf) -> Callable[[int], bytes]:
