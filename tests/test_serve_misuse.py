@@ -246,13 +246,15 @@ def test_a_lone_surrogate_is_a_400_naming_the_field_not_a_500(
 def test_a_failed_request_is_counted_under_500(long_checkpoint, monkeypatch):
     """A handler that raises (the tokenizer broke) and an engine row that fails (the decoder
     broke): each a 500, each counted in llm_foundry_requests_total under status 500."""
+    from llm_foundry.serve.detok import WindowText
+
     with running(long_checkpoint, slots=1) as (url, served):
         body = {"model": "tiny", "prompt": "First", "max_tokens": 2}
         with monkeypatch.context() as m:
             m.setattr(served.tokenizer, "encode", lambda text: 1 / 0)
             assert_openai_error(ask(url, "completions", body), 500)
         with monkeypatch.context() as m:
-            m.setattr(served.engine.tok, "decode", lambda ids: 1 / 0)
+            m.setattr(served.engine, "detokenizer", lambda: WindowText(lambda ids: 1 / 0))
             chat = {"model": "tiny", "messages": [{"role": "user", "content": "a"}]}
             assert_openai_error(ask(url, "chat", chat), 500)
         assert requests_counted(url) == {("completions", "500"): 1, ("chat", "500"): 1}
@@ -465,6 +467,37 @@ def test_a_browser_post_from_another_site_is_refused_and_the_own_page_is_served(
     r = httpx.post(url + "/v1/completions", json=body, headers={"Origin": url}, timeout=10)
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == greedy["completions"]
     assert client(url).completions.create(**body).choices[0].text == greedy["completions"]
+
+
+def test_a_request_for_another_host_name_is_refused_on_loopback(request):
+    """DNS rebinding: a page whose site name now resolves to 127.0.0.1 sends same-origin
+    requests for its own name. A server answering loopback names and --allow-host's refuses
+    them (403, before anything runs) and serves localhost, 127.x, [::1] and the names given;
+    the command picks the names from the address it listens on."""
+    from llm_foundry.cli.serve import answered_hosts
+
+    assert answered_hosts("127.0.0.1", []) == answered_hosts("localhost", []) == frozenset()
+    assert answered_hosts("::1", ["MyBox"]) == frozenset({"mybox"})
+    assert answered_hosts("0.0.0.0", []) is None  # reachable by any name anyway
+    assert answered_hosts("0.0.0.0", ["mybox"]) == frozenset({"mybox"})
+    body, checkpoint = base_body("completions"), request.getfixturevalue("small_checkpoint")
+    with running(checkpoint, app_options={"hosts": frozenset({"mybox"})}) as (url, served):
+        port = url.rsplit(":", 1)[1]
+        for host in ("evil.example", "127.0.0.1.evil.example", "mybox.evil.example"):
+            r = httpx.post(
+                url + "/v1/completions",
+                json=body,
+                timeout=10,
+                headers={"Host": f"{host}:{port}", "Origin": f"http://{host}:{port}"},
+            )
+            error = assert_openai_error(r, 403)
+            assert error["code"] == "host_not_allowed" and host in error["message"]
+            assert error["message"].endswith("(another name this machine has: --allow-host NAME)")
+        assert served.engine.stats.prompt_tokens == 0  # nothing was run
+        for host in ("localhost", "127.0.0.1", "127.1.2.3", "[::1]", "app.localhost", "MyBox"):
+            r = httpx.post(url + "/v1/completions", json=body, timeout=10,
+                           headers={"Host": f"{host}:{port}"})  # fmt: skip
+            assert r.status_code == 200, (host, r.text[:200])
 
 
 # ---- what errors say ---------------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import ipaddress
 import signal
 import socket
 import sys
@@ -60,6 +61,20 @@ def listen(host: str, port: int) -> socket.socket:
         raise OSError(f"could not serve on {host}:{port}: {why}") from None
 
 
+def answered_hosts(host: str, allow: list[str]) -> frozenset[str] | None:
+    """The Host names besides loopback ones the server answers (``origin.host_allowed``): on a
+    loopback address only ``allow``; on other addresses any (None), or loopback ones and
+    ``allow`` where names are given."""
+    try:
+        addresses = {a[4][0] for a in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)}
+    except (socket.gaierror, UnicodeError):
+        addresses = set()  # ``listen`` says what is wrong with it
+    names = frozenset(name.lower().strip("[]") for name in allow)
+    loopback = bool(addresses) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback
+                                 for a in addresses)  # fmt: skip
+    return names if loopback or allow else None
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(
         prog="llm-foundry serve",
@@ -70,6 +85,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--checkpoint", required=True, help="checkpoint, run or HF directory")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--allow-host", action="append", default=[], metavar="NAME", help="a name "
+                   "besides localhost and loopback addresses that requests may be for (their "
+                   "Host header); repeatable. On a loopback --host others are refused (403), as "
+                   "a web page reaching the server by DNS rebinding would be; on other "
+                   "addresses any name is answered unless names are given")  # fmt: skip
     p.add_argument("--slots", type=int, default=8, help="sequences decoded together")
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond the "
                    "slots before new ones get 503")  # fmt: skip
@@ -123,7 +143,8 @@ def main(argv: list[str]) -> int:
     served = load_served(ns.checkpoint, ns.slots, ns.max_queue, ns.model_name, ns.device,
                          ns.compile, scheme, group, ns.max_context, adapters,
                          ns.cuda_graph)  # fmt: skip
-    app = create_app(served, ns.max_request_bytes or MAX_REQUEST_BYTES)
+    app = create_app(served, ns.max_request_bytes or MAX_REQUEST_BYTES,
+                     answered_hosts(ns.host, ns.allow_host))  # fmt: skip
     from llm_foundry.decode_graph import captures
 
     graphs = ns.cuda_graph and captures(served.engine.device)

@@ -136,16 +136,21 @@ def _finish_reason(reason: str) -> str:
     return {"stop": "stop", "length": "length", "shutdown": "length"}.get(reason, "stop")
 
 
-def create_app(served: Served, max_request_bytes: int = MAX_REQUEST_BYTES) -> FastAPI:
+def create_app(
+    served: Served,
+    max_request_bytes: int = MAX_REQUEST_BYTES,
+    hosts: frozenset[str] | None = None,
+) -> FastAPI:
     """The app over ``served``; a request body over ``max_request_bytes`` is refused (413)
-    before it is read whole."""
+    before it is read whole; ``hosts``: the names besides loopback ones a request may be for
+    (None: any; ``origin.host_allowed``)."""
     if max_request_bytes < 1:
         raise ValueError(f"--max-request-bytes {max_request_bytes} must be >= 1")
     # no generated API pages or schema; a path with a trailing slash is not redirected (clients
     # do not follow a redirect of a POST): it is an unknown route, answered as one
     app = FastAPI(title="llm-foundry", docs_url=None, redoc_url=None, openapi_url=None,
                   redirect_slashes=False)  # fmt: skip
-    app.add_middleware(SameOrigin)
+    app.add_middleware(SameOrigin, hosts=hosts)
     add_page(app)  # the chat page at /
     engine = served.engine
     relays: dict = {}

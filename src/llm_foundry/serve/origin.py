@@ -3,10 +3,17 @@ server this machine reaches, ``localhost`` included, without asking first: a ``t
 body needs no CORS preflight, and the server would run it (the page could not read the reply,
 but it could spend the server's time, or send a chat under the user's name). Browsers send an
 ``Origin`` header with such requests and page scripts cannot remove it; curl, the ``openai``
-client and other SDKs send none, and the chat page at ``/`` sends its own (this server's)."""
+client and other SDKs send none, and the chat page at ``/`` sends its own (this server's).
+
+A page can also reach a server on a loopback address under its own site's name, by DNS
+rebinding (the name first resolves to the site, then to 127.0.0.1): its requests are then
+same-origin. A server on a loopback address answers only requests for loopback names
+(``localhost``, ``127.0.0.1``, ``[::1]``) and the names given with ``--allow-host``; one
+listening on other addresses is reachable by any name and answers any Host."""
 
 from __future__ import annotations
 
+import ipaddress
 from urllib.parse import urlsplit
 
 from fastapi.responses import JSONResponse
@@ -25,12 +32,28 @@ def same_origin(origin: str, host: str) -> bool:
     return parts.netloc.lower() == host.lower()
 
 
+def host_allowed(host: str, names: frozenset[str] | None) -> bool:
+    """Whether a Host header (name[:port]) is one the server answers: any where ``names`` is
+    None; else a loopback name or address (localhost, *.localhost, 127.0.0.0/8, ::1) or one of
+    ``names``."""
+    if names is None:
+        return True
+    name = urlsplit("//" + host).hostname or ""  # lowercased; [::1] unbracketed
+    if name == "localhost" or name.endswith(".localhost") or name in names:
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
 class SameOrigin:
     """ASGI middleware: answer 403 (OpenAI's error body) to a request whose Origin header is
-    another site's; everything else goes on to ``app``."""
+    another site's, or whose Host header ``host_allowed`` refuses for ``hosts``; everything else
+    goes on to ``app``."""
 
-    def __init__(self, app):
-        self.app = app
+    def __init__(self, app, hosts: frozenset[str] | None = None):
+        self.app, self.hosts = app, hosts
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http":
@@ -44,5 +67,13 @@ class SameOrigin:
                     "Origin (curl, SDKs)"
                 )
                 refusal = JSONResponse(error_body(message, code="cross_origin"), 403)
+                return await refusal(scope, receive, send)
+            if b"host" in headers and not host_allowed(host, self.hosts):
+                message = (
+                    f"a request for the host {as_json(host)} (its Host header) is refused: "
+                    "this server listens on a loopback address and answers localhost and "
+                    "loopback addresses (another name this machine has: --allow-host NAME)"
+                )
+                refusal = JSONResponse(error_body(message, code="host_not_allowed"), 403)
                 return await refusal(scope, receive, send)
         await self.app(scope, receive, send)
