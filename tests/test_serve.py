@@ -734,7 +734,9 @@ def test_a_row_that_raises_fails_alone_and_the_engine_goes_on(small_server, monk
     def broken(ids):
         raise RuntimeError("the decoder broke")
 
-    monkeypatch.setattr(served.tokenizer, "decode", broken)
+    from llm_foundry.serve.detok import WindowText
+
+    monkeypatch.setattr(engine, "detokenizer", lambda: WindowText(broken))
     error = assert_openai_error(ask(url, "completions", base_body("completions")), 500)
     assert error["type"] == "server_error" and "the decoder broke" in error["message"]
     monkeypatch.undo()

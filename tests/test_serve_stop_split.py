@@ -77,3 +77,15 @@ def test_a_genuine_replacement_character_is_sent_in_the_text_and_at_its_end(tok,
         ids.append(tok.eos_id)
     got = _four_ways(server, ids, ["! 世", "ok!?"])
     assert got == [(text, "length" if end == "length" else "stop")] * 4
+
+
+@pytest.mark.parametrize("stop", ["! 世界", "ïve, über héllo 世", " more"])
+def test_a_stop_string_far_into_a_reply_is_found_where_the_whole_text_has_it(tok, server, stop):
+    """The engine keeps only the text a stop string can still reach: a stop string a few dozen
+    tokens in (one spanning a dozen of them) cuts the reply where ``str.find`` on the whole
+    text does, whole and streamed."""
+    text = "speak. Café, naïve, über " + TEXT + " more"
+    ids = tok.encode(text)
+    assert 40 <= len(ids) <= 44, len(ids)  # room in the 64 positions after the chat prompt
+    assert tok.decode(ids) == text
+    assert _four_ways(server, ids, [stop]) == [(_cut(text, [stop, *server[1]]), "stop")] * 4

@@ -86,7 +86,7 @@ def load_served(checkpoint: str | Path, slots: int = 8, max_queue: int = 64,
     pieces = Pieces(tok)  # the reply's text without special tokens; each token's bytes
     engine = Engine(model, tok, slots=slots, max_queue=max_queue, eos_ids=eos, compile=compile,
                     max_context=max_context, adapters=rows, cuda_graph=cuda_graph,
-                    text=pieces.text)  # fmt: skip
+                    detokenizer=pieces.detokenizer)  # fmt: skip
     served = Served(engine, tok, name, chat.template, chat.variables, adapters=list(adapters),
                     pieces=pieces)  # fmt: skip
     served.chat_stop = () if chat.end_id is not None else (chat.end,)  # a plain-text end of turn

@@ -43,6 +43,7 @@ import torch
 
 from llm_foundry.messages import one_line
 from llm_foundry.sampling import check_sampling, sample_next
+from llm_foundry.serve.detok import Utf8Text, WindowText
 from llm_foundry.stops import settle
 
 LOGPROB_FLOOR = -9999.0  # OpenAI's stand-in for a token the model rules out (JSON has no -inf)
@@ -87,6 +88,9 @@ class Sequence:
     emit: Callable[[str, object], None]
     tokens: list[int] = field(default_factory=list)
     sent: int = 0  # characters of the text emitted so far
+    detok: object = None  # the reply's text token by token (``detok``), made by the engine
+    tail: str = ""  # the final text from character ``base`` on: what stop strings still need
+    base: int = 0
     pending: list = field(default_factory=list)  # logprob records not yet sent with text
     slot: int | None = None
     cancelled: bool = False
@@ -127,7 +131,7 @@ class Engine:
         max_context: int | None = None,
         adapters=None,
         cuda_graph: bool = False,
-        text: Callable[[list[int]], str] | None = None,
+        detokenizer: Callable[[], Utf8Text | WindowText] | None = None,
     ):
         cfg = model.cfg
         if slots < 1 or max_queue < 0:
@@ -157,7 +161,8 @@ class Engine:
         self._check_memory(cfg, slots, device, dtype, capacity is None)
         self.model, self.tok, self.slots, self.max_queue = model.eval(), tokenizer, slots, max_queue
         self.eos_ids = set(eos_ids)
-        self.text = text or tokenizer.decode  # a reply's text of its ids
+        # a new reply's text token by token; default: windows of the tokenizer's decode
+        self.detokenizer = detokenizer or (lambda: WindowText(tokenizer.decode))
         self.adapters = adapters
         # one busy row decodes through the compiled step, whose fused matvec streams weights
         # faster; batches of rows are matrix products either way and run eager (measured:
@@ -505,6 +510,9 @@ class Engine:
             self._flush(seq, final=True)
             self._finish(seq, "stop")
             return
+        if seq.detok is None:
+            seq.detok = self.detokenizer()
+        seq.tail += seq.detok.add(token)
         reason = self._flush(seq, final=False)
         if reason is None and len(seq.tokens) >= p.max_tokens:
             reason = "length"
@@ -519,11 +527,21 @@ class Engine:
         """Emit the text that can no longer change: all of it when ``final``; else hold back
         what could still begin a stop string or an unfinished character (``stops.settle``).
         Returns "stop" when a stop string appeared (the text is emitted up to it)."""
-        text = self.text(seq.tokens)
-        cut, stopped = settle(text, seq.params.stop, final=final, released=seq.sent)
-        if cut > seq.sent or (seq.pending and (final or stopped)):
-            seq.emit("text", (text[seq.sent : max(cut, seq.sent)], seq.pending))
-            seq.sent, seq.pending = max(cut, seq.sent), []
+        if seq.detok is None:  # a request ended before its first token
+            seq.detok = self.detokenizer()
+        if final:
+            seq.tail += seq.detok.end()
+        # the text from ``base`` on: settle sees no further back than a stop string reaches
+        text = seq.tail if final else seq.tail + seq.detok.unsettled()
+        sent = seq.sent - seq.base
+        cut, stopped = settle(text, seq.params.stop, final=final, released=sent)
+        if cut > sent or (seq.pending and (final or stopped)):
+            seq.emit("text", (text[sent : max(cut, sent)], seq.pending))
+            seq.sent, seq.pending = seq.base + max(cut, sent), []
+        reach = max(map(len, seq.params.stop), default=1) - 1
+        drop = min(seq.sent - reach, seq.base + len(seq.tail)) - seq.base
+        if drop > 0:
+            seq.tail, seq.base = seq.tail[drop:], seq.base + drop
         return "stop" if stopped else None
 
     def _finish(self, seq: Sequence, reason: str) -> None:

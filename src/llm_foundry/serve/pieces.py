@@ -10,6 +10,7 @@ in logprobs, read from the tokenizer's pipeline.
                      a special token's own literal (so an alternative such as <eos> is named)
     joined           True where text(ids) is the UTF-8 of the tokens' bytes joined (errors
                      replaced): offsets can then be read from the bytes in linear time
+    detokenizer()    a reply's text token by token (``detok``): from the bytes where joined
 
 Decoders are told apart by a small table keyed by tokenizer.json's decoder type: "ByteLevel"
 (GPT-2's byte alphabet), "Fuse" (pieces joined as they are), and the character tokenizer; any
@@ -21,6 +22,8 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+
+from llm_foundry.serve.detok import Utf8Text, WindowText
 
 
 def gpt2_bytes() -> dict[str, int]:
@@ -80,6 +83,10 @@ class Pieces:
         if self.specials:
             ids = [i for i in ids if i not in self.specials]
         return self.tok.decode(ids)
+
+    def detokenizer(self) -> Utf8Text | WindowText:
+        """A new reply's text as its tokens come (``detok``)."""
+        return Utf8Text(self.token_bytes) if self.joined else WindowText(self.text)
 
     def token_bytes(self, i: int) -> bytes:
         """The bytes token ``i`` adds to the text (none for a special token)."""

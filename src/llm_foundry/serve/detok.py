@@ -1,0 +1,79 @@
+"""A reply's text as its tokens come, in time that grows with the new tokens, not the reply.
+
+    d = Utf8Text(token_bytes) | WindowText(decode)
+    d.add(token) -> str     text that is final now (it never changes again)
+    d.unsettled() -> str    the text after it so far, still open: U+FFFD for a character to come
+    d.end() -> str          the rest once no token follows (given once)
+
+So at every step ``final pieces joined + unsettled()`` is the text of the tokens so far, and at
+the end ``pieces + end()`` the reply's text: what decoding the whole reply per token gives,
+without the quadratic cost (an 8,000-token reply: benchmarks/README.md, bench_detok).
+
+``Utf8Text``: where the text is the UTF-8 (errors replaced) of the tokens' bytes joined (a
+byte-level BPE, a character tokenizer: ``Pieces.joined``), one incremental UTF-8 decoder; exact.
+
+``WindowText``: any other decoder (a sentencepiece one strips the first space, byte-fallback
+tokens join into characters): the new text is read from a short window of tokens, the text of
+``ids[start:]`` less that of ``ids[start:read]``, and the window moves on once the text it
+adds is whole characters. The window begins a token or more back, so a decoder that treats a
+first token apart (a stripped space) treats the window's first token so on both sides. The
+prefix/read-offset scheme of text-generation-inference and vLLM's detokenizers; exact wherever
+a token changes no text more than a window back (tests/test_serve_detok.py checks it against
+whole decodes for the decoders the project imports).
+"""
+
+from __future__ import annotations
+
+import codecs
+from collections.abc import Callable
+
+from llm_foundry.stops import UNFINISHED
+
+
+class Utf8Text:
+    """The text of tokens whose bytes, joined, are its UTF-8 (``token_bytes(id)``)."""
+
+    def __init__(self, token_bytes: Callable[[int], bytes]):
+        self.token_bytes = token_bytes
+        self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def add(self, token: int) -> str:
+        return self.decoder.decode(self.token_bytes(token))
+
+    def unsettled(self) -> str:
+        # the bytes held begin a character: decoded as an end, what a whole decode shows
+        return self.decoder.getstate()[0].decode("utf-8", "replace")
+
+    def end(self) -> str:
+        return self.decoder.decode(b"", final=True)
+
+
+class WindowText:
+    """The text of tokens under any ``decode(ids) -> str``, read through a moving window."""
+
+    def __init__(self, decode: Callable[[list[int]], str]):
+        self.decode = decode
+        self.ids: list[int] = []
+        self.start = 0  # the window's first token
+        self.read = 0  # tokens whose text was given as final
+        self.known = 0  # len(decode(ids[start:read]))
+        self.open = ""  # the window's text past ``known`` while it is not final
+
+    def add(self, token: int) -> str:
+        self.ids.append(token)
+        text = self.decode(self.ids[self.start :])
+        if len(text) <= self.known or text.endswith(UNFINISHED):  # nothing whole yet
+            self.open = text[self.known :]
+            return ""
+        new = text[self.known :]
+        self.start, self.read = self.read, len(self.ids)
+        self.known = len(self.decode(self.ids[self.start : self.read]))
+        self.open = ""
+        return new
+
+    def unsettled(self) -> str:
+        return self.open
+
+    def end(self) -> str:
+        rest, self.open = self.open, ""
+        return rest
