@@ -56,6 +56,14 @@ def _edit(adapter, **changes):
          set(ALL) - {"wv", "w1"}),
         (("wq", "wv", "w2"), dict(exclude_modules=r"model\.layers\.0\.self_attn\.q_proj"),
          {"wq", "wv", "w2"}),
+        # layers_to_transform keeps what a name's end matched in those layers only; an exact
+        # path is kept wherever it is
+        (("wq", "wv", "w2"), dict(layers_to_transform=[1]), {"wq", "wv", "w2"}),
+        (("wq", "wv", "w2"), dict(target_modules=["q_proj", "down_proj"], layers_to_transform=0,
+                                  layers_pattern="layers"), {"wq", "w2"}),
+        (("wq", "wv", "w2"), dict(target_modules=["model.layers.0.self_attn.q_proj", "v_proj"],
+                                  layers_to_transform=[1], layers_pattern=["h", "layers"]),
+         {"wq", "wv"}),
     ],
 )  # fmt: skip
 def test_target_modules_choose_the_adapted_modules_as_peft_does(
@@ -121,7 +129,23 @@ def test_what_the_config_chooses_but_the_file_lacks_is_one_line(tmp_path):
     _edit(adapter, target_modules=["o_proj"])
     assert "chooses none of the modules adapter_model.safetensors holds tensors for" in \
            _refusal(adapter)  # fmt: skip
-    _edit(adapter, target_modules=["q_proj"], exclude_modules="(")
+    _edit(adapter, target_modules=["q_proj"], layers_to_transform=[0], layers_pattern="blocks")
+    why = _refusal(adapter)
+    assert "layers_to_transform=[0] layers_pattern='blocks' chooses none of the modules" in why
+    for changes, said in [  # the first two: what peft's LoraConfig refuses too
+        (dict(target_modules=".*q_proj", layers_pattern=None),
+         "layers_to_transform is for a list of target_modules, not a regular expression"),
+        (dict(layers_to_transform=None, layers_pattern="layers"),
+         "layers_pattern is given without layers_to_transform"),
+        (dict(layers_to_transform="0", layers_pattern=None),
+         "layers_to_transform='0' must be a layer index or a list of them"),
+    ]:  # fmt: skip
+        _edit(adapter, **{"target_modules": ["q_proj"], **changes})
+        if "given" in said or "regular" in said:
+            with pytest.raises(ValueError):
+                peft.LoraConfig.from_pretrained(str(adapter))
+        assert said in _refusal(adapter)
+    _edit(adapter, target_modules=["q_proj"], layers_to_transform=None, exclude_modules="(")
     assert "exclude_modules='(' is not a regular expression" in _refusal(adapter)
     _edit(adapter, exclude_modules=None, target_modules=None)
     assert "target_modules is not set" in _refusal(adapter)

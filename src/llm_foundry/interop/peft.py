@@ -39,7 +39,6 @@ UNSUPPORTED = {
     "use_dora": False,
     "fan_in_fan_out": False,
     "modules_to_save": None,
-    "layers_to_transform": None,
     "rank_pattern": {},
     "alpha_pattern": {},
     "lora_bias": False,
@@ -96,6 +95,7 @@ def save_adapter(model, out_dir: str | Path, family: str | None = None, base: st
         "target_modules": sorted(targets),
         "init_lora_weights": True,
         "inference_mode": True,
+        "layers_to_transform": None,
         **UNSUPPORTED,
     }
     out = Path(out_dir)
@@ -137,9 +137,8 @@ def load_adapter(model, adapter_dir: str | Path, family: str | None = None) -> l
     left_out = sorted(set(modules) - wanted)
     modules = {k: v for k, v in modules.items() if k in wanted}
     if not modules:
-        _refuse(path, [f"{CONFIG_FILE} target_modules={shown(config['target_modules'])} "
-                       f"chooses none of the modules {WEIGHTS_FILE} holds tensors for "
-                       f"({first_few(left_out)})"])  # fmt: skip
+        _refuse(path, [f"{CONFIG_FILE} {_choice(config)} chooses none of the modules "
+                       f"{WEIGHTS_FILE} holds tensors for ({first_few(left_out)})"])  # fmt: skip
     ranks = tensor_ranks(modules)
     if ranks != {settings["r"]}:
         held = " and ".join(map(str, sorted(ranks)))
@@ -159,12 +158,12 @@ def load_adapter(model, adapter_dir: str | Path, family: str | None = None) -> l
         if why is None and shapes:
             why = f"the tensors of {first_few(shapes)} do not have this model's shapes"
         if why is None:
-            why = (f"{CONFIG_FILE} target_modules={shown(config['target_modules'])} chooses "
-                   f"{first_few(missing)}, which {WEIGHTS_FILE} holds no lora_A and lora_B for")  # fmt: skip
+            why = (f"{CONFIG_FILE} {_choice(config)} chooses {first_few(missing)}"
+                   f", which {WEIGHTS_FILE} holds no lora_A and lora_B for")  # fmt: skip
         _refuse(path, [why])
     if left_out:  # peft reads only the chosen modules' tensors
-        log.warning(f"note: {config_file} target_modules={shown(config['target_modules'])} leaves "
-                 f"out {len(left_out)} module(s) {weights_file} holds tensors for, as peft does: "
+        log.warning(f"note: {config_file} {_choice(config)} leaves out"
+                 f" {len(left_out)} module(s) {weights_file} holds tensors for, as peft does: "
                  f"{first_few(left_out)}")  # fmt: skip
     adapted = add_lora_at(model, [ours_of[hf] for hf in mine],
                           **{k: v for k, v in settings.items() if k != "targets"})  # fmt: skip
@@ -174,6 +173,15 @@ def load_adapter(model, adapter_dir: str | Path, family: str | None = None) -> l
             for part, t in modules[hf].items():
                 getattr(layers[ours_of[hf]], part).copy_(t)
     return adapted
+
+
+def _choice(config: dict) -> str:
+    """The settings of ``config`` that choose the adapted modules, as they are written."""
+    words = [f"target_modules={shown(config['target_modules'])}"]
+    for key in ("exclude_modules", "layers_to_transform", "layers_pattern"):
+        if config.get(key) not in (None, [], ""):
+            words.append(f"{key}={shown(config[key])}")
+    return " ".join(words)
 
 
 def _fits(model, name: str, parts: dict[str, torch.Tensor]) -> bool:
