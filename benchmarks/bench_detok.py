@@ -23,27 +23,19 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_serve_misuse import CORPUS, byte_bpe, serving  # noqa: E402
+from bench_serve_misuse import byte_bpe, serving  # noqa: E402
 
 # characters a 300-id BPE of CORPUS leaves as bytes, so pieces of characters come and go
 REPLY = "First Citizen: hear me speak, naïve café 世界 🙂!\n"
 
 
 def sentencepiece_like():
-    """A tokenizer.json in the LLaMA 2 style: Metaspace, byte fallback, a decoder that strips
-    the first space (not a join of bytes: read through windows of its decode)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    """The LLaMA 2 style tokenizer.json the tests check detok with (Metaspace, byte fallback, a
+    decoder that strips the first space): read through windows of its decode."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
+    from test_serve_pieces import _metaspace_file
 
-    from llm_foundry.serve.prompt_size import BYTE_FALLBACK
-
-    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace()
-    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
-                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])  # fmt: skip
-    trainer = trainers.BpeTrainer(vocab_size=400, show_progress=False,
-                                  special_tokens=["<unk>", *BYTE_FALLBACK])  # fmt: skip
-    tok.train_from_iterator([CORPUS], trainer)
-    return tok
+    return _metaspace_file().hf
 
 
 def in_process(tokens: int) -> dict:

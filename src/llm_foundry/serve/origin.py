@@ -60,20 +60,21 @@ class SameOrigin:
             headers = dict(scope["headers"])
             origin = headers.get(b"origin", b"").decode("latin-1")
             host = headers.get(b"host", b"").decode("latin-1")
+            refusal = None
             if b"origin" in headers and not same_origin(origin, host):
-                message = (
+                refusal = "cross_origin", (
                     f"a request from the web page at {as_json(origin)} (its Origin header) is "
                     "refused: this server answers its own page at / and clients that send no "
                     "Origin (curl, SDKs)"
                 )
-                refusal = JSONResponse(error_body(message, code="cross_origin"), 403)
-                return await refusal(scope, receive, send)
-            if b"host" in headers and not host_allowed(host, self.hosts):
-                message = (
+            elif b"host" in headers and not host_allowed(host, self.hosts):
+                refusal = "host_not_allowed", (
                     f"a request for the host {as_json(host)} (its Host header) is refused: "
                     "this server listens on a loopback address and answers localhost and "
                     "loopback addresses (another name this machine has: --allow-host NAME)"
                 )
-                refusal = JSONResponse(error_body(message, code="host_not_allowed"), 403)
-                return await refusal(scope, receive, send)
+            if refusal is not None:
+                code, message = refusal
+                answer = JSONResponse(error_body(message, code=code), 403)
+                return await answer(scope, receive, send)
         await self.app(scope, receive, send)
