@@ -305,9 +305,21 @@ def _load_into(model: torch.nn.Module, file: Path) -> None:
     check_finite(model.state_dict(), file)
 
 
+# float types the weights may be read in; float8 weights come with scales this project does not read
+WEIGHT_FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
 def check_finite(tensors: dict[str, torch.Tensor], file: Path) -> None:
-    """Refuse tensors holding NaN or inf, naming the first such tensor and how many values."""
+    """Refuse tensors holding NaN or inf, naming the first such tensor and how many values, and
+    tensors of another float type (float8) in one line."""
     for name, t in tensors.items():
+        if t.is_floating_point() and t.dtype not in WEIGHT_FLOATS:
+            kinds = ", ".join(str(d).removeprefix("torch.") for d in WEIGHT_FLOATS)
+            raise ValueError(
+                f"{file}: tensor {name} is {str(t.dtype).removeprefix('torch.')}; weights are "
+                f"read as {kinds} (an FP8 checkpoint needs its scales: use a bf16 or fp32 copy "
+                "of the model)"
+            )
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             bad = int((~torch.isfinite(t)).sum())
             raise ValueError(
