@@ -235,3 +235,16 @@ def test_a_file_given_as_a_checkpoint_is_named_a_file(tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"--to-hf {f} is a file: give a run or checkpoint directory" in err
     assert err.count("\n") == 1 and not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o077])
+def test_weights_get_the_permissions_of_the_other_files(tmp_path, mask):
+    """safetensors creates its files for their owner alone; a checkpoint's weights are as
+    readable as its config.json under the process's umask."""
+    old = os.umask(mask)
+    try:
+        path = save_checkpoint(Transformer(ModelConfig(**TINY)), tmp_path / "ckpt")
+    finally:
+        os.umask(old)
+    modes = {f.name: f.stat().st_mode & 0o777 for f in path.iterdir()}
+    assert modes == {"config.json": 0o666 & ~mask, "model.safetensors": 0o666 & ~mask}

@@ -30,6 +30,7 @@ import torch
 from safetensors.torch import load_model, save_model
 
 from llm_foundry.config import ConfigError, ModelConfig
+from llm_foundry.durable import usual_mode
 from llm_foundry.messages import one_line, shown
 from llm_foundry.models.lora import apply_lora_settings, fold_lora, lora_settings
 from llm_foundry.models.lora import check_settings as check_lora
@@ -70,6 +71,7 @@ def save_checkpoint(model: torch.nn.Module, path: str | Path) -> Path:
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     save_model(model, str(path / WEIGHTS_FILE), metadata={"format": "pt"})
+    usual_mode(path / WEIGHTS_FILE)
     write_config(model, path)
     return path
 

@@ -29,3 +29,24 @@ def fsync_tree(path: str | Path) -> None:
         for item in sorted(path.rglob("*"), reverse=True):
             fsync(item)
     fsync(path)
+
+
+def umask() -> int:
+    """The process's file-creation mask, read without changing it (Linux's /proc; elsewhere
+    set and put back at once)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def usual_mode(path: str | Path) -> None:
+    """Give a file safetensors wrote the permissions any other file written here gets (it
+    creates its files readable by their owner alone: a teammate who can read a run's configs
+    could not read its weights)."""
+    os.chmod(path, 0o666 & ~umask())

@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from llm_foundry.checkpoint import check_finite, read_safetensors_header
+from llm_foundry.durable import usual_mode
 from llm_foundry.interop.hf import ConversionError, choose_family, expand, fail
 from llm_foundry.interop.peft_fit import other_base, tensor_ranks
 from llm_foundry.interop.peft_targets import target_problems, targeted
@@ -102,6 +103,7 @@ def save_adapter(model, out_dir: str | Path, family: str | None = None, base: st
     out.mkdir(parents=True, exist_ok=True)
     (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+    usual_mode(out / WEIGHTS_FILE)
     return out
 
 

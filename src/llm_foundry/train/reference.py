@@ -27,6 +27,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from llm_foundry.data.batches import file_check
+from llm_foundry.durable import usual_mode
 from llm_foundry.models import Transformer
 from llm_foundry.models.lora import adapters_disabled
 from llm_foundry.train.dpo import sequence_logps
@@ -123,6 +124,7 @@ def save_table(path: Path, table: dict[str, torch.Tensor], key: dict) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     meta = {"key": json.dumps(key, sort_keys=True)}
     save_file({k: v.contiguous() for k, v in table.items()}, str(tmp), metadata=meta)
+    usual_mode(tmp)
     tmp.replace(path)
 
 
