@@ -36,11 +36,15 @@ def test_linear_and_constant():
 
 
 def test_warmup_stable_decay():
-    c = cfg(schedule="wsd", decay_frac=0.2)  # decay over the last 22 of 110 steps
+    c = cfg(schedule="wsd", decay_frac=0.2)  # decay over the last 22 of 110 steps (88..109)
     assert lr_at(87, c) == pytest.approx(1e-3)
-    assert lr_at(88, c) == pytest.approx(1e-3)
-    assert lr_at(99, c) == pytest.approx(1e-3 + 0.5 * (1e-4 - 1e-3))
+    assert lr_at(88, c) == pytest.approx(1e-3 + (1e-4 - 1e-3) / 22)  # the first already lower
+    assert lr_at(98, c) == pytest.approx(1e-3 + 0.5 * (1e-4 - 1e-3))
+    assert lr_at(109, c) == pytest.approx(1e-4)  # the last step trains at min_lr
     assert lr_at(110, c) == pytest.approx(1e-4)
+    # a fraction under one step still decays (over one step): 0.1 of 9 steps (0..8)
+    short = cfg(schedule="wsd", decay_frac=0.1, warmup_steps=0, max_steps=9)
+    assert [lr_at(s, short) for s in (7, 8)] == pytest.approx([1e-3, 1e-4])
 
 
 def test_no_warmup():

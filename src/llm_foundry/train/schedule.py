@@ -33,11 +33,13 @@ def constant(step: int, cfg: TrainConfig) -> float:
 
 def wsd(step: int, cfg: TrainConfig) -> float:
     """Warmup-stable-decay (Hu et al. 2024, MiniCPM): hold lr, then decay linearly to min_lr
-    over the last decay_frac of training."""
-    decay_start = cfg.max_steps - int(cfg.decay_frac * cfg.max_steps)
+    over the last decay_frac of the steps (one at least), each of them lower, the last at
+    min_lr."""
+    n = max(1, int(cfg.decay_frac * cfg.max_steps))
+    decay_start = cfg.max_steps - n
     if step < decay_start:
         return cfg.lr
-    frac = min(1.0, (step - decay_start) / max(1, cfg.max_steps - decay_start))
+    frac = min(1.0, (step - decay_start + 1) / n)
     return cfg.lr + frac * (cfg.min_lr - cfg.lr)
 
 
