@@ -69,6 +69,17 @@ def test_problems_name_the_section_the_field_and_the_file(tmp_path):
         ValueError, match=r"'train.lrr': train has no field 'lrr' \(did you mean 'lr'\?\)"
     ):
         resolve(overrides=[("train", "lrr", 1.0)])
+    # a file's problem is the file's, not ModelConfig's; other projects' names get ours
+    other = _write(tmp_path / "e.yaml", "train:\n  learning_rate: 0.1\n  max_iters: 5\n")
+    with pytest.raises(ConfigError) as e:
+        resolve(files=[other])
+    assert str(e.value) == (
+        f"invalid config file (2 problem(s)):\n  - {other}: train.learning_rate is not a field "
+        f"(did you mean 'lr'?)\n  - {other}: train.max_iters is not a field (did you mean "
+        "'max_steps'?)"
+    )
+    with pytest.raises(ValueError, match=r"no field 'n_embd' \(did you mean 'dim'\?\)"):
+        resolve(overrides=[("model", "n_embd", 64)])
 
 
 def test_the_command_line_and_an_ablation_variant_resolve_alike(tmp_path, capsys):

@@ -349,9 +349,29 @@ def from_fields(cls: type, d: dict[str, Any]) -> Any:
     return cls(**d)
 
 
+# what nanoGPT, HF transformers / Trainer and litgpt call fields of ours (their name -> ours)
+OTHER_NAMES = {
+    "learning_rate": "lr", "min_learning_rate": "min_lr", "max_iters": "max_steps",
+    "warmup_iters": "warmup_steps", "lr_decay_iters": "max_steps", "eval_iters": "eval_batches",
+    "gradient_accumulation_steps": "grad_accum", "micro_batch_size": "batch_size",
+    "per_device_train_batch_size": "batch_size", "max_grad_norm": "grad_clip",
+    "adam_beta1": "beta1", "adam_beta2": "beta2", "lr_scheduler_type": "schedule",
+    "n_embd": "dim", "hidden_size": "dim", "n_embed": "dim", "n_layer": "n_layers",
+    "num_hidden_layers": "n_layers", "n_head": "n_heads", "num_attention_heads": "n_heads",
+    "num_key_value_heads": "n_kv_heads", "n_query_groups": "n_kv_heads",
+    "intermediate_size": "hidden_dim", "max_position_embeddings": "max_seq_len",
+    "tie_word_embeddings": "tie_embeddings", "rms_norm_eps": "norm_eps",
+    "layer_norm_epsilon": "norm_eps", "num_local_experts": "n_experts",
+    "num_experts_per_tok": "experts_per_token",
+}  # fmt: skip
+
+
 def suggest(key: str, known: set[str]) -> str:
-    """' (did you mean ...?)' for the closest of ``known`` to a mistyped ``key``, else ''."""
+    """' (did you mean ...?)' for the field of ``known`` another project names ``key``, or the
+    closest to a mistyped ``key``, else ''."""
     import difflib
 
+    if OTHER_NAMES.get(key) in known:
+        return f" (did you mean {OTHER_NAMES[key]!r}?)"
     close = difflib.get_close_matches(key, sorted(known), n=1)
     return f" (did you mean {close[0]!r}?)" if close else ""

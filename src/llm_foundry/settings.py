@@ -119,18 +119,21 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     if conf is None:
         return {}
     if not isinstance(conf, dict):
-        raise ConfigError([f"{path} must hold a mapping (model:, train:, ...), got {shown(conf)}"])
+        raise ConfigError([f"{path} must hold a mapping (model:, train:, ...), got {shown(conf)}"],
+                          "config file")  # fmt: skip
     for section in SECTIONS:
         value = conf.get(section)
         if value is not None and not isinstance(value, dict):
             raise ConfigError(
-                [f"{path}: the {section} section must be a mapping of fields, got {shown(value)}"]
+                [f"{path}: the {section} section must be a mapping of fields, got {shown(value)}"],
+                "config file",
             )
         known = set(field_names(section))
         unknown = sorted(set(value or {}) - known)
         if unknown:
             raise ConfigError(
-                [f"{path}: {section}.{k} is not a field{suggest(k, known)}" for k in unknown]
+                [f"{path}: {section}.{k} is not a field{suggest(k, known)}" for k in unknown],
+                "config file",
             )
     return conf
 
