@@ -90,7 +90,8 @@ class TrainConfig:
     warmup_steps: int = 100  # linear warmup from 0 to lr
     schedule: str = "cosine"  # cosine | linear | constant | wsd (warmup-stable-decay)
     decay_frac: float = 0.2  # wsd: fraction of max_steps spent decaying at the end
-    weight_decay: float = 0.1  # AdamW decoupled decay on matrices only
+    # AdamW's decoupled decay: on weight matrices, not embedding tables, norms or biases
+    weight_decay: float = 0.1
     optimizer: str = "adamw"  # adamw | muon (Muon on the blocks' 2-D weights, AdamW on the rest)
     muon_lr: float = 0.02  # Muon's peak lr, on the same schedule as lr
     muon_momentum: float = 0.95
@@ -100,7 +101,9 @@ class TrainConfig:
     grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
     eval_interval: int = 250  # steps between validation passes
     eval_batches: int = 20  # global batches (batch_size x grad_accum x ranks) per validation pass
-    checkpoint_interval: int = 500  # steps between checkpoints (and one at the end)
+    # steps between checkpoints; one at the end too, and one at each evaluation that improves
+    # the best validation loss (the best weights are always on disk)
+    checkpoint_interval: int = 500
     keep_last: int = 2  # checkpoints kept besides the best-by-validation one
     # full: whole tensors in safetensors (sharded runs gather them to rank 0) | dcp: each rank
     # writes its own shards (torch.distributed.checkpoint, train/dcp.py) | dcp-async: dcp
