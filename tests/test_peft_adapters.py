@@ -149,3 +149,34 @@ def test_what_the_config_chooses_but_the_file_lacks_is_one_line(tmp_path):
     assert "exclude_modules='(' is not a regular expression" in _refusal(adapter)
     _edit(adapter, exclude_modules=None, target_modules=None)
     assert "target_modules is not set" in _refusal(adapter)
+
+
+@pytest.mark.parametrize(
+    "family, targets, said",
+    [
+        ("gpt2", ["c_attn"], "fan_in_fan_out=true: the adapter is on Conv1D modules (GPT-2's"),
+        ("bloom", ["query_key_value"], "which bloom stores and llm-foundry keeps as separate"),
+    ],
+)
+def test_an_adapter_on_a_module_hf_fuses_says_why_it_cannot_be_carried(
+    tmp_path, family, targets, said
+):
+    """peft puts GPT-2's adapters on Conv1D (it sets fan_in_fan_out itself) and BLOOM's on the
+    fused q/k/v: refused naming that, and the families whose adapters do carry over."""
+    from llm_foundry.interop.hf import FAMILIES
+
+    fam = FAMILIES[family]
+    kwargs = next(iter(fam.examples.values()))
+
+    def base():
+        config = getattr(transformers, fam.config_class)(vocab_size=61, **kwargs)
+        return getattr(transformers, fam.model_class)(config)
+
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets)
+    peft.get_peft_model(base(), config).save_pretrained(tmp_path / "adapter")
+    with pytest.raises(ConversionError) as e:
+        load_adapter(from_hf(base()), tmp_path / "adapter")
+    message = str(e.value)
+    assert "\n" not in message and said in message
+    assert message.endswith("(llama, mistral, qwen3, mixtral, qwen3_moe), or fine-tune here "
+                            "with finetune --lora and export it")  # fmt: skip

@@ -34,6 +34,11 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 PREFIX = "base_model.model."
 LORA_NAME = re.compile(re.escape(PREFIX) + r"(.+)\.(lora_A|lora_B)\.weight")
+# why an adapter on a module HF stores fused or transposed cannot be carried over
+FUSED_WHY = ("llm-foundry keeps as separate projections, so a LoRA on HF's fused or transposed "
+             "matrix has no place here; adapt a family whose projections are separate linear "
+             "layers (llama, mistral, qwen3, mixtral, qwen3_moe), or fine-tune here with "
+             "finetune --lora and export it")  # fmt: skip
 # adapter_config.json settings whose non-default values change what the adapter computes
 UNSUPPORTED = {
     "bias": "none",
@@ -53,14 +58,23 @@ UNSUPPORTED = {
 def module_names(cfg, family: str | None = None) -> tuple[str, dict[str, str]]:
     """(HF family name, our module name -> HF module name) for every projection HF stores as
     one plain linear layer."""
+    fam, out, _ = _modules(cfg, family)
+    return fam.model_type, out
+
+
+def _modules(cfg, family: str | None):
+    """(the HF family, ``module_names``' map, the HF modules stored fused, transposed (Conv1D)
+    or stacked, which no adapter of ours can name)."""
     fam = choose_family(cfg, family)
-    out = {}
+    out, other = {}, set()
     for hf, rule in expand(fam.table(cfg), cfg).items():
         (ours,) = rule.ours if len(rule.ours) == 1 else (None,)
         plain = not (rule.conv1d or rule.groups or rule.expert is not None or rule.dim)
         if ours and plain and ours.endswith(".weight") and hf.endswith(".weight"):
             out[ours.removesuffix(".weight")] = hf.removesuffix(".weight")
-    return fam.model_type, out
+        elif hf.endswith(".weight"):
+            other.add(hf.removesuffix(".weight"))
+    return fam, out, other
 
 
 def save_adapter(model, out_dir: str | Path, family: str | None = None, base: str = "") -> Path:
@@ -117,7 +131,8 @@ def load_adapter(model, adapter_dir: str | Path, family: str | None = None) -> l
     path = Path(adapter_dir)
     config_file, weights_file = path / CONFIG_FILE, path / WEIGHTS_FILE
     config, settings = read_config(path)
-    fam, names = module_names(model.cfg, family)
+    family_of, names, fused = _modules(model.cfg, family)
+    fam = family_of.model_type
     # the projections a LoRA can adapt (not the norms or embeddings the table names too)
     ours_of = {hf: ours for ours, hf in names.items() if ours.rsplit(".", 1)[-1] in TARGETS}
     read_safetensors_header(weights_file)  # a damaged file is named, not met inside the reader
@@ -154,6 +169,8 @@ def load_adapter(model, adapter_dir: str | Path, family: str | None = None) -> l
                                                                       modules[hf])]  # fmt: skip
     if unknown or missing or shapes:
         why = other_base(model, ours_of, modules, wanted)
+        if why is None and unknown and set(unknown) <= fused:
+            why = f"its tensors adapt {first_few(unknown)}, which {fam} stores and {FUSED_WHY}"
         if why is None and unknown:
             why = (f"its tensors adapt modules this {fam} model does not have (or that are not "
                    f"one plain linear layer here): {first_few(unknown)}")  # fmt: skip
@@ -222,7 +239,12 @@ def read_config(path: Path) -> tuple[dict, dict]:
     if config.get("peft_type") != "LORA":
         problems.append(f"peft_type={config.get('peft_type')!r} is not 'LORA'")
     for key, default in UNSUPPORTED.items():
-        if config.get(key, default) not in (default, None, {}, False, "none"):
+        if config.get(key, default) in (default, None, {}, False, "none"):
+            continue
+        if key == "fan_in_fan_out":  # peft sets it for Conv1D modules, not the user
+            problems.append(f"fan_in_fan_out=true: the adapter is on Conv1D modules (GPT-2's "
+                            f"c_attn, c_fc, c_proj), which {FUSED_WHY}")  # fmt: skip
+        else:
             problems.append(f"{key}={shown(config[key])} is not supported (only {default!r})")
     settings = dict(r=config.get("r"), alpha=config.get("lora_alpha"),
                     dropout=config.get("lora_dropout") or 0.0,
