@@ -739,16 +739,17 @@ def test_missing_text_field_or_column_names_the_file_and_row(tmp_path):
     (tmp_path / "a.jsonl").write_text('{"text": "fine"}\n{"body": "no text field"}\n')
     with pytest.raises(DataError) as e:
         prepare_documents(tmp_path / "d", [tmp_path / "a.jsonl"], progress=False)
+    skip = "; fix the row, or pass --on-bad-row skip to leave such rows out (they are counted)"
     assert str(e.value) == (
         f"{tmp_path / 'a.jsonl'} line 2 has no field 'text'; its fields: ['body'] (choose with "
-        "--text-field)"
+        f"--text-field){skip}"
     )
     (tmp_path / "b.jsonl").write_text('{"text": "fine"}\n{"text": ["a", "list"]}\n')
     with pytest.raises(DataError) as e:
         prepare_documents(tmp_path / "d", [tmp_path / "b.jsonl"], progress=False)
     assert str(e.value) == (
         f"{tmp_path / 'b.jsonl'} line 2: field 'text' is ['a', 'list']; expected a string (or "
-        "null, left out as an empty text)"
+        f"null, left out as an empty text){skip}"
     )
     (tmp_path / "c.jsonl").write_text('{"text": "fine"}\n{"text": "broken"\n')
     with pytest.raises(DataError, match=r"c\.jsonl line 2 is not JSON"):
@@ -757,7 +758,7 @@ def test_missing_text_field_or_column_names_the_file_and_row(tmp_path):
     with pytest.raises(DataError) as e:
         prepare_documents(tmp_path / "d", [tmp_path / "e.jsonl"], progress=False)
     assert str(e.value).endswith(
-        "e.jsonl line 1 is not JSON (Invalid control character, column 12)"
+        f"e.jsonl line 1 is not JSON (Invalid control character, column 12){skip}"
     )
     write(tmp_path / "a.parquet", ["x", "y"], "parquet", field="content")
     with pytest.raises(DataError) as e:
@@ -770,6 +771,37 @@ def test_missing_text_field_or_column_names_the_file_and_row(tmp_path):
     with pytest.raises(DataError, match=r"saved has no column 'text'; its columns: \['id', 'c"):
         prepare_documents(tmp_path / "d", [tmp_path / "saved"], progress=False)
     assert not (tmp_path / "d").exists()
+
+
+def test_bad_rows_are_left_out_and_counted_with_on_bad_row_skip(tmp_path, capsys):
+    """A line cut short (a writer that crashed), a row without the field, a row whose text is
+    not a string: --on-bad-row skip leaves each out and counts it, the first named; the good
+    rows make the same shards as a file holding them alone."""
+    from llm_foundry.cli import main
+
+    good = [f"document {i} " * 20 for i in range(40)]
+    lines = [json.dumps({"text": t}) for t in good]
+    bad = (
+        lines[:10] + ['{"id": 3}'] + lines[10:30] + ['{"text": 5}'] + lines[30:] + ['{"text": "cut']
+    )
+    (tmp_path / "bad.jsonl").write_text("\n".join(bad) + "\n")
+    (tmp_path / "good.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(DataError, match=r"bad\.jsonl line 11 has no field 'text'"):
+        prepare_documents(tmp_path / "f", [tmp_path / "bad.jsonl"], vocab_size=300, progress=False)
+    args = ["--vocab-size", "300", "--val-fraction", "0.25"]
+    assert main(["prepare", "--input", str(tmp_path / "bad.jsonl"), "--out", str(tmp_path / "d"),
+                 "--on-bad-row", "skip", *args]) == 0  # fmt: skip
+    said = capsys.readouterr().out
+    assert f"left out 3 bad rows (first: {tmp_path / 'bad.jsonl'} line 11 has no field" in said
+    meta = json.loads((tmp_path / "d" / "meta.json").read_text())
+    (source,) = meta["sources"]
+    assert (source["documents"], source["bad_rows"]) == (40, 3)
+    assert meta["settings"]["on_bad_row"] == "skip"
+    assert main(["prepare", "--input", str(tmp_path / "good.jsonl"), "--out", str(tmp_path / "g"),
+                 *args]) == 0  # fmt: skip
+    good_meta = json.loads((tmp_path / "g" / "meta.json").read_text())
+    assert "on_bad_row" not in good_meta["settings"]  # the default: as before it was a setting
+    assert meta["sha256"] == good_meta["sha256"]
 
 
 def test_empty_files_and_inputs_that_name_nothing_are_one_line(tmp_path):

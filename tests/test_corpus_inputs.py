@@ -307,7 +307,8 @@ def test_null_texts_are_left_out_as_empty_and_other_values_name_the_file_row_and
         kinds(resolve_inputs([tmp_path / "a.jsonl"]))
     assert str(e.value) == (
         f"{tmp_path / 'a.jsonl'} line 8: field 'text' is 12.5; expected a string (or null, left "
-        "out as an empty text)"
+        "out as an empty text); fix the row, or pass --on-bad-row skip to leave such rows out "
+        "(they are counted)"
     )
 
 

@@ -33,7 +33,8 @@ from pathlib import Path
 DEMO_ROWS = 2000
 # flags of the document corpus alone (their presence makes the call one)
 DOCUMENT_FLAGS = ("input", "hf_dataset", "split", "text_field", "text_column", "val_source",
-                  "workers", "shard_tokens", "tokenizer_sample", "dtype", "on_bad_utf8")  # fmt: skip
+                  "workers", "shard_tokens", "tokenizer_sample", "dtype", "on_bad_utf8",
+                  "on_bad_row")  # fmt: skip
 
 
 def count(flag: str, text: str | int) -> int:
@@ -56,7 +57,7 @@ def count(flag: str, text: str | int) -> int:
 def main(argv: list[str]) -> int:
     from llm_foundry.cli.signals import stopped, terminate_as_interrupt
     from llm_foundry.data import DATASETS
-    from llm_foundry.data.corpus import BAD_UTF8
+    from llm_foundry.data.corpus import BAD_ROWS, BAD_UTF8
     from llm_foundry.data.documents import (
         DEFAULT_SHARD_TOKENS,
         DEFAULT_TOKENIZER_SAMPLE,
@@ -191,6 +192,14 @@ def main(argv: list[str]) -> int:
         help="a document with bytes that are not UTF-8: stop with its file and row (fail, the "
         "default), or leave it out and count it (skip)",
     )
+    d.add_argument(
+        "--on-bad-row",
+        choices=BAD_ROWS,
+        default="fail",
+        help="a JSONL line that is not a JSON object with the text field a string or null (a "
+        "line cut short, a missing field), or a table value that is not text: stop with its file "
+        "and row (fail, the default), or leave it out and count it (skip)",
+    )
     # the document flags left unset stay absent, so that what was given is known (a default
     # value typed out counts as given), then take their defaults
     defaults = {k: p.get_default(k) for k in DOCUMENT_FLAGS}
@@ -269,6 +278,7 @@ def _prepare_documents(ns) -> int:
             dtype=ns.dtype,
             workers=ns.workers,
             on_bad_utf8=ns.on_bad_utf8,
+            on_bad_row=ns.on_bad_row,
             restart=ns.restart,
         )
     except AlreadyPrepared as done:
@@ -283,6 +293,10 @@ def _prepare_documents(ns) -> int:
     skipped = f"; left out {empty:,} empty documents" if empty else ""
     if bad:
         skipped += f"; left out {bad:,} documents that are not UTF-8 (first: {first})"
+    rows = sum(s.get("bad_rows", 0) for s in meta["sources"])
+    if rows:
+        first = next(s["bad_rows_first"] for s in meta["sources"] if s.get("bad_rows_first"))
+        skipped += f"; left out {rows:,} bad rows (first: {first})"
     plural = {s: "s" if n != 1 else "" for s, n in shards.items()}
     print(
         f"wrote {ns.out}: {shards['train']:,} train shard{plural['train']} "

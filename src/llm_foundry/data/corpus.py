@@ -53,6 +53,7 @@ PARQUET_BATCH_ROWS = 1024
 BOM = "\ufeff"  # a UTF-8 byte order mark, as decoded
 HF_BATCH_ROWS = 1024
 BAD_UTF8 = ("fail", "skip")
+BAD_ROWS = ("fail", "skip")  # a row that is not a JSON object with its text as a string
 LISTED_PATHS = 64  # a group of more files lists none of them in meta.json (their count only)
 # what a directory's walk leaves out, by reason (meta.json counts each)
 SKIP_REASONS = ("type", "hidden", "broken_link", "linked_directory", "duplicate_link")
@@ -95,7 +96,8 @@ class Group:
 class Record:
     """One record of the corpus: ``kind`` "doc" (``text`` is a str or a ``LongText``), "empty"
     (an empty or null text), "empty_file" (a file with no document: 0 bytes, or no row) or
-    "bad" (not UTF-8, skipped); ``where`` names the file (and row) of one that is not a "doc".
+    "bad" (not UTF-8, skipped) or "bad_row" (not the format's row, skipped); ``where`` names the
+    file (and row) of one that is not a "doc".
     ``file``: its index among all the files; ``next``: the record index after it in that file
     (where reading resumes)."""
 
@@ -466,14 +468,20 @@ def read_records(
     text_field: str = "text",
     text_column: str = "text",
     on_bad_utf8: str = "fail",
+    on_bad_row: str = "fail",
     progress: Callable[[int], None] | None = None,
 ) -> Iterator[Record]:
     """Every record of every file of ``groups``, in order, from position ``start`` (the index
     of a file among all of them, and of a record in it). ``progress(n)``: n more input bytes read
     (compressed bytes for compressed files; a table's bytes in proportion to its rows). Each file
-    read to its end is checked unchanged since it was resolved (``check_unchanged``)."""
+    read to its end is checked unchanged since it was resolved (``check_unchanged``).
+    ``on_bad_row``: a JSON line that is not an object with the text field a string or null, or a
+    table's value that is not text, stops the read ("fail": a one-line DataError) or is a
+    "bad_row" record ("skip")."""
     if on_bad_utf8 not in BAD_UTF8:
         raise ValueError(f"on_bad_utf8 must be one of {', '.join(BAD_UTF8)}; got {on_bad_utf8!r}")
+    if on_bad_row not in BAD_ROWS:
+        raise ValueError(f"on_bad_row must be one of {', '.join(BAD_ROWS)}; got {on_bad_row!r}")
     files = [f for g in groups for f in g.files]
     tick = progress or (lambda n: None)
     first, skip = start
@@ -491,13 +499,13 @@ def read_records(
             if at == 0:
                 yield _txt_record(f, i, on_bad_utf8)
         elif f.format.startswith("jsonl"):
-            yield from _jsonl_records(f, i, at, text_field, on_bad_utf8, moved)
+            yield from _jsonl_records(f, i, at, text_field, on_bad_utf8, on_bad_row, moved)
         elif f.format == "parquet":
             yield from _table_records(f, i, at, _parquet_batches(f, at, text_column), on_bad_utf8,
-                                      moved, text_column)  # fmt: skip
+                                      on_bad_row, moved, text_column)  # fmt: skip
         else:
             yield from _table_records(f, i, at, _dataset_batches(f, at, text_column), on_bad_utf8,
-                                      moved, text_column)  # fmt: skip
+                                      on_bad_row, moved, text_column)  # fmt: skip
         moved(f.bytes)
         check_unchanged(f)  # what was read is what the identity recorded names
 
@@ -515,6 +523,15 @@ def record_count(f: InputFile) -> int | None:
     if f.format in (HF_DISK, HF_HUB) and f.handle is not None:
         return max(len(f.handle), 1)
     return None
+
+
+def _bad_row(where: str, why: str, policy: str) -> str:
+    """A row that is not what the format's reader takes: a one-line DataError under "fail",
+    else where it is and why, for the "bad_row" record that counts it."""
+    if policy == "fail":
+        raise DataError(f"{where}{why}; fix the row, or pass --on-bad-row skip to leave such "
+                        "rows out (they are counted)")  # fmt: skip
+    return f"{where}{why}"
 
 
 def _bad(f: InputFile, row: str, what: str, policy: str) -> str:
@@ -594,7 +611,7 @@ def _open_lines(f: InputFile):
     return io.BufferedReader(raw), raw
 
 
-def _jsonl_records(f, i, at, field, policy, moved) -> Iterator[Record]:
+def _jsonl_records(f, i, at, field, policy, row_policy, moved) -> Iterator[Record]:
     reader, raw = _open_lines(f)
     rows = lines = 0
     with reader:
@@ -614,26 +631,25 @@ def _jsonl_records(f, i, at, field, policy, moved) -> Iterator[Record]:
             except UnicodeDecodeError as e:
                 yield Record("bad", None, i, n + 1, _bad(f, row, _byte(line, e), policy))
                 continue
+            why = None
             try:
                 obj = json.loads(text)
             except json.JSONDecodeError as e:
                 # (a message such as "Invalid control character at" ends where its place goes)
-                what = e.msg.removesuffix(" at")
-                raise DataError(f"{f.path}{row} is not JSON ({what}, column {e.colno})") from None
-            if not isinstance(obj, dict):
-                raise DataError(f"{f.path}{row} is {type(obj).__name__}; expected a JSON object")
-            if field not in obj:
-                raise DataError(
-                    f"{f.path}{row} has no field {field!r}; its fields: {shown(list(obj))} "
-                    "(choose with --text-field)"
-                )
-            value = obj[field]
-            if value is not None and not isinstance(value, str):
-                raise DataError(
-                    f"{f.path}{row}: field {field!r} is {shown(value)}; expected a string (or "
-                    "null, left out as an empty text)"
-                )
-            yield _text_record(value, f, i, n + 1, row, policy)
+                why = f" is not JSON ({e.msg.removesuffix(' at')}, column {e.colno})"
+            else:
+                if not isinstance(obj, dict):
+                    why = f" is {type(obj).__name__}; expected a JSON object"
+                elif field not in obj:
+                    why = (f" has no field {field!r}; its fields: {shown(list(obj))} (choose "
+                           "with --text-field)")  # fmt: skip
+                elif obj[field] is not None and not isinstance(obj[field], str):
+                    why = (f": field {field!r} is {shown(obj[field])}; expected a string (or "
+                           "null, left out as an empty text)")  # fmt: skip
+            if why is not None:
+                yield Record("bad_row", None, i, n + 1, _bad_row(f"{f.path}{row}", why, row_policy))
+                continue
+            yield _text_record(obj[field], f, i, n + 1, row, policy)
     if raw.count == f.bytes:  # read whole: what was read, should its modification time change
         f.read_sha256 = raw.digest.hexdigest()
     if at == 0 and rows == 0:
@@ -699,7 +715,7 @@ def _dataset_batches(f: InputFile, at: int, column: str) -> Iterator[tuple[int, 
         yield first, total, ds[first : first + HF_BATCH_ROWS][column]
 
 
-def _table_records(f, i, at, batches, policy, moved, column) -> Iterator[Record]:
+def _table_records(f, i, at, batches, policy, row_policy, moved, column) -> Iterator[Record]:
     rows = 0
     for first, total, values in batches:
         for k, value in enumerate(values):
@@ -709,7 +725,9 @@ def _table_records(f, i, at, batches, policy, moved, column) -> Iterator[Record]
             rows += 1
             row = f" row {n} (column {column!r})"
             if value is not None and not isinstance(value, (str, bytes)):
-                raise DataError(f"{f.path}{row} is {shown(value)}; expected text")
+                why = _bad_row(f"{f.path}{row}", f" is {shown(value)}; expected text", row_policy)
+                yield Record("bad_row", None, i, n + 1, why)
+                continue
             yield _text_record(value, f, i, n + 1, row, policy)
         moved(f.bytes * (first + len(values)) // max(total, 1))
     if at == 0 and rows == 0:

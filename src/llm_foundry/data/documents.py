@@ -59,6 +59,7 @@ from tqdm import tqdm
 from llm_foundry import lock
 from llm_foundry.data.batches import SPLITS, file_entry
 from llm_foundry.data.corpus import (
+    BAD_ROWS,
     BAD_UTF8,
     LISTED_PATHS,
     Group,
@@ -304,6 +305,7 @@ def prepare_documents(
     dtype: str = "auto",
     workers: int = 1,
     on_bad_utf8: str = "fail",
+    on_bad_row: str = "fail",
     restart: bool = False,
     progress: bool = True,
 ) -> dict:
@@ -341,6 +343,8 @@ def prepare_documents(
         "piece_chars": PIECE_CHARS,
         "special_tokens_in_text": "encoded as text",
     }
+    if on_bad_row != "fail":  # kept only when given: directories prepared before it are the same
+        settings["on_bad_row"] = on_bad_row
     model = None
     if tokenizer_from:
         model = model_tokenizer(tokenizer_from)
@@ -391,6 +395,8 @@ def _check_arguments(a: dict) -> None:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {a['dtype']!r}")
     if a["on_bad_utf8"] not in BAD_UTF8:
         raise ValueError(f"on_bad_utf8 must be one of {', '.join(BAD_UTF8)}")
+    if a["on_bad_row"] not in BAD_ROWS:
+        raise ValueError(f"on_bad_row must be one of {', '.join(BAD_ROWS)}")
     if not str(a["out_dir"]).strip():
         raise ValueError("the output directory (--out) is empty: give a directory to write")
     if Path(a["out_dir"]).exists() and not Path(a["out_dir"]).is_dir():
@@ -399,10 +405,12 @@ def _check_arguments(a: dict) -> None:
 
 def _stats() -> dict:
     return {"documents": 0, "tokens": 0, "empty": 0, "bad_utf8": 0, "bad_utf8_first": None,
-            "empty_files": 0, "empty_files_first": []}  # fmt: skip
+            "bad_rows": 0, "bad_rows_first": None, "empty_files": 0,
+            "empty_files_first": []}  # fmt: skip
 
 
-SKIPS = {"empty": "empty", "bad": "bad_utf8", "empty_file": "empty_files"}  # a record's counter
+# a record's counter
+SKIPS = {"empty": "empty", "bad": "bad_utf8", "bad_row": "bad_rows", "empty_file": "empty_files"}
 
 
 class _Job:
@@ -416,7 +424,8 @@ class _Job:
         self.val_groups = {i for i, g in enumerate(groups) if g.split == "val"}
         self.file_group = [f.group for g in groups for f in g.files]
         self.read = dict(text_field=settings["text_field"], text_column=settings["text_column"],
-                         on_bad_utf8=settings["on_bad_utf8"])  # fmt: skip
+                         on_bad_utf8=settings["on_bad_utf8"],
+                         on_bad_row=settings.get("on_bad_row", "fail"))  # fmt: skip
         self.seconds = {"tokenizer": 0.0, "encode": 0.0}
 
     def _bar(self, desc: str, groups: list[Group], initial: int = 0) -> tqdm:
@@ -594,11 +603,12 @@ class _Job:
 
     def _check_counts(self, train: int, val: int, left: dict[str, int]) -> None:
         """Refuse a corpus with no training or no validation document; ``left``: how many
-        records were left out, by counter ("empty", "bad_utf8", "empty_files")."""
+        records were left out, by counter ("empty", "bad_utf8", "bad_rows", "empty_files")."""
         f = self.settings["val_fraction"]
         if train == 0:
             words = {"empty_files": "empty file{}", "empty": "empty text{}",
-                     "bad_utf8": "text{} not UTF-8", "val": "val document{}"}  # fmt: skip
+                     "bad_utf8": "text{} not UTF-8", "bad_rows": "bad row{}",
+                     "val": "val document{}"}  # fmt: skip
             what = ", ".join(f"{n:,} {w.format('' if n == 1 else 's')}" for k, w in words.items()
                              if (n := {**left, "val": val}.get(k, 0)))  # fmt: skip
             raise DataError(f"the inputs hold no training document ({what or 'nothing read'})")
@@ -657,8 +667,8 @@ class _Job:
                     _, group, kind, file, nxt, where = op
                     key = SKIPS[kind]
                     stats[group][key] += 1
-                    if key == "bad_utf8" and stats[group]["bad_utf8_first"] is None:
-                        stats[group]["bad_utf8_first"] = where
+                    if key in ("bad_utf8", "bad_rows") and stats[group][f"{key}_first"] is None:
+                        stats[group][f"{key}_first"] = where
                     if key == "empty_files" and len(stats[group]["empty_files_first"]) < NAMED:
                         stats[group]["empty_files_first"].append(where)
                     record["position"] = [file, nxt]
