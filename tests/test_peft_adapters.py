@@ -120,12 +120,27 @@ def test_a_config_whose_r_is_not_its_tensors_rank_is_one_line(tmp_path):
     assert _refusal(adapter) == "adapter_config.json says r=4 but its tensors have rank 8"
 
 
-def test_what_the_config_chooses_but_the_file_lacks_is_one_line(tmp_path):
+def test_what_the_config_chooses_but_the_file_lacks_starts_as_peft_starts_it(tmp_path, caplog):
+    """A chosen module with no tensors: peft gives it a zero lora_B (it changes nothing) and
+    warns; so here, with a note, the logits equal peft's. Where peft would draw it at random
+    (init_lora_weights not true) it is refused, naming the modules."""
     adapter = _adapter(tmp_path, ("wq",))
     _edit(adapter, target_modules=["q_proj", "k_proj"])
+    with_peft = peft.PeftModel.from_pretrained(tiny_hf_llama(), str(adapter)).eval()
+    ours = from_hf(tiny_hf_llama())
+    with caplog.at_level(logging.WARNING, logger="llm_foundry"):
+        adapted = load_adapter(ours, adapter)
+    assert len(adapted) == 4  # wq and wk of both layers, as peft puts them
+    notes = [r.getMessage() for r in caplog.records if "holds no tensors for" in r.getMessage()]
+    assert len(notes) == 1 and "chooses 2 module(s)" in notes[0], notes
+    x = torch.randint(0, 61, (2, 11))
+    with torch.no_grad():
+        assert (ours.eval()(x)[0] - with_peft(input_ids=x).logits).abs().max().item() <= TOL
+    _edit(adapter, init_lora_weights="gaussian")
     why = _refusal(adapter)
     assert "chooses layers.0.attn.wk, layers.1.attn.wk, which adapter_model.safetensors holds " \
            "no lora_A and lora_B for" in why, why  # fmt: skip
+    _edit(adapter, init_lora_weights=True)
     _edit(adapter, target_modules=["o_proj"])
     assert "chooses none of the modules adapter_model.safetensors holds tensors for" in \
            _refusal(adapter)  # fmt: skip

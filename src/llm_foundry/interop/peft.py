@@ -167,6 +167,18 @@ def load_adapter(model, adapter_dir: str | Path, family: str | None = None) -> l
     missing = [ours_of[hf] for hf in mine if hf not in whole]
     shapes = [ours_of[hf] for hf in mine if hf in whole and not _fits(model, ours_of[hf],
                                                                       modules[hf])]  # fmt: skip
+    # a chosen module with no tensor at all starts as peft starts it: with init_lora_weights true
+    # its lora_B is zero, so it changes nothing (peft warns of the keys it misses)
+    absent = [ours_of[hf] for hf in mine if hf not in modules]
+    zero = config.get("init_lora_weights", True) is True
+    if missing and missing == absent and zero and not (unknown or shapes):
+        why = other_base(model, ours_of, modules, wanted)
+        if why is not None:
+            _refuse(path, [why])
+        log.warning(f"note: {config_file} {_choice(config)} chooses {len(absent)} module(s) "
+                    f"{weights_file} holds no tensors for ({first_few(absent)}): they start as "
+                    "peft starts them, lora_B zero, and change nothing")  # fmt: skip
+        missing = []
     if unknown or missing or shapes:
         why = other_base(model, ours_of, modules, wanted)
         if why is None and unknown and set(unknown) <= fused:
@@ -189,7 +201,7 @@ def load_adapter(model, adapter_dir: str | Path, family: str | None = None) -> l
     layers = lora_layers(model)
     with torch.no_grad():
         for hf in mine:
-            for part, t in modules[hf].items():
+            for part, t in modules.get(hf, {}).items():
                 getattr(layers[ours_of[hf]], part).copy_(t)
     return adapted
 
