@@ -5,7 +5,6 @@ chat template; and a LoRA run's adapters alone. The file formats themselves are 
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
@@ -23,7 +22,7 @@ def convert_to_gguf(
     other than eos is named as llama.cpp's eot, one that is text is said in a note. Returns the
     file and the line saying what was merged (None: nothing)."""
     from llm_foundry.interop.gguf import export_gguf, gguf_types
-    from llm_foundry.loading import load_any
+    from llm_foundry.loading import load_any, refuse_adapter_dir
     from llm_foundry.outputs import check_new_output
     from llm_foundry.rundir import read_checkpoint
     from llm_foundry.tokenizer_files import chat_format, read_tokenizer_meta
@@ -38,21 +37,24 @@ def convert_to_gguf(
         chat = chat_format(ckpt, tok)
         return model, tok, info, chat, read_tokenizer_meta(ckpt, tok).ids
 
+    refuse_adapter_dir(src, "--to-gguf")
     # a run directory means its latest checkpoint, read again if a training run replaces it
     model, tok, info, chat, token_ids = read_checkpoint(src, read, "--to-gguf")
-    if chat is not None and chat.note:
-        log.warning(chat.note)
+    notes = [chat.note] if chat is not None and chat.note else []
     if chat is not None and chat.end_id is not None and chat.end_id != token_ids.get("eos"):
         token_ids = {**token_ids, "eot": chat.end_id}  # llama.cpp ends a reply at it too
     elif chat is not None and chat.end_id is None:
-        log.warning(
+        notes.append(
             f"note: the chat template ends a turn with {chat.end!r}, text and not a token: "
             "llama.cpp's chat (llama-cpp-python's create_chat_completion, llama-server) does not "
             f"stop at the end of a turn unless given stop=[{chat.end!r}]"
         )
     name = Path(src).resolve().name
     template = chat.template if chat is not None else None
-    out = export_gguf(model, tok, out_path, outtype, template, name, token_ids=token_ids)
+    out = export_gguf(model, tok, out_path, outtype, template, name, token_ids=token_ids,
+                      tokenizer_file=info.checkpoint / "tokenizer.json")  # fmt: skip
+    for note in notes:  # after the file is written: of a refused export they would only distract
+        log.warning(note)
     return out, info.merged_note()
 
 
@@ -121,23 +123,70 @@ def _check_peft_base(base: str, cfg) -> None:
 def convert_from_hf(src_dir: str | Path, out_ckpt: str | Path) -> Path:
     """``llm-foundry convert --from-hf DIR --out CKPT``: an HF checkpoint directory to our
     checkpoint format (``llm_foundry.checkpoint``), its tokenizer alongside with the files that
-    carry its chat template and special tokens (``tokenizer_files``; the special ids of its
-    config.json in a generation_config.json where it has none). Returns CKPT."""
-    from llm_foundry.checkpoint import FORMAT, save_checkpoint
+    carry its chat template and special tokens (``tokenizer_files``), read first so that one
+    nothing can use is refused here; the model's special ids (its generation_config.json, else
+    those of its config.json) kept with or without a tokenizer. Notes say what is left behind (a
+    tokenizer other than tokenizer.json) and what grows (bf16/fp16 weights held as fp32).
+    Returns CKPT."""
+    from llm_foundry.checkpoint import save_checkpoint
     from llm_foundry.interop.hf import copy_tokenizer, from_hf
+    from llm_foundry.interop.hf.files import stored_bytes
+    from llm_foundry.loading import checkpoint_kind, refuse_adapter_dir
     from llm_foundry.outputs import check_new_output, new_directory
-    from llm_foundry.tokenizer_files import keep_config_ids
+    from llm_foundry.tokenizer_files import GENERATION_CONFIG, copy_tokenizer_files, keep_config_ids
 
-    config = Path(src_dir) / "config.json"
-    if config.is_file() and json.loads(config.read_text()).get("format") == FORMAT:
-        raise ValueError(f"{src_dir} is an llm-foundry checkpoint already; --to-hf exports one")
+    src = Path(src_dir)
+    refuse_adapter_dir(src, "--from-hf")
+    if (src / "config.json").is_file() and checkpoint_kind(src)[0] == "llm-foundry":
+        raise ValueError(f"{src} is an llm-foundry checkpoint already; --to-hf exports one")
     check_new_output(out_ckpt)
-    model = from_hf(src_dir)
+    _check_hf_tokenizer(src)
+    model = from_hf(src)
     with new_directory(out_ckpt) as tmp:
-        copy_tokenizer(Path(src_dir), save_checkpoint(model, tmp))
-        if (tmp / "tokenizer.json").is_file():
-            keep_config_ids(src_dir, tmp)
+        copy_tokenizer(src, save_checkpoint(model, tmp))
+        copy_tokenizer_files(src, tmp, (GENERATION_CONFIG,))  # the model's own, tokenizer or not
+        keep_config_ids(src, tmp)
+        written = sum(f.stat().st_size for f in tmp.glob("*.safetensors"))
+    left = [n for n in LEFT_BEHIND if (src / n).is_file()]
+    if left and not (src / "tokenizer.json").is_file():
+        log.warning(f"note: {src} has no tokenizer.json; {', '.join(left)} left behind "
+                    f"(llm-foundry reads a tokenizer.json only): {out_ckpt} has no tokenizer. "
+                    f"transformers writes one: AutoTokenizer.from_pretrained('{src}')"
+                    f".save_pretrained('{src}'), then convert again")  # fmt: skip
+    stored = stored_bytes(src)
+    narrow = [d.lower() for d in stored if d in ("BF16", "F16")]
+    if narrow:
+        from llm_foundry.accounting import human
+
+        before = sum(stored.values())
+        log.warning(f"note: {src}'s {'/'.join(narrow)} weights are held as "
+                    f"fp32 in {out_ckpt} ({human(before, 'B')} -> {human(written, 'B')}), as "
+                    "llm-foundry checkpoints hold them; generate and eval read the HF directory "
+                    "as fp32 too")  # fmt: skip
     return Path(out_ckpt)
+
+
+# tokenizer files of HF models that only transformers reads (we read tokenizer.json)
+LEFT_BEHIND = ("tokenizer.model", "spiece.model", "vocab.json", "merges.txt", "vocab.txt")
+
+
+def _check_hf_tokenizer(src: Path) -> None:
+    """Refuse, in one line naming the file, an HF directory's tokenizer.json that Hugging Face
+    tokenizers cannot read, or tokenizer files beside it that generate and --to-hf would refuse
+    (a chat template that is not text, ...): before the weights are read."""
+    from tokenizers import Tokenizer
+
+    from llm_foundry.tokenizer_files import open_tokenizer
+
+    file = src / "tokenizer.json"
+    if not file.is_file():
+        return
+    try:
+        Tokenizer.from_file(str(file))
+    except Exception as e:  # tokenizers raises its own Exception, whatever is wrong
+        raise ValueError(f"{file}: Hugging Face tokenizers cannot read it ({e}); give the "
+                         "model's tokenizer.json as transformers saves it, or remove it") from None  # fmt: skip
+    open_tokenizer(file)  # the files beside it: one-line errors naming the file
 
 
 def convert_to_hf(ckpt_dir: str | Path, out_dir: str | Path, family: str | None = None) -> Path:
@@ -153,7 +202,7 @@ def convert_to_hf(ckpt_dir: str | Path, out_dir: str | Path, family: str | None 
     from llm_foundry.interop.hf import copy_tokenizer, name_special_tokens, to_hf
     from llm_foundry.loading import checkpoint_kind, refuse_quantized
     from llm_foundry.outputs import check_new_output, new_directory
-    from llm_foundry.tokenizer_files import open_tokenizer
+    from llm_foundry.tokenizer_files import GENERATION_CONFIG, copy_tokenizer_files, open_tokenizer
 
     ckpt_dir = Path(ckpt_dir)
     refuse_quantized(ckpt_dir, checkpoint_kind(ckpt_dir)[1], "convert --to-hf")
@@ -163,8 +212,11 @@ def convert_to_hf(ckpt_dir: str | Path, out_dir: str | Path, family: str | None 
         file = ckpt_dir / "tokenizer.json"  # read once: an unreadable one is refused
         tok, carried = open_tokenizer(file) if file.is_file() else (None, None)
         ids = carried.ids if carried is not None else {}
-        to_hf(model, tmp, family, **(carried.hf_config_ids() if carried else {}))
+        # without a tokenizer, the model's own ids (its generation_config.json) still travel
+        to_hf(model, tmp, family, **(carried.hf_config_ids() if carried else _model_ids(ckpt_dir)))
         copy_tokenizer(ckpt_dir, tmp, tok)
+        if tok is None:
+            copy_tokenizer_files(ckpt_dir, tmp, (GENERATION_CONFIG,))
         name_special_tokens(tmp, tok, ids)
     if getattr(tok, "kind", "") == "hf":  # an HF tokenizer: what its files do not say is lost
         lost = [] if "eos" in ids else ["eos token (transformers' generate runs to max_new_tokens)"]
@@ -175,3 +227,12 @@ def convert_to_hf(ckpt_dir: str | Path, out_dir: str | Path, family: str | None 
                         "field beside its tokenizer.json (tokenizer_config.json, "
                         "chat_template.jinja, generation_config.json)")  # fmt: skip
     return Path(out_dir)
+
+
+def _model_ids(ckpt: Path) -> dict:
+    """The special ids ``ckpt``'s configs name (``tokenizer_files.model_ids``) as HF config
+    fields: ``eos_token_id`` a list where there are several."""
+    from llm_foundry.tokenizer_files import ROLES, model_ids
+
+    found = {f"{role}_token_id": model_ids(ckpt, role) for role in ROLES}
+    return {key: ids[0] if len(ids) == 1 else ids for key, ids in found.items() if ids}

@@ -32,6 +32,42 @@ def checkpoint_kind(ckpt: Path) -> tuple[str, dict]:
     )
 
 
+def read_model_config(path: str | Path, flag: str = "--checkpoint"):
+    """The ``ModelConfig`` of a run (its latest checkpoint), one of our checkpoints or an HF
+    transformers directory, from its config.json alone (no weights read): ours through
+    ``checkpoint.read_config``, an HF one through ``interop.hf.config_from_hf``."""
+    refuse_adapter_dir(path, flag)
+
+    def read(ckpt: Path):
+        if checkpoint_kind(ckpt)[0] == "llm-foundry":
+            from llm_foundry.checkpoint import read_config
+
+            return read_config(ckpt)
+        from llm_foundry.interop.hf import config_from_hf, transformers
+
+        return config_from_hf(transformers.AutoConfig.from_pretrained(str(ckpt)))
+
+    return read_checkpoint(path, read, flag)
+
+
+def refuse_adapter_dir(path: str | Path, flag: str = "--checkpoint") -> None:
+    """Refuse, in one line naming its base and ``--adapter``, a PEFT adapter directory (an
+    adapter_config.json and no config.json) given as ``flag`` where a model is expected."""
+    path = Path(path)
+    adapter = path / "adapter_config.json"
+    if (path / "config.json").exists() or not adapter.is_file():
+        return
+    try:
+        base = json.loads(adapter.read_text()).get("base_model_name_or_path")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        base = None  # the adapter's own loader names what is wrong with the file
+    base = base or "BASE"
+    raise ValueError(
+        f"{flag} {path} is a PEFT adapter (adapter_config.json), not a model: its base is {base}; "
+        f"generate, eval and quantize take both as --checkpoint {base} --adapter {path}"
+    )
+
+
 def refuse_quantized(ckpt: Path, meta: dict, use: str) -> None:
     """The one refusal of a ``quantize`` output (config.json ``meta``) for a ``use`` that needs
     the full-precision weights: exports, quantizing again, adapters, training."""
@@ -92,6 +128,7 @@ def load_any(
     use that needs full-precision weights (an export, a fine-tune's start): a quantized
     checkpoint is refused for it, as it is for ``quantize`` and ``adapter``."""
     given = Path(path)
+    refuse_adapter_dir(given)
     return read_checkpoint(
         given,
         lambda ckpt: _load(given, ckpt, device, tokenizer, quantize, group_size, adapter,

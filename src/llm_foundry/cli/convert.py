@@ -17,11 +17,16 @@ def main(argv: list[str]) -> int:
     except MissingExtra:
         FAMILIES = None
 
+    families = (
+        ", ".join(f.title for f in FAMILIES.values())
+        if FAMILIES is not None
+        else "the families of the [hf] extra"
+    )
     p = argparse.ArgumentParser(
         prog="llm-foundry convert",
-        description="Convert between HF transformers checkpoint directories (Llama, Mistral, "
-        "Qwen3, GPT-2, Mixtral, Qwen3-MoE families) and llm-foundry checkpoints, or write a "
-        "checkpoint of those families as one GGUF file for llama.cpp (--to-gguf). A LoRA run "
+        description=f"Convert between HF transformers checkpoint directories ({families}) and "
+        "llm-foundry checkpoints, or write a checkpoint of the LLaMA, Mistral, Qwen3, GPT-2, "
+        "Mixtral or Qwen3-MoE layouts as one GGUF file for llama.cpp (--to-gguf). A LoRA run "
         "is written with its adapters merged into the base; --to-peft writes its adapters alone. "
         "--from-dcp / --to-dcp turn a sharded checkpoint (train.checkpoint_format dcp) into "
         "safetensors files and back, optimizer and training state included.",
@@ -83,6 +88,9 @@ def main(argv: list[str]) -> int:
     ns = p.parse_args(argv)
     if ns.peft_base is not None and not ns.to_peft:
         raise ValueError(f"--peft-base {ns.peft_base} applies to --to-peft only")
+    if ns.family is not None and not (ns.to_hf or ns.to_peft):
+        raise ValueError(f"--family {ns.family} applies to --to-hf and --to-peft only (the other "
+                         "conversions keep the architecture the source's config names)")  # fmt: skip
     if ns.outtype is not None and not ns.to_gguf:
         raise ValueError(f"--outtype {ns.outtype} applies to --to-gguf only")
     ns.outtype = ns.outtype or "f32"

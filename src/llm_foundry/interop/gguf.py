@@ -19,7 +19,8 @@ one token per character and merges joining the bytes of each character alone, so
 one id per character; a character outside the vocabulary, which ``encode`` refuses, llama.cpp
 drops (``char_vocab`` says why that and not an unk id). Our byte-level BPE and HF ByteLevel BPE
 ``tokenizer.json`` files: the same tokens and merges with llama.cpp's "gpt-2" pre-tokenizer (the
-same regex); other HF tokenizers are refused.
+same regex); other HF tokenizers (SentencePiece ones, byte-level ones with a split regex of their
+own: Llama 3's, Qwen's) are refused, naming llama.cpp's own converter as the way.
 
 Outtypes f32, f16, bf16, q8_0, q4_0 apply to 2-D and 3-D tensors; 1-D ones (norms, biases),
 routers and GPT-2's position table stay f32 (as llama.cpp's converter keeps them), and a q8_0/q4_0
@@ -391,11 +392,11 @@ def byte_symbols() -> list[str]:
 # so any split gives the same ids; this one (unlike "gpt-2") leaves spaces as written on decode
 CHAR_PRE = "qwen2"
 # llama.cpp refuses a "gpt2" vocabulary without merges and gguf writes no empty list: one of two
-# 0xFF bytes, which UTF-8 text never holds, for a vocabulary of single-byte characters
+# 0xFF bytes, which UTF-8 text never holds, for a vocabulary that merges nothing
 NO_MERGE = "\u00ff \u00ff"
 
 
-def char_vocab(tok: Any, token_ids: dict[str, int]) -> Vocab:
+def char_vocab(tok: Any, token_ids: dict[str, int], where: str | None = None) -> Vocab:
     """Our character tokenizer as a byte-level BPE ("gpt2") vocabulary: each character one token,
     spelled in GPT-2's byte symbols, and merges that join the bytes of each multi-byte character
     (a lead byte, then its continuation bytes) and nothing else, so llama.cpp reads one id per
@@ -408,7 +409,7 @@ def char_vocab(tok: Any, token_ids: dict[str, int]) -> Vocab:
     ``<0xXX>`` byte tokens, never the unk id, and aborts without them (256 more tokens would need
     256 embedding rows the model does not have); nor a unigram ("t5") one, which maps unknown
     characters to the unk id but fuses runs of that id, so a real character named unk would lose
-    its repeats."""
+    its repeats. (``where``, the file's name in errors, is unused: nothing here is refused.)"""
     symbols = byte_symbols()
     tokens = ["".join(symbols[b] for b in c.encode("utf-8")) for c in tok.chars]
     # one symbol per byte: merge the first i bytes of a character with its (i + 1)-th
@@ -528,42 +529,63 @@ def byte_level_vocab(hf_json: dict, where: str, token_ids: dict[str, int], adds:
         add_bos=adds and "bos" in added_by_encode,
         add_eos=adds and "eos" in added_by_encode,
         pre=BYTE_LEVEL_PRE[key],
-        merges=merges,
+        merges=merges or [NO_MERGE],  # bytes only: HF's BPE then merges nothing, nor llama.cpp's
     )
 
 
-def bpe_vocab(tok: Any, token_ids: dict[str, int]) -> Vocab:
+def bpe_vocab(tok: Any, token_ids: dict[str, int], where: str | None = None) -> Vocab:
     """Our byte-level BPE: its ``tokenizer.json``; encode adds no special token."""
     ours = {"bos": tok.bos_id, "eos": tok.eos_id, "pad": tok.pad_id}
     ids = {**{k: v for k, v in ours.items() if v is not None}, **token_ids}
-    return byte_level_vocab(json.loads(tok.hf.to_str()), "the BPE tokenizer", ids, adds=False)
+    hf_json = json.loads(tok.hf.to_str())
+    return byte_level_vocab(hf_json, where or "the BPE tokenizer", ids, adds=False)
 
 
-def hf_vocab(tok: Any, token_ids: dict[str, int]) -> Vocab:
-    """An HF ``tokenizer.json`` of an imported model; encode adds what its post-processor adds."""
+# what an HF tokenizer that is refused can do instead, said after the reason
+HF_TOKENIZERS_EXPORTED = (
+    "GGUF export writes byte-level BPE tokenizers only (GPT-2's: ByteLevel pre-tokenizer without "
+    "prefix space, no normalizer; and llm-foundry's own), not SentencePiece ones (Llama 2, "
+    "Mistral) nor byte-level ones with a split of their own (Llama 3, Qwen2/3): write this "
+    "model's GGUF with llama.cpp's convert_hf_to_gguf.py from its HF directory (for one of our "
+    "checkpoints, `llm-foundry convert --to-hf` first)"
+)
+
+
+def hf_vocab(tok: Any, token_ids: dict[str, int], where: str | None = None) -> Vocab:
+    """An HF ``tokenizer.json`` of an imported model; encode adds what its post-processor adds.
+    A tokenizer GGUF cannot hold as one is refused with what to do instead."""
     ids = dict(token_ids)
     if tok.eos_id is not None:
         ids.setdefault("eos", tok.eos_id)
-    return byte_level_vocab(json.loads(tok.hf.to_str()), "tokenizer.json", ids, adds=True)
+    try:
+        return byte_level_vocab(json.loads(tok.hf.to_str()), where or "tokenizer.json", ids, True)
+    except GGUFError as e:
+        raise GGUFError(f"{e}. {HF_TOKENIZERS_EXPORTED}") from None
 
 
-# tokenizer kind -> its vocabulary
-VOCABS: dict[str, Callable[[Any, dict[str, int]], Vocab]] = {
+# tokenizer kind -> its vocabulary (tokenizer, special ids, the file named in errors)
+VOCABS: dict[str, Callable[[Any, dict[str, int], str | None], Vocab]] = {
     "char": char_vocab,
     "bpe": bpe_vocab,
     "hf": hf_vocab,
 }
 
 
-def build_vocab(tokenizer: Any, vocab_size: int, token_ids: dict[str, int] | None = None) -> Vocab:
-    """The GGUF vocabulary of ``tokenizer``, padded with unused tokens up to the model's
-    ``vocab_size`` rows (llama.cpp sizes the embedding by the token list)."""
+def build_vocab(
+    tokenizer: Any,
+    vocab_size: int,
+    token_ids: dict[str, int] | None = None,
+    where: str | None = None,
+) -> Vocab:
+    """The GGUF vocabulary of ``tokenizer`` (read from file ``where``, named in errors), padded
+    with unused tokens up to the model's ``vocab_size`` rows (llama.cpp sizes the embedding by
+    the token list)."""
     kind = getattr(tokenizer, "kind", None)
     if kind not in VOCABS:
         raise GGUFError(
             f"tokenizer kind {kind!r} is not supported for GGUF; supported: {', '.join(VOCABS)}"
         )
-    vocab = VOCABS[kind](tokenizer, dict(token_ids or {}))
+    vocab = VOCABS[kind](tokenizer, dict(token_ids or {}), where)
     n = len(vocab.tokens)
     if n > vocab_size:
         raise GGUFError(
@@ -610,10 +632,12 @@ def export_gguf(
     chat_template: str | None = None,
     name: str | None = None,
     token_ids: dict[str, int] | None = None,
+    tokenizer_file: str | Path | None = None,
 ) -> Path:
     """Write ``model`` (our ``Transformer``) with ``tokenizer`` as one GGUF file llama.cpp runs.
     ``outtype``: f32, f16, bf16, q8_0 or q4_0 for the 2-D weights; ``token_ids`` ("bos", "eos",
-    "pad", "eot" -> id) adds special ids the tokenizer does not know (an HF model's). Written as
+    "pad", "eot" -> id) adds special ids the tokenizer does not know (an HF model's);
+    ``tokenizer_file``: where the tokenizer was read from, named in errors. Written as
     ``outputs.new_file`` writes: never over a file that exists, nor one another process wrote
     meanwhile."""
     qtype, file_type = gguf_types(outtype)
@@ -624,7 +648,8 @@ def export_gguf(
     if tokenizer is None:
         raise GGUFError("GGUF files carry their tokenizer: the model has none (no tokenizer.json)")
     arch = choose_arch(cfg)
-    vocab = build_vocab(tokenizer, cfg.vocab_size, token_ids)
+    where = str(tokenizer_file) if tokenizer_file is not None else None
+    vocab = build_vocab(tokenizer, cfg.vocab_size, token_ids, where)
     tensors, fell_back = [], []
     for key, data in gguf_tensors(model.state_dict(), cfg, arch):
         stored, used = encode_tensor(key, data, qtype)

@@ -3,6 +3,7 @@ whole models both ways (in memory or as a checkpoint directory)."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -14,8 +15,15 @@ from llm_foundry.config import ModelConfig
 from llm_foundry.interop.hf.core import ConversionError, Family, fail, transformers
 from llm_foundry.interop.hf.files import WEIGHTS_FILE, read_safetensors_dir, read_safetensors_shapes
 from llm_foundry.interop.hf.registry import choose_family, family_of
-from llm_foundry.interop.hf.weights import check_against_hf, hf_to_ours, ours_to_hf
+from llm_foundry.interop.hf.weights import (
+    check_against_hf,
+    hf_to_ours,
+    ours_to_hf,
+    untie_stored_head,
+)
 from llm_foundry.models.transformer import Transformer
+
+log = logging.getLogger(__name__)
 
 
 def config_from_hf(hf_config: Any) -> ModelConfig:
@@ -25,7 +33,9 @@ def config_from_hf(hf_config: Any) -> ModelConfig:
     family = family_of(hf_config)
     problems: list[str] = []
     fields = family.from_hf(hf_config, problems)
-    fail(problems, f"cannot convert {family.config_class} to llm-foundry")
+    source = getattr(hf_config, "name_or_path", "")  # the directory from_pretrained read
+    where = f" ({Path(source) / 'config.json'})" if source else ""
+    fail(problems, f"cannot convert {family.config_class}{where} to llm-foundry")
     return ModelConfig(**fields)
 
 
@@ -88,6 +98,12 @@ def from_hf(model_or_dir: Any, dtype: torch.dtype | None = None) -> Transformer:
         raise TypeError(
             "from_hf takes a transformers PreTrainedModel or a checkpoint directory; "
             f"got {type(model_or_dir).__name__}"
+        )
+    cfg, untied = untie_stored_head(hf_tensors, cfg, family)
+    if untied:
+        log.warning(
+            f"note: {weights_file} ties the head to the embedding (tie_word_embeddings) but stores "
+            "an lm_head.weight with other values: loaded untied, as transformers loads it"
         )
     ours = hf_to_ours(hf_tensors, cfg, family, shapes)
     check_finite(ours, weights_file)

@@ -31,7 +31,9 @@ class ConversionError(ValueError):
 
 
 def fail(problems: list[str], what: str) -> None:
-    """Raise one ``ConversionError`` listing every problem, if there is any."""
+    """Raise one ``ConversionError`` listing every problem, if there is any: one line for one."""
+    if len(problems) == 1:
+        raise ConversionError(f"{what}: {problems[0]}", problems)
     if problems:
         lines = "\n".join(f"  - {p}" for p in problems)
         raise ConversionError(f"{what} ({len(problems)} problem(s)):\n{lines}", problems)

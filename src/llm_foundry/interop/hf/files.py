@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import shutil
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from llm_foundry.checkpoint import read_safetensors_header
@@ -20,14 +22,20 @@ log = logging.getLogger(__name__)
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 TOKENIZER_FILE = "tokenizer.json"
+# bytes per value of each safetensors dtype
+DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "BF16": 2, "F16": 2,
+               "I16": 2, "U16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1}  # fmt: skip
 
 
 def _weight_files(path: Path) -> tuple[list[str], dict[str, str]]:
-    """The safetensors files of an HF checkpoint directory (``model.safetensors``, or the shards
-    named by ``model.safetensors.index.json``) and the index's weight map (empty without one)."""
+    """The safetensors files of an HF checkpoint directory (``model.safetensors``, else the
+    shards named by ``model.safetensors.index.json``: transformers' order) and the index's
+    weight map (empty without one)."""
     index = path / INDEX_FILE
     weight_map: dict[str, str] = {}
-    if index.exists():
+    if (path / WEIGHTS_FILE).exists():
+        files = [WEIGHTS_FILE]
+    elif index.exists():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
             files = sorted(set(weight_map.values()))
@@ -36,8 +44,6 @@ def _weight_files(path: Path) -> tuple[list[str], dict[str, str]]:
                 f"{index} is not a valid shard index ({e!r}); expected "
                 '{"weight_map": {"tensor name": "shard file", ...}}'
             ) from None
-    elif (path / WEIGHTS_FILE).exists():
-        files = [WEIGHTS_FILE]
     else:
         files = sorted(p.name for p in path.glob("*.safetensors"))
     if not files:
@@ -72,10 +78,27 @@ def read_safetensors_dir(path: str | Path) -> dict[str, torch.Tensor]:
     the files first). Pickle files (``pytorch_model.bin``) are never read."""
     path = Path(path)
     read_safetensors_shapes(path)
+    if (path / WEIGHTS_FILE).exists() and (path / INDEX_FILE).exists():
+        log.warning(f"note: {path} holds both {WEIGHTS_FILE} and {INDEX_FILE}: {WEIGHTS_FILE} "
+                    "read, as transformers reads it (the shards are left alone)")  # fmt: skip
     tensors: dict[str, torch.Tensor] = {}
     for file in _weight_files(path)[0]:
         tensors.update(load_file(str(path / file)))
     return tensors
+
+
+def stored_bytes(path: str | Path) -> dict[str, int]:
+    """Bytes of tensor data per stored dtype (safetensors' names: "BF16", "F32", ...) in the
+    weight files of an HF checkpoint directory (those ``read_safetensors_dir`` reads)."""
+    path = Path(path)
+    out: dict[str, int] = {}
+    for file in _weight_files(path)[0]:
+        with safe_open(str(path / file), "pt") as f:
+            for name in f.keys():
+                t = f.get_slice(name)
+                size = math.prod(t.get_shape()) * DTYPE_BYTES.get(t.get_dtype(), 0)
+                out[t.get_dtype()] = out.get(t.get_dtype(), 0) + size
+    return out
 
 
 def copy_tokenizer(src: Path, dst: Path, tok=None) -> None:

@@ -12,9 +12,7 @@ from llm_foundry.interop.hf.core import (
     SEQUENTIAL,
     Family,
     Need,
-    Setting,
     Table,
-    check_settings,
     lookup,
     weight_bias,
 )
@@ -53,18 +51,12 @@ LLAMA_WEIGHTS: Table = {
 # HF tensors that hold no weights and are skipped knowingly (buffers of older checkpoints)
 LLAMA_IGNORED = (r"\.rotary_emb\.inv_freq$",)
 
-ROPE_FAMILY_SETTINGS: list[Setting] = [
-    ("partial_rotary_factor", (None, 1, 1.0), None, "llm-foundry rotates the whole head"),
-]
-
-
 # ----------------------------------------------------------------------------------------------
 # HF config -> ours
 
 
 def llama_fields(c: Any, problems: list[str]) -> dict[str, Any]:
     """Fields shared by LLaMA, Mistral and Qwen3: RoPE, RMSNorm, gated MLP, pre-norm."""
-    check_settings(c, ROPE_FAMILY_SETTINGS, problems)
     mlp, approx = lookup(c, "hidden_act", LLAMA_ACTS, problems)
     heads = c.num_attention_heads
     hd = getattr(c, "head_dim", None)

@@ -3,7 +3,10 @@ our ``rope_scaling``, refused with the reason where ours computes something else
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
+
+import torch
 
 from llm_foundry.config import ModelConfig
 from llm_foundry.interop.hf.core import HF_V5
@@ -35,15 +38,31 @@ def rope_from_hf(c: Any, problems: list[str]) -> dict[str, Any]:
         )
         rope_type = "default"
     partial = params.get("partial_rotary_factor", getattr(c, "partial_rotary_factor", None))
-    if partial not in (None, 1, 1.0):
+    if partial not in (None, 1, 1.0) and not hf_rotates_whole_head(c):
         problems.append(
-            f"partial_rotary_factor={partial!r} is not supported (llm-foundry rotates the whole "
-            "head); supported: 1.0"
+            f"partial_rotary_factor={partial!r} with rope_type={rope_type!r} is not supported "
+            f"(transformers' {c.model_type} then computes frequencies for part of each head "
+            "only; llm-foundry rotates the whole head); supported: 1.0"
         )
     scaling = ROPE_TYPES[rope_type]
     factor = float(params.get("factor", 1.0)) if scaling != "none" else 1.0
     theta = float(params.get("rope_theta", getattr(c, "rope_theta", 10000.0)))
     return {"rope_theta": theta, "rope_scaling": scaling, "rope_factor": factor}
+
+
+def hf_rotates_whole_head(c: Any) -> bool:
+    """Whether transformers' own rotary embedding for config ``c`` rotates every dim of a head
+    (its ``inv_freq`` has one frequency per pair): a family's default RoPE may ignore
+    ``partial_rotary_factor`` where the shared scaled ones honour it. False where it cannot be
+    built."""
+    modeling = importlib.import_module(type(c).__module__.replace(".configuration_", ".modeling_"))
+    rotary = getattr(modeling, type(c).__name__.replace("Config", "RotaryEmbedding"), None)
+    head = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    try:
+        with torch.device("cpu"):
+            return rotary is not None and 2 * rotary(config=c).inv_freq.numel() == head
+    except (TypeError, ValueError, KeyError, AttributeError):
+        return False
 
 
 def rope_to_hf(cfg: ModelConfig) -> dict[str, Any]:

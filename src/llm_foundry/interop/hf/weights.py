@@ -44,8 +44,6 @@ def hf_to_ours(
             if not any(re.search(p, name) for p in family.ignored):
                 unexpected.append(name)
             continue
-        if key == "lm_head.weight" and cfg.tie_embeddings:
-            continue  # the model ties the head to the embedding, as HF does with this config
         rule = rules[key]
         t = tensor.t() if rule.conv1d else tensor
         want = [shapes[n] if rule.expert is None else shapes[n][1:] for n in rule.ours]
@@ -67,8 +65,10 @@ def hf_to_ours(
             problems.append(f"{n}: no HF tensor for expert(s) {absent} of {cfg.n_experts}")
         else:
             ours[n] = torch.stack([parts[e] for e in range(cfg.n_experts)]).contiguous()
-    if cfg.tie_embeddings and "tok_emb.weight" in ours:
-        ours["lm_head.weight"] = ours["tok_emb.weight"]
+    if cfg.tie_embeddings:  # one tensor; a head stored without an embedding is both (as in HF)
+        shared = ours.get("tok_emb.weight", ours.get("lm_head.weight"))
+        if shared is not None:
+            ours["tok_emb.weight"] = ours["lm_head.weight"] = shared
     missing = sorted(set(shapes) - set(ours))
     if missing:
         problems.append(f"no HF tensor for our {missing}")
@@ -76,6 +76,29 @@ def hf_to_ours(
         problems.append(f"HF tensors with no place in the model: {sorted(unexpected)}")
     fail(problems, f"cannot load {family.model_class} weights")
     return ours
+
+
+def _stored(hf_tensors: dict[str, torch.Tensor], family: Family, name: str) -> torch.Tensor | None:
+    """The HF tensor stored under ``name`` (with or without the family's base-model prefix)."""
+    bare = name.removeprefix(family.prefix)
+    return hf_tensors.get(name, hf_tensors.get(bare, hf_tensors.get(family.prefix + bare)))
+
+
+def untie_stored_head(
+    hf_tensors: dict[str, torch.Tensor], cfg: ModelConfig, family: Family
+) -> tuple[ModelConfig, bool]:
+    """``cfg`` untied when its config ties the head to the embedding but the checkpoint stores
+    a head with other values: transformers 5 then loads both as stored, untied
+    (``PreTrainedModel.tie_weights`` during ``from_pretrained``). Returns (cfg, whether it was
+    untied)."""
+    if not cfg.tie_embeddings:
+        return cfg, False
+    names = {rule.ours: hf for hf, rule in expand(family.table(cfg), cfg).items()}
+    emb = _stored(hf_tensors, family, names.get(("tok_emb.weight",), ""))
+    head = _stored(hf_tensors, family, names.get(("lm_head.weight",), ""))
+    if emb is None or head is None or emb.is_meta or torch.equal(emb, head):
+        return cfg, False
+    return cfg.replace(tie_embeddings=False), True
 
 
 def ours_to_hf(
