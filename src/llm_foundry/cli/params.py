@@ -81,6 +81,35 @@ def check_tp(devices: int, tp: int) -> None:
         )
 
 
+def _checkpoint_config(ns) -> tuple[object, str] | None:
+    """(ModelConfig, where it came from) of ``--checkpoint DIR``, or of a ``--config`` file that is
+    a checkpoint's or an HF model's config.json (taken out of ``ns.config``: the settings files
+    are the others); None when neither is given. Read by ``loading.read_model_config``."""
+    from pathlib import Path
+
+    from llm_foundry.loading import checkpoint_kind, read_model_config
+
+    given = [(ns.checkpoint, "--checkpoint")] if ns.checkpoint else []
+    for file in list(ns.config):
+        path = Path(file)
+        if path.name != "config.json" or not path.is_file():
+            continue
+        try:
+            checkpoint_kind(path.parent)
+        except ValueError:
+            continue  # a settings file after all: its own reader names what is wrong
+        ns.config.remove(file)
+        given.append((str(path.parent), f"--config {file}"))
+    if not given:
+        return None
+    if len(given) > 1 or ns.preset:
+        named = [flag for _, flag in given] + ([f"--preset {ns.preset}"] if ns.preset else [])
+        raise ValueError(f"{' and '.join(named)}: give one model (a preset, a checkpoint or a "
+                         "model's config.json)")  # fmt: skip
+    where, flag = given[0]
+    return read_model_config(where, flag.split()[0]), where
+
+
 def main(argv: list[str]) -> int:
     from llm_foundry.accounting import format_lora, format_report, lora_report, param_report
     from llm_foundry.train.memory import format_memory, memory_report
@@ -91,6 +120,9 @@ def main(argv: list[str]) -> int:
         "FLOPs per token and KV-cache bytes.",
     )
     add_settings_arguments(p, ("model",), f"architecture preset: {', '.join(preset_names())}")
+    p.add_argument("--checkpoint", default=None, metavar="DIR",
+                   help="count a model you have: a run, one of our checkpoints or an HF directory "
+                   "(its config.json alone is read; --config DIR/config.json does the same)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--lora-r", type=at_least_one, default=None, metavar="R",
                    help="add the LoRA view: rank R")  # fmt: skip
@@ -135,7 +167,9 @@ def main(argv: list[str]) -> int:
     if ns.memory is not None and ns.tp is not None:
         check_tp(ns.memory, ns.tp)
     targets_flag = ns.lora_targets
-    settings = settings_from(ns, ("model",), extra_keys=("lora_r", "lora_targets"))
+    from_checkpoint = _checkpoint_config(ns)
+    base = from_checkpoint[0] if from_checkpoint else None
+    settings = settings_from(ns, ("model",), base, extra_keys=("lora_r", "lora_targets"))
     if ns.memory is not None:  # a --config recipe's training settings, where no flag is given
         _take_recipe(ns, settings.given.get("train", {}))
     for key, default in MEMORY_FLAGS.items():
@@ -165,6 +199,7 @@ def main(argv: list[str]) -> int:
         print(json.dumps(rep, indent=2))
     else:
         title = f"preset {settings.preset}" if settings.preset else "custom config"
+        title = f"model of {from_checkpoint[1]}" if from_checkpoint else title
         print(format_report(rep, title=title))
         if ns.lora_r:
             print("\n" + format_lora(rep["lora"]))
