@@ -120,11 +120,26 @@ def evaluate_tokens(
 
 def with_rope_scaling(model: Transformer, scaling: str, factor: float) -> Transformer:
     """The same weights in a model whose RoPE uses ``scaling`` (linear | ntk) by ``factor``
-    (the config refuses scaling on a model without RoPE)."""
+    instead of its own (the config refuses scaling on a model without RoPE)."""
     cfg = model.cfg.replace(rope_scaling=scaling, rope_factor=factor)
     scaled = Transformer(cfg).to(next(model.parameters()).device)
     scaled.load_state_dict(model.state_dict())
     return scaled.eval()
+
+
+def rope_scaling_note(cfg, scaling: str, factor: float) -> str | None:
+    """The note on ``with_rope_scaling(model, scaling, factor)`` for a model whose config scales
+    its RoPE already (an HF model's rope_scaling): the new scaling replaces that one, it is not
+    applied on top; linear factors compose by multiplying. None: the model has no scaling."""
+    if cfg.rope_scaling == "none":
+        return None
+    own = f"rope_scaling={cfg.rope_scaling} x{cfg.rope_factor:g}"
+    more = ""
+    if cfg.rope_scaling == scaling == "linear":  # positions divided by a, then by b: by a * b
+        more = (f"; x{factor:g} on top of it is --rope-scaling linear --rope-factor "
+                f"{cfg.rope_factor * factor:g}")  # fmt: skip
+    return (f"note: --rope-scaling {scaling} --rope-factor {factor:g} replaces the model's own "
+            f"{own} (the two are not composed){more}")  # fmt: skip
 
 
 # what BPE tokenizers may split differently: spaces, a tab, newlines, digits, 2- to 4-byte UTF-8

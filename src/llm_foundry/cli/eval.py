@@ -10,7 +10,12 @@ from pathlib import Path
 
 import numpy as np
 
-from llm_foundry.evaluate import check_data_tokenizer, evaluate_tokens, with_rope_scaling
+from llm_foundry.evaluate import (
+    check_data_tokenizer,
+    evaluate_tokens,
+    rope_scaling_note,
+    with_rope_scaling,
+)
 from llm_foundry.rundir import trained_block_size
 
 
@@ -147,8 +152,13 @@ def main(argv: list[str]) -> int:
     p.add_argument("--stride", type=int, default=None, help="sliding windows with this stride")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--max-windows", type=int, default=None, help="evaluate at most N windows")
-    p.add_argument("--rope-scaling", choices=["linear", "ntk"], default=None)
-    p.add_argument("--rope-factor", type=float, default=None)
+    p.add_argument("--rope-scaling", choices=["linear", "ntk"], default=None,
+                   help="evaluate a RoPE model with its positions scaled, same weights, to reach "
+                   "past its trained context: linear (position interpolation, Chen et al. 2023) "
+                   "or ntk (NTK-aware: a larger base); replaces the model's own scaling (an HF "
+                   "model's rope_scaling), a note says so; needs --rope-factor")  # fmt: skip
+    p.add_argument("--rope-factor", type=float, default=None, metavar="F",
+                   help="the context extension factor of --rope-scaling (2: twice the context)")  # fmt: skip
     p.add_argument("--json", action="store_true")
     ns = p.parse_args(argv)
     if ns.tasks is not None:
@@ -181,6 +191,11 @@ def main(argv: list[str]) -> int:
     if ns.rope_scaling:
         if ns.rope_factor is None:
             raise ValueError("--rope-scaling needs --rope-factor F (e.g. 2 for twice the context)")
+        replaced = rope_scaling_note(model.cfg, ns.rope_scaling, ns.rope_factor)
+        if replaced:
+            notes.append(replaced)
+            if not ns.json:
+                print(replaced)
         model = with_rope_scaling(model, ns.rope_scaling, ns.rope_factor)
     tokens, source = _load_tokens(ns, tok, ckpt, data)
     top = int(tokens.max()) if len(tokens) else 0
@@ -188,6 +203,17 @@ def main(argv: list[str]) -> int:
         raise ValueError(
             f"{source} holds token id {top}, past the model's vocab_size {model.cfg.vocab_size}: "
             "it was tokenized with another tokenizer than the one the model was trained with"
+        )
+    short = [c for c in contexts if len(tokens) < c + 1]
+    if short:
+        default = "the windows it was trained on" if block else "the model's max_seq_len"
+        why = f" (the default: {default})" if context_default else ""
+        fits = (
+            f"give --context N with N at most {len(tokens) - 1:,}, or " if len(tokens) > 1 else ""
+        )
+        raise ValueError(
+            f"{source}: {len(tokens):,} tokens are fewer than one window of context + 1 = "
+            f"{short[0] + 1:,} at context {short[0]:,}{why}: {fits}give a longer text"
         )
     past = [past_trained_note(c, trained, block, model.cfg.pos_encoding) for c in contexts
             if not ns.rope_scaling]  # fmt: skip
