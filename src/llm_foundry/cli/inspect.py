@@ -133,6 +133,15 @@ def _pick(name: str, value: int | None, n: int) -> list[int]:
     return [value]
 
 
+def token_labels(tok, ids: list[int]) -> list[str]:
+    """A heatmap's label for each id: its text, or a special token's literal (``<s>``), which
+    decoding skips and would leave blank."""
+    hf = getattr(tok, "hf", None)
+    added = hf.get_added_tokens_decoder() if hf is not None else {}
+    special = {i: t.content for i, t in added.items() if t.special}
+    return [special[i] if i in special else tok.decode([i]) for i in ids]
+
+
 def cmd_attention(argv: list[str]) -> int:
     import torch
 
@@ -177,7 +186,7 @@ def cmd_attention(argv: list[str]) -> int:
                 f"the tokenizer gives token id {max(ids)}, past the model's vocab_size "
                 f"{mc.vocab_size}: pass the tokenizer the model was trained with"
             )
-        tokens = [tok.decode([i]) for i in ids]
+        tokens = token_labels(tok, ids)
     else:  # no tokenizer: the prompt's UTF-8 bytes stand in for ids (fine for a random model)
         raw = ns.prompt.encode("utf-8")
         ids = [b % mc.vocab_size for b in raw]
