@@ -272,3 +272,23 @@ def test_partial_rotary_factor_is_read_as_transformers_reads_it(tmp_path):
         from_hf(tmp_path / "linear")
     assert "partial_rotary_factor=0.5 with rope_type='linear'" in str(e.value)
     assert "frequencies for part of each head" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("source", ["--from-hf", "--to-gguf"])
+def test_family_is_refused_where_the_source_names_the_architecture(tmp_path, capsys, source):
+    _saved(tmp_path / "hf")
+    argv = ["convert", source, str(tmp_path / "hf"), "--out", str(tmp_path / "x")]
+    err = _refused([*argv, "--family", "gpt2"], capsys)
+    assert "--family gpt2 applies to --to-hf and --to-peft only" in err
+    assert not (tmp_path / "x").exists()
+
+
+def test_convert_help_names_every_family_it_converts(capsys):
+    from llm_foundry.cli import main
+    from llm_foundry.interop.hf import FAMILIES
+
+    with pytest.raises(SystemExit):
+        main(["convert", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert {"BLOOM", "Falcon"} <= {f.title for f in FAMILIES.values()}
+    assert all(f.title in text.split(" and llm-foundry")[0] for f in FAMILIES.values())
