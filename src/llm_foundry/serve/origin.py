@@ -60,21 +60,22 @@ class SameOrigin:
             headers = dict(scope["headers"])
             origin = headers.get(b"origin", b"").decode("latin-1")
             host = headers.get(b"host", b"").decode("latin-1")
-            refusal = None
+            code = message = None
             if b"origin" in headers and not same_origin(origin, host):
-                refusal = "cross_origin", (
+                code = "cross_origin"
+                message = (
                     f"a request from the web page at {as_json(origin)} (its Origin header) is "
                     "refused: this server answers its own page at / and clients that send no "
                     "Origin (curl, SDKs)"
                 )
             elif b"host" in headers and not host_allowed(host, self.hosts):
-                refusal = "host_not_allowed", (
+                code = "host_not_allowed"
+                message = (
                     f"a request for the host {as_json(host)} (its Host header) is refused: "
                     "this server listens on a loopback address and answers localhost and "
                     "loopback addresses (another name this machine has: --allow-host NAME)"
                 )
-            if refusal is not None:
-                code, message = refusal
+            if code is not None:
                 answer = JSONResponse(error_body(message, code=code), 403)
                 return await answer(scope, receive, send)
         await self.app(scope, receive, send)
