@@ -201,6 +201,7 @@ def _main(argv: list[str]) -> int:
 
     p = argparse.ArgumentParser(
         prog="llm-foundry generate",
+        allow_abbrev=False,  # exact option names: a prefix could mean another option
         description="Generate text from an llm-foundry checkpoint, a training run directory (its "
         "latest checkpoint) or an HF transformers directory (config.json + safetensors). The "
         "tokenizer is DIR/tokenizer.json; without one, give --prompt-ids and read ids back.",

@@ -19,10 +19,32 @@ from llm_foundry.settings import SECTIONS, Settings, config_names, field_names, 
 
 class SettingsParser(argparse.ArgumentParser):
     """An ArgumentParser whose usage errors raise ``argparse.ArgumentError`` (the command line
-    prints them on one line, with a suggestion for a mistyped field flag)."""
+    prints them on one line, with a suggestion for a mistyped field flag). Options are taken by
+    their exact names: argparse's default completes a prefix (``--train.decay`` would set
+    ``decay_frac``, ``--train.max_step`` ``max_steps``), so a typo could set another field."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
-        raise argparse.ArgumentError(None, message)
+        raise argparse.ArgumentError(None, message + self.option_hint(message))
+
+    def option_hint(self, message: str) -> str:
+        """' (did you mean --seq-lens?)' for an unrecognized plain option (a field flag's hint is
+        ``flag_hint``'s): the options it begins, else the closest name."""
+        if not message.startswith("unrecognized arguments:"):
+            return ""
+        options = [o for o in self._option_string_actions if o.startswith("--")]
+        for arg in message.partition(":")[2].split():
+            flag = arg.partition("=")[0]
+            if not flag.startswith("--") or re.match(r"--(model|train)\.", flag):
+                continue
+            near = [o for o in options if o.startswith(flag)]
+            near = near or difflib.get_close_matches(flag, options, n=1)
+            if near:
+                return f" (did you mean {' or '.join(near[:3])}?)"
+        return ""
 
 
 @cache
@@ -166,12 +188,21 @@ def _is_negative_number(text: str) -> bool:
 
 
 def flag_hint(message: str) -> str:
-    """' (did you mean --model.n_layers?)' for a mistyped --model.FIELD / --train.FIELD."""
+    """' (did you mean --model.n_layers?)' for a mistyped --model.FIELD / --train.FIELD: the
+    closest field name, and the fields it is a whole word of (--train.decay: decay_frac,
+    weight_decay, muon_weight_decay), at most three."""
     m = re.search(r"--(model|train)\.(\w+)", message)
     if not m:
         return ""
-    close = difflib.get_close_matches(m.group(2), field_names(m.group(1)), n=1)
-    return f" (did you mean --{m.group(1)}.{close[0]}?)" if close and close[0] != m.group(2) else ""
+    section, given = m.groups()
+    names = field_names(section)
+    near = difflib.get_close_matches(given, names, n=1)
+    near += [n for n in names if given in n.split("_") and n not in near]
+    near = [n for n in near if n != given][:3]
+    if not near:
+        return ""
+    flags = [f"--{section}.{n}" for n in near]
+    return f" (did you mean {', '.join(flags[:-1])}{' or ' * (len(flags) > 1)}{flags[-1]}?)"
 
 
 def add_quantize_flags(p) -> None:

@@ -68,6 +68,7 @@ def main(argv: list[str]) -> int:
 
     p = argparse.ArgumentParser(
         prog="llm-foundry prepare",
+        allow_abbrev=False,  # exact option names: a prefix could mean another option
         description="Tokenize a corpus: a text stream (--text, --dataset) into "
         "train.bin/val.bin; a document corpus (--input, --hf-dataset) into shards with document "
         "indexes; fine-tuning rows (--sft). Each writes tokenizer.json and, last, meta.json.",

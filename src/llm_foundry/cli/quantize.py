@@ -11,6 +11,7 @@ def main(argv: list[str]) -> int:
 
     p = argparse.ArgumentParser(
         prog="llm-foundry quantize",
+        allow_abbrev=False,  # exact option names: a prefix could mean another option
         description="Write a copy of a model with weight-only int8 (one scale per output channel) "
         "or int4 (groups of --group-size inputs) projections; activations stay floating point. "
         "generate, eval and serve read the result like any checkpoint.",

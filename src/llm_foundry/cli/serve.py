@@ -78,6 +78,7 @@ def answered_hosts(host: str, allow: list[str]) -> frozenset[str] | None:
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(
         prog="llm-foundry serve",
+        allow_abbrev=False,  # exact option names: a prefix could mean another option
         description="Serve a model over OpenAI's HTTP API (/v1/completions, "
         "/v1/chat/completions, /v1/models, /health, /metrics); concurrent requests share "
         "the model through continuous batching. Needs the [serve] extra (FastAPI, uvicorn).",
