@@ -241,10 +241,14 @@ def test_a_file_given_as_a_checkpoint_is_named_a_file(tmp_path, capsys):
 def test_weights_get_the_permissions_of_the_other_files(tmp_path, mask):
     """safetensors creates its files for their owner alone; a checkpoint's weights are as
     readable as its config.json under the process's umask."""
+    from llm_foundry.export import convert_to_hf
+
     old = os.umask(mask)
     try:
         path = save_checkpoint(Transformer(ModelConfig(**TINY)), tmp_path / "ckpt")
+        hf = convert_to_hf(path, tmp_path / "hf")  # an HF export's weights too
     finally:
         os.umask(old)
     modes = {f.name: f.stat().st_mode & 0o777 for f in path.iterdir()}
     assert modes == {"config.json": 0o666 & ~mask, "model.safetensors": 0o666 & ~mask}
+    assert (Path(hf) / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~mask

@@ -12,6 +12,7 @@ from safetensors.torch import save_file
 
 from llm_foundry.checkpoint import check_finite, check_layer_count, meta_transformer, unwrap
 from llm_foundry.config import ModelConfig
+from llm_foundry.durable import usual_mode
 from llm_foundry.interop.hf.core import ConversionError, Family, fail, transformers
 from llm_foundry.interop.hf.files import WEIGHTS_FILE, read_safetensors_dir, read_safetensors_shapes
 from llm_foundry.interop.hf.registry import choose_family, family_of
@@ -131,4 +132,5 @@ def to_hf(
     out.mkdir(parents=True, exist_ok=True)
     hf_config.save_pretrained(str(out))
     save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+    usual_mode(out / WEIGHTS_FILE)
     return out
