@@ -168,3 +168,18 @@ def test_finetune_from_a_run_in_training_reads_its_newer_checkpoint(tmp_path, mo
     saves_while_reading(monkeypatch, run, ckpt_module, "read_config", times=1)
     ckpt, cfg = _base_model(str(run.path))
     assert ckpt == run.root / "step_000020" and cfg == run.models[20].cfg
+
+
+@pytest.mark.parametrize("command", ["eval", "generate"])
+def test_a_run_with_no_checkpoint_yet_is_said_to_be_one(tmp_path, capsys, command):
+    """A run killed (or still training) before its first save: the readers say it is a run
+    with no checkpoint yet, not that the directory is no run."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "run.json").write_text("{}")
+    (run / "metrics.jsonl").write_text("")
+    what = ["--data", str(tmp_path)] if command == "eval" else ["--prompt", "hi"]
+    assert main([command, "--checkpoint", str(run), *what]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"--checkpoint {run} is a training run with no checkpoint yet" \
+        in err[0], err  # fmt: skip

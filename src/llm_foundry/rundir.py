@@ -201,6 +201,12 @@ def checkpoint_dir(path: str | Path, flag: str = "--checkpoint") -> Path:
     for root in (path / CHECKPOINTS, path):
         if (root / LATEST).exists():
             return _pointed_step(root)
+    if (path / RUN_INFO).exists():  # a run that has not saved yet (or was killed before it did)
+        raise FileNotFoundError(
+            f"{flag} {path} is a training run with no checkpoint yet ({CHECKPOINTS}/{LATEST} is "
+            "missing): a run saves at train.checkpoint_interval, at each validation that "
+            "improves its loss and when it ends or is stopped; one killed before that has none"
+        )
     raise FileNotFoundError(
         f"{flag} {path}: no config.json (an llm-foundry checkpoint or an HF transformers "
         "directory) and no checkpoints/latest.json (a training run directory)"
