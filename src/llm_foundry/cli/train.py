@@ -182,6 +182,8 @@ def _main(argv: list[str], finetune: bool, prog: str, ran: dict) -> int:
         extra_keys=("out", "resume", "data", "checkpoint"),
     )
     cfg, train_cfg = settings.model, settings.train
+    if saved and settings.preset:  # a preset's architecture over the run's: named as such
+        refuse_preset_on_resume(settings.preset, bool(ns.preset), model_base, cfg, given_out)
     refuse_unused_dpo(settings.given["train"], train_cfg.task, finetune)
     if train_cfg.tensorboard:  # a missing extra is said before the run directory is made
         from llm_foundry.train.metrics import require_tensorboard
@@ -243,6 +245,57 @@ def _main(argv: list[str], finetune: bool, prog: str, ran: dict) -> int:
                            f"steps done; saved {result.checkpoint}; continue with --resume --out "
                            f"{out}")  # fmt: skip
     return 0
+
+
+@contextlib.contextmanager
+def run_directory(out: Path):
+    """``out`` held by this process (``lock.hold``); a lock file that cannot be written (a full
+    disk) is ``FileNotWritten``."""
+    from llm_foundry import lock
+    from llm_foundry.train.state import FileNotWritten
+
+    try:
+        lock.acquire(out, "run directory")
+    except OSError as e:
+        if e.errno is None:  # a message of its own (not a directory)
+            raise
+        raise FileNotWritten(out / lock.LOCK_FILE, e) from e
+    try:
+        yield out
+    finally:
+        lock.release(out)
+
+
+def not_written(e, out: Path) -> str:
+    """The line for ``FileNotWritten`` ``e`` in run directory ``out``: the file, why, where the
+    run stands (the step it reached, its last checkpoint) and how to go on."""
+    todo = "free space" if e.no_space else "fix that"
+    if e.last is None:
+        stands = ("before the first step" if not e.step
+                  else f"at step {e.step}, with no checkpoint saved yet")  # fmt: skip
+        return f"{e}, {stands}; {todo}, then run the command again"
+    return (f"{e}, at step {e.step}; the last checkpoint is {e.last} (steps after it train again); "
+            f"{todo}, then --resume --out {out}")  # fmt: skip
+
+
+def refuse_preset_on_resume(preset: str, flag: bool, saved, cfg, out: str) -> None:
+    """Refuse, in one line, a preset given on resume (``flag``: --preset, else a --config
+    file's preset:) whose architecture is not the saved run's ``saved`` (the model ``cfg``
+    it gives): a run resumes with its own."""
+    from llm_foundry.train.state import model_changes
+
+    # the vocabulary is the data's whatever the preset says (model_config_for_data)
+    refused = model_changes(saved.to_dict(), cfg.replace(vocab_size=saved.vocab_size))[0]
+    if not refused:
+        return
+    given = f"--preset {preset}" if flag else f"the --config file's preset: {preset}"
+    shown = [f"{k} {was!r} -> {now!r}" for k, (was, now) in refused.items()]
+    more = f", and {len(shown) - 3} more" if len(shown) > 3 else ""
+    raise ValueError(
+        f"--resume --out {out} goes on with the run's own model; {given} would change "
+        f"{len(shown)} of its architecture fields ({', '.join(shown[:3])}{more}): drop "
+        f"{'--preset' if flag else 'preset: from the --config file'}"
+    )
 
 
 def refuse_data_out(out: str | None) -> None:

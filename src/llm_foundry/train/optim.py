@@ -85,6 +85,25 @@ def step_unless(optimizer: torch.optim.Optimizer, bad: torch.Tensor) -> None:
         del optimizer.found_inf
 
 
+# what a run's TrainConfig puts in each parameter group (``build_optimizer``) besides the lr, which
+# ``set_lr`` sets every step: betas, weight decay (0 in the undecayed groups), AdamW's eps,
+# Muon's momentum and lr_scale (muon_lr / lr)
+GROUP_SETTINGS = ("betas", "weight_decay", "eps", "momentum", "lr_scale")
+
+
+def group_settings(optimizer: torch.optim.Optimizer) -> list[dict]:
+    """Each parameter group's ``GROUP_SETTINGS`` (those it has), in group order."""
+    return [{k: g[k] for k in GROUP_SETTINGS if k in g} for g in optimizer.param_groups]
+
+
+def apply_group_settings(optimizer: torch.optim.Optimizer, settings: list[dict]) -> None:
+    """Put ``settings`` (``group_settings`` of the optimizer as built for this run's config) on
+    ``optimizer``'s groups: a loaded state dict brings back the saved run's values, and a
+    resumed run trains with those given now (the moments and step counts stay the saved ones)."""
+    for group, given in zip(optimizer.param_groups, settings, strict=True):
+        group.update(given)
+
+
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     """Every group's learning rate for the next step: ``lr`` times the group's ``lr_scale``
     (Muon's peak lr on the same schedule)."""

@@ -311,10 +311,11 @@ def _flag(value) -> str:
 def check_resumable(
     state: dict, path: Path, mc: ModelConfig, tc: TrainConfig, data_id: dict, data_dir: str | Path
 ) -> list[str]:
-    """Refuse (ConfigError) resuming checkpoint ``path`` (its ``state``) as a run of ``mc`` and
-    ``tc`` on the data ``data_id`` fingerprints when the weights would not fit: another
-    architecture, other LoRA adapters (``LORA_BUILT``), other data. Returns the training settings that
-    differ from the saved run's ("name old -> new"; allowed: e.g. a larger max_steps)."""
+    """Refuse (ConfigError, ValueError) resuming checkpoint ``path`` (its ``state``) as a run of
+    ``mc`` and ``tc`` on the data ``data_id`` fingerprints when the saved state would not fit:
+    another architecture, optimizer, starting model (init_from), other LoRA adapters
+    (``LORA_BUILT``), other data. Returns the settings that differ from the saved run's ("name
+    old -> new"; allowed: e.g. a larger max_steps, a dropout: ``model.dropout 0.0 -> 0.1``)."""
     # data of another tokenizer first: its vocabulary would otherwise show as another model
     saved_data = state.get("data")  # absent in checkpoints written before it was recorded
     tokenizer = "tokenizer_sha256"
@@ -325,22 +326,18 @@ def check_resumable(
             "run resumes on data tokenized as it started: pass that --data, or start a new run "
             "with --out",
         )
-    # fields added since a run was saved take their defaults; runs saved before n_kv_heads
-    # could stay unset hold the effective count: compare that
-    saved = ModelConfig.from_dict(state["model_config"]).to_dict()
-    now = json.loads(json.dumps(mc.to_dict()))  # tuples as JSON lists, like the saved one
-    saved["n_kv_heads"] = saved["n_kv_heads"] or saved["n_heads"]
-    now["n_kv_heads"] = mc.kv_heads
-    changed = [
-        f"{k}: saved {saved.get(k)!r}, now {v!r}" for k, v in now.items() if saved.get(k) != v
-    ]
-    if changed:
+    refused, model_changed = model_changes(state["model_config"], mc)
+    if refused:
         raise ConfigError(
-            changed,
+            [f"{k}: saved {was!r}, now {now!r}" for k, (was, now) in refused.items()],
             f"resume: {path} holds a model with other settings; a run resumes with the "
-            "architecture it was started with, drop or fix these --model flags",
+            "architecture it was started with, drop or fix these --model flags (or a --config "
+            "file's model: section)",
         )
-    changed = lora_changes(state["train_config"], tc)
+    saved_tc = state["train_config"]
+    refuse_other_optimizer(saved_tc.get("optimizer", "adamw"), tc.optimizer, path)
+    refuse_other_start(saved_tc.get("init_from"), tc.init_from, path)
+    changed = lora_changes(saved_tc, tc)
     if changed:
         flags = " ".join(f"--train.{k} {_flag(v)}" for k, (v, _) in changed.items())
         raise ConfigError(
@@ -359,6 +356,54 @@ def check_resumable(
             f"resume: {path} was trained on other data than {data_dir}; a run resumes "
             "on the data it started with: pass that --data, or start a new run with --out",
         )
-    saved = state["train_config"]
     now = json.loads(json.dumps(tc.to_dict()))
-    return [f"{k} {saved.get(k)!r} -> {v!r}" for k, v in now.items() if saved.get(k) != v]
+    trained = [f"{k} {saved_tc.get(k)!r} -> {v!r}" for k, v in now.items() if saved_tc.get(k) != v]
+    return trained + [f"model.{k} {was!r} -> {now!r}" for k, (was, now) in model_changed.items()]
+
+
+# model fields a resumed run may change: those no weight depends on (``ModelConfig.WEIGHT_FREE``:
+# dropout, the attention kernel, MoE dispatch and loss weights) and the std of the initial
+# weights, which the checkpoint's replace
+RESUME_FREE = (*ModelConfig.WEIGHT_FREE, "init_std")
+
+
+def model_changes(saved: dict, mc: ModelConfig) -> tuple[dict[str, tuple], dict[str, tuple]]:
+    """(the architecture fields on which ``mc`` differs from a run's saved model config
+    ``saved``, those of ``RESUME_FREE`` on which it differs), each field -> (saved, now)."""
+    # fields added since a run was saved take their defaults; runs saved before n_kv_heads
+    # could stay unset hold the effective count: compare that
+    was = ModelConfig.from_dict(saved).to_dict()
+    now = json.loads(json.dumps(mc.to_dict()))  # tuples as JSON lists, like the saved one
+    was["n_kv_heads"] = was["n_kv_heads"] or was["n_heads"]
+    now["n_kv_heads"] = mc.kv_heads
+    differ = {k: (was.get(k), v) for k, v in now.items() if was.get(k) != v}
+    free = {k: v for k, v in differ.items() if k in RESUME_FREE}
+    return {k: v for k, v in differ.items() if k not in free}, free
+
+
+def refuse_other_optimizer(saved: str, now: str, path: Path) -> None:
+    """Refuse, in one line, resuming checkpoint ``path`` (of an ``saved`` optimizer) with
+    train.optimizer ``now``: the saved moments and parameter groups are that optimizer's."""
+    if saved == now:
+        return
+    run = path.parent.parent
+    raise ValueError(
+        f"resume: train.optimizer is {now!r}, but {path} holds the state of {saved!r} (its "
+        f"moments and parameter groups), which a resumed run goes on with: resume with "
+        f"--train.optimizer {saved}, or start a new run from its weights: --train.init_from "
+        f"{run} --train.optimizer {now} --out NEW_DIR"
+    )
+
+
+def refuse_other_start(saved: str | None, now: str | None, path: Path) -> None:
+    """Refuse, in one line, a train.init_from ``now`` other than the one the run started from
+    (``saved``; None: from scratch): a resumed run's weights are its checkpoint's ``path``."""
+    if saved == now or (saved and now and Path(saved).resolve() == Path(now).resolve()):
+        return
+    started = f"started from {saved}" if saved else "was trained from scratch"
+    other = f"start a new run from {now} with another --out" if now else "start a new run"
+    raise ValueError(
+        f"resume: train.init_from {now!r}, but the run {started}, and a resumed run's weights "
+        f"are its own checkpoint's ({path}), never another model's: drop --train.init_from, "
+        f"or {other}"
+    )

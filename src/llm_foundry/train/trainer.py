@@ -67,7 +67,14 @@ from llm_foundry.train.launch import launch_record
 from llm_foundry.train.memory import check_training_memory
 from llm_foundry.train.metrics import MetricsLog, tb_write, tensorboard
 from llm_foundry.train.monitor import ExpertLoad, Monitor, layer_grad_norms, rest_grad_norm
-from llm_foundry.train.optim import build_optimizer, set_lr, skips_on_device, step_unless
+from llm_foundry.train.optim import (
+    apply_group_settings,
+    build_optimizer,
+    group_settings,
+    set_lr,
+    skips_on_device,
+    step_unless,
+)
 from llm_foundry.train.precision import choose_precision, recorded_dtype
 from llm_foundry.train.reference import (
     REFERENCE_FILE,
@@ -308,9 +315,11 @@ class Trainer:
                            self.tc.init_from, path)  # fmt: skip
         if changed and self.world.main:
             log.info("resuming with changed training settings: " + ", ".join(changed))
-        note = self._batch_note(state)
-        if note and self.world.main:
-            log.info(note)
+        for note in (self._batch_note(state), self._schedule_note(state)):
+            if note and self.world.main:
+                log.info(note)
+        # the group settings this run's config gives, put back on the loaded groups below
+        given = group_settings(self.optimizer)
         if is_dcp(path):  # each rank reads what its shards hold, in whatever layout it runs
             load_sharded(path, self.wrapped, self.optimizer, state["optimizer"])
             set_rng_state(state["rng"])
@@ -321,6 +330,7 @@ class Trainer:
             )
         else:
             state = load_train_checkpoint(path, self.model, self.optimizer)
+        apply_group_settings(self.optimizer, given)
         self.sampler.load_state_dict(state["sampler"])
         self.experts.load_state_dict(state.get("expert_counts"))
         if state.get("scaler"):
@@ -426,6 +436,29 @@ class Trainer:
             f"note: the run trained on {was} data-parallel rank(s), this one has {now}: a "
             f"step now takes {after} sequences, not {before} ({how})"
         )
+
+    def _schedule_note(self, state: dict) -> str | None:
+        """What the settings given on resume do to the learning rate of the next step: the
+        saved run's schedule against this one's, and (where the saved run had finished its
+        schedule and the lr now jumps up) the flags that go on at its floor; None where the lr
+        of the next step is the same."""
+        tc, step = self.tc, state["step"]
+        saved = TrainConfig.from_dict(state["train_config"])
+        was, now = lr_at(step, saved), lr_at(step, tc)
+        if was == now:
+            return None
+        names = ("schedule", "max_steps", "warmup_steps", "lr", "min_lr", "decay_frac")
+        why = ", ".join(f"{k} {getattr(saved, k)!r} -> {getattr(tc, k)!r}" for k in names
+                        if getattr(saved, k) != getattr(tc, k))  # fmt: skip
+        ratio = f" ({now / was:.3g}x)" if was > 0 else ""
+        note = (f"note: the learning-rate schedule changed ({why}): step {step + 1} trains at lr "
+                f"{now:.3g}, where the saved schedule gives {was:.3g}{ratio}")  # fmt: skip
+        if step >= saved.max_steps and now > was > 0:  # the run had decayed: how to stay there
+            keep = f"--train.schedule constant --train.lr {was:.4g}"
+            if tc.optimizer == "muon":  # Muon's lr is lr x muon_lr / lr: its floor given too
+                keep += f" --train.muon_lr {saved.muon_lr * was / saved.lr:.4g}"
+            note += f"; to go on at that floor instead: {keep}"
+        return note
 
     def _check_sdpa_backend(self) -> None:
         """Refuse, in one line, a train.sdpa_backend the model's attention does not call or that
