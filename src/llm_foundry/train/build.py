@@ -76,17 +76,21 @@ def is_sft(meta: dict) -> bool:
 
 
 def build_model(
-    mc: ModelConfig, tc: TrainConfig, device: torch.device, init_from: bool = True
+    mc: ModelConfig,
+    tc: TrainConfig,
+    device: torch.device,
+    init_from: bool = True,
+    tokenizer: Path | None = None,
 ) -> Transformer:
     """The model a run of ``tc`` trains, on ``device``: initial weights drawn after seeding
     ``tc.seed`` (every rank builds the same), then ``tc.init_from``'s weights unless
-    ``init_from`` is false (a resumed run takes its checkpoint's), then LoRA adapters on the
-    frozen base (``tc.lora_r``), activation checkpointing, the fused loss and fp8 products as
-    ``tc`` asks."""
+    ``init_from`` is false (a resumed run takes its checkpoint's; ``tokenizer``: the data's
+    tokenizer file, which must be the model's), then LoRA adapters on the frozen base
+    (``tc.lora_r``), activation checkpointing, the fused loss and fp8 products as ``tc`` asks."""
     torch.manual_seed(tc.seed)
     model = Transformer(mc).to(device)
     if tc.init_from and init_from:
-        load_initial_weights(model, Path(tc.init_from))
+        load_initial_weights(model, Path(tc.init_from), tokenizer)
     if tc.lora_r:  # the base frozen: only the adapters train
         add_lora(model, tc.lora_targets.split(","), r=tc.lora_r, alpha=tc.lora_alpha,
                  dropout=tc.lora_dropout, rslora=tc.lora_rslora,
@@ -98,24 +102,66 @@ def build_model(
     return model
 
 
-def load_initial_weights(model: Transformer, path: Path) -> None:
+PREPARE_WITH = ("prepare --input FILES --tokenizer-from MODEL (chat/SFT rows: prepare --sft ROWS "
+                "--tokenizer-from MODEL)")  # fmt: skip
+
+
+def load_initial_weights(model: Transformer, path: Path, tokenizer: Path | None = None) -> None:
     """Put the weights in ``path`` on ``model``: a run, one of our checkpoints (LoRA adapters
     merged) or an HF transformers directory, read by the one loader (``loading.load_any``). The
     model must be the one they were saved from, up to settings no weight depends on (a longer
-    context for relative positions); quantized weights cannot be trained."""
+    context for relative positions), and the data's ``tokenizer`` file (when given) the one the
+    weights were trained with (``same_tokenizer``); quantized weights cannot be trained."""
     checkpoint_dir(path, "train.init_from")  # a path that names no checkpoint: said as such
     # a run is read through its latest checkpoint, resolved again if training replaces it
-    source = load_any(path, full_precision="train.init_from").model
+    loaded = load_any(path, full_precision="train.init_from")
+    source = loaded.model
     diff = model.cfg.weight_differences(source.cfg)
     if diff:
         hint = ""
         if source.cfg.vocab_size != model.cfg.vocab_size:
-            hint = ("; the data must be tokenized with that model's tokenizer: prepare --input "
-                    "FILES --tokenizer-from MODEL (chat/SFT rows: prepare --sft ROWS "
-                    "--tokenizer-from MODEL)")  # fmt: skip
+            hint = f"; the data must be tokenized with that model's tokenizer: {PREPARE_WITH}"
         raise ConfigError(diff, f"train.init_from {path} holds another model{hint}")
+    theirs = loaded.info.checkpoint / "tokenizer.json"
+    if tokenizer is not None and not same_tokenizer(theirs, loaded.tokenizer, Path(tokenizer)):
+        char = getattr(loaded.tokenizer, "kind", None) == "char"
+        how = ("a character model's ids number the characters of its training text: prepare "
+               "text of that same set of characters" if char
+               else f"tokenize the data with the model's tokenizer: {PREPARE_WITH}")  # fmt: skip
+        raise ValueError(
+            f"train.init_from {path}: its tokenizer ({theirs}) is not the one "
+            f"{Path(tokenizer).parent} was prepared with, though both have "
+            f"{model.cfg.vocab_size:,} ids: the same id would stand for another token; {how}"
+        )
     with torch.no_grad():
         model.load_state_dict(source.state_dict())
+
+
+def same_tokenizer(file: Path, tok, data_file: Path) -> bool:
+    """Whether the tokenizer of a model (its ``file``, loaded as ``tok``; None: it has none)
+    is the one in ``data_file``: byte for byte (the copy ``prepare --tokenizer-from`` keeps),
+    else by what it maps: a character tokenizer's alphabet (ours, or the HF form ``convert
+    --to-hf`` writes), an HF tokenizers file's canonical JSON. Where either side has no
+    tokenizer file there is nothing to tell them apart: True."""
+    if tok is None or not file.is_file() or not data_file.is_file():
+        return True
+    from llm_foundry.tokenizer import load_any_tokenizer
+
+    try:
+        if file.read_bytes() == data_file.read_bytes():
+            return True
+        theirs = load_any_tokenizer(data_file)
+    except (OSError, ValueError):  # gone (a run's pruned step) or unreadable: said elsewhere
+        return True
+    return tokenizer_identity(tok) == tokenizer_identity(theirs)
+
+
+def tokenizer_identity(tok) -> tuple:
+    """What a tokenizer maps, comparable across its file formats: (kind, alphabet) of a
+    character tokenizer, ("tokenizers", canonical JSON) of a byte-level BPE or HF one."""
+    if getattr(tok, "kind", None) == "char":
+        return "char", tok.chars
+    return "tokenizers", tok.hf.to_str()
 
 
 def build_sampler(

@@ -153,7 +153,9 @@ class Trainer:
         # a config that cannot fit is refused here, before the model is built
         check_training_memory(self.mc, tc, self.device, self.world)
         # a resumed run's weights come from its checkpoint, not init_from
-        self.model = build_model(self.mc, tc, self.device, init_from=not resume)
+        tokenizer = self.data_dir / self.meta.get("tokenizer_file", "tokenizer.json")
+        self.model = build_model(self.mc, tc, self.device, init_from=not resume,
+                                 tokenizer=tokenizer)  # fmt: skip
         # auto becomes bf16 or fp32 once, here; a resumed run keeps the dtype it started with
         recorded = recorded_dtype(self.out) if resume else None
         self.precision = choose_precision(tc, self.device, self.world, recorded)
