@@ -147,8 +147,7 @@ def second_interrupt_held(stopping):
 
 def _main(argv: list[str], finetune: bool, prog: str, ran: dict) -> int:
     from llm_foundry import lock
-    from llm_foundry.rundir import RunDir
-    from llm_foundry.train.state import CheckpointNotWritten, resume_point
+    from llm_foundry.train.state import FileNotWritten, resume_point
 
     ns = parser(finetune).parse_args(join_negative_values(argv))
     if finetune:  # the start may come from a --config file, as out and data may
@@ -207,38 +206,54 @@ def _main(argv: list[str], finetune: bool, prog: str, ran: dict) -> int:
         raise ValueError("--out is empty: give a run directory")
     name = settings.preset or "custom"
     out = Path(ns.out or default_out(name))
+    # rank 0 owns the run directory (the ranks of one torchrun write it together)
+    rank0 = int(os.environ.get("RANK", "0")) == 0
     if ns.resume and saved is None:
+        if rank0 and out.is_dir():  # a run training now, before its first save: in use
+            with contextlib.suppress(OSError), lock.hold(out, "run directory"):
+                pass  # DirectoryBusy (not an OSError) names the process holding it
         raise ValueError(nothing_to_resume(out))  # the same on every rank: said once
     if ns.resume and ns.data is None and data_base:
         moved_data(data_base, out)
-    # rank 0 owns the run directory (the ranks of one torchrun write it together)
-    rank0 = int(os.environ.get("RANK", "0")) == 0
-    with lock.hold(out, "run directory") if rank0 else contextlib.nullcontext():
-        if not ns.resume and RunDir(out).latest() is not None:
-            raise ValueError(
-                f"--out {out} already holds a run with checkpoints: continue it with --resume, "
-                "or pass another --out"
-            )
-        if data_dir == DEFAULT_DATA and not (Path(data_dir) / "meta.json").exists():
-            prepare_default(Path(data_dir))
-        import torch.distributed as dist
+    try:
+        with run_directory(out) if rank0 else contextlib.nullcontext():
+            return _train_in(out, ns, cfg, train_cfg, data_dir, prog, ran)
+    except FileNotWritten as e:  # a full disk outside a checkpoint: where the run stands
+        print(f"{prog}: {not_written(e, out)}", file=sys.stderr, flush=True)
+        return 1
 
-        try:
-            result = train_and_report(cfg, train_cfg, data_dir, out, resume=ns.resume, ran=ran)
-            if dist.is_initialized():  # ranks tear down together, not while rank 0 still writes
-                dist.barrier()
-        except (ValueError, KeyError) as e:  # said once by rank 0, unless raised by one rank alone
-            e.rank_alone = rank_alone(e)
-            raise
-        except CheckpointNotWritten as e:  # a full disk: one line saying how to go on
-            then = f"--resume --out {out}" if e.last else "run the command again"
-            todo = "free space" if e.no_space else "fix that"
-            with rank0_only():  # every rank raises it, rank 0 with the reason (train/dcp.py)
-                print(f"{prog}: {e}; {todo}, then {then}", file=sys.stderr, flush=True)
-            return 1
-        finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
+
+def _train_in(out: Path, ns, cfg, train_cfg, data_dir: str, prog: str, ran: dict) -> int:
+    """Train in the run directory ``out``, which this process holds (rank 0), and say how the
+    run ended."""
+    import torch.distributed as dist
+
+    from llm_foundry.rundir import RunDir
+    from llm_foundry.train.state import CheckpointNotWritten
+
+    if not ns.resume and RunDir(out).latest() is not None:
+        raise ValueError(
+            f"--out {out} already holds a run with checkpoints: continue it with --resume, "
+            "or pass another --out"
+        )
+    if data_dir == DEFAULT_DATA and not (Path(data_dir) / "meta.json").exists():
+        prepare_default(Path(data_dir))
+    try:
+        result = train_and_report(cfg, train_cfg, data_dir, out, resume=ns.resume, ran=ran)
+        if dist.is_initialized():  # ranks tear down together, not while rank 0 still writes
+            dist.barrier()
+    except (ValueError, KeyError) as e:  # said once by rank 0, unless raised by one rank alone
+        e.rank_alone = rank_alone(e)
+        raise
+    except CheckpointNotWritten as e:  # a full disk: one line saying how to go on
+        then = f"--resume --out {out}" if e.last else "run the command again"
+        todo = "free space" if e.no_space else "fix that"
+        with rank0_only():  # every rank raises it, rank 0 with the reason (train/dcp.py)
+            print(f"{prog}: {e}; {todo}, then {then}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
     if result.interrupted:  # saved, but not finished: `train && next-step` must not go on
         with rank0_only():  # every rank stopped at the same step: said once
             return stopped(prog, result.stopped_by, f"{result.step} of {train_cfg.max_steps} "

@@ -52,7 +52,8 @@ from llm_foundry.train.config import TrainConfig
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
-    """Write JSON to ``path`` so that readers see the old file or the new one, never half."""
+    """Write JSON to ``path`` so that readers see the old file or the new one, never half; a
+    write that fails (a full disk) is ``FileNotWritten`` naming ``path``."""
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         with open(tmp, "w") as f:
@@ -60,10 +61,30 @@ def write_json_atomic(path: Path, obj: Any) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:  # a full disk: no half-written file stays behind
+        fsync(path.parent)
+    except OSError as e:  # a full disk: no half-written file stays behind
+        tmp.unlink(missing_ok=True)
+        raise FileNotWritten(path, e) from e
+    except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    fsync(path.parent)
+
+
+class FileNotWritten(OSError):
+    """A file of the run directory (metrics.jsonl, run.json, ...) that could not be written:
+    ``path``, why (``reason``, ``no_space``), and where the run stood when it failed (``step``
+    reached, ``last`` complete checkpoint: set by ``at`` where they are known)."""
+
+    def __init__(self, path: Path, error: BaseException, step: int | None = None,
+                 last: Path | None = None):  # fmt: skip
+        self.path, self.error, self.step, self.last = Path(path), error, step, last
+        self.reason, self.no_space = failure_reason(error)
+        super().__init__(f"could not write {self.path}: {self.reason}")
+        self.errno = getattr(error, "errno", None)  # read as the failed write's (failure_reason)
+
+    def at(self, step: int, last: Path | None) -> FileNotWritten:
+        """This failure, said at training step ``step`` with ``last`` the last checkpoint."""
+        return FileNotWritten(self.path, self.error, step, last)
 
 
 # ----------------------------------------------------------------------------------------------

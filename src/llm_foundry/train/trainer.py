@@ -91,6 +91,7 @@ from llm_foundry.train.reference import (
 )
 from llm_foundry.train.schedule import lr_at
 from llm_foundry.train.state import (
+    FileNotWritten,
     check_resumable,
     load_train_checkpoint,
     prune_checkpoints,
@@ -234,6 +235,9 @@ class Trainer:
             if self.world.main:
                 self._write_run_info()
                 self._say_muon_precision()
+        except FileNotWritten as e:  # run.json: said with where the run stands
+            self.release()
+            raise e.at(self.step, self.resumed_from) from e
         except BaseException:
             self.release()
             raise
@@ -670,9 +674,13 @@ class Trainer:
             log.warning(f"note: warmup_steps={tc.warmup_steps} >= max_steps={tc.max_steps}: the "
                         f"learning rate rises all run and never decays (lower "
                         f"--train.warmup_steps)")  # fmt: skip
-        metrics = MetricsLog(
-            self.out / METRICS, self.step if self.resumed_from else None, enabled=main
-        )
+        try:
+            metrics = MetricsLog(
+                self.out / METRICS, self.step if self.resumed_from else None, enabled=main
+            )
+        except FileNotWritten as e:  # said with where the run stands
+            self.release()
+            raise e.at(self.step, self.resumed_from) from e
         stop = {"signal": None}
 
         def request_stop(signum, frame):
@@ -794,6 +802,8 @@ class Trainer:
                     say(f"stopped at step {self.step} of {tc.max_steps}: {early}; saved "
                         f"{last_ckpt}")  # fmt: skip
                     break
+        except FileNotWritten as e:  # metrics.jsonl: said with where the run stands
+            raise e.at(self.step, last_ckpt) from e
         finally:
             try:
                 if self.dcp is not None:  # after an error: a save in flight completes first
