@@ -5,7 +5,9 @@ the step's loss is the mean over all its target tokens, whatever the ranks and m
 Everything a resumed run needs to continue bit for bit (weights, optimizer moments, RNG and
 data-sampler states: those of the batches trained on, not of those the prefetch thread built
 ahead) goes into each checkpoint; ``metrics.jsonl`` is cut back to the checkpoint's
-step on resume. A subclass ends a run before ``max_steps`` by overriding ``should_stop`` (e.g. at
+step on resume, and its ``time`` (the seconds the run has trained) goes on from the checkpoint's.
+Settings given on resume are the ones trained with: the optimizer's group settings (betas, weight
+decay, Muon's) are put back on the loaded groups (``optim.apply_group_settings``). A subclass ends a run before ``max_steps`` by overriding ``should_stop`` (e.g. at
 a target loss): that step's checkpoint is the last, and records why. With ``monitor_interval``
 set, ``llm_foundry.train.monitor`` adds a training-dynamics record every N steps. With
 ``task=dpo`` a micro-batch is B preference pairs and its loss is DPO's (``train.dpo``) against a
@@ -215,6 +217,10 @@ class Trainer:
         self.best_val = math.inf
         self.best_name: str | None = None
         self.skipped = 0
+        # seconds the run trained before this process (a resumed run's, from its checkpoint)
+        # and when this process's training began: metrics.jsonl's time runs on across resumes
+        self.elapsed_before = 0.0
+        self.t_start: float | None = None
         self.resumed_from: Path | None = None
         self.stopped_early: dict | None = None  # {step, reason} once should_stop ends the run
         # the signal that asked run() to stop: a second one is the same request (the command
@@ -346,6 +352,7 @@ class Trainer:
         self.best_val = math.inf if best is None else best
         self.best_name = state.get("best_name")
         self.skipped = state.get("skipped", 0)
+        self.elapsed_before = state.get("elapsed", 0.0)  # absent before it was saved: from 0
         self.resumed_from = path
         if self.world.main:
             log.info(f"resumed from {path} at step {self.step}")
@@ -560,10 +567,17 @@ class Trainer:
             k: f"{v:.3f}" if k == "margin" else f"{v:.2f}" for k, v in got.items() if v is not None
         }
 
+    def elapsed(self) -> float:
+        """Seconds the run has trained: before this process (a resumed run's) and since
+        ``run`` began here."""
+        here = time.perf_counter() - self.t_start if self.t_start is not None else 0.0
+        return self.elapsed_before + here
+
     def save(self, blocking: bool = True) -> Path:
         """Checkpoint the run at this step; a dcp-async save returns at once unless
         ``blocking`` (it is complete and named by latest.json once ``self.dcp`` commits it)."""
         state = dict(
+            elapsed=self.elapsed(),  # metrics.jsonl's time of a resumed run goes on from it
             sampler=self.feed.state_dict(),  # the batches trained on
             scaler=self.scaler.state_dict() if self.scaler.is_enabled() else None,
             best_val=self.best_val if math.isfinite(self.best_val) else None,
@@ -702,7 +716,7 @@ class Trainer:
         flops_per_token = self.model.flops_per_token(tc.block_size)
         # a DPO micro-batch is B pairs: 2B sequences
         tokens_per_step = tc.tokens_per_step * self.world.dp_size * (1 + self.preference)
-        t_start = time.perf_counter()
+        self.t_start = time.perf_counter()
         self.model.train()
         # the next batches built while this step runs; saved states are those of batches trained
         self.feed = self.sampler
@@ -741,7 +755,7 @@ class Trainer:
                     **self.last_stats,
                     tokens_per_s=tps,
                     flops_per_s=tps * flops_per_token,
-                    time=time.perf_counter() - t_start,
+                    time=self.elapsed(),
                 )
                 metrics.write(rec)
                 if watch:
