@@ -33,6 +33,7 @@ DEFAULT_PRESET = "llama-shakespeare-char"
 SECTIONS = ("model", "train")
 FINETUNE_TEXT_BLOCK = 1024  # a fine-tune's default window on text, whatever the model's context
 SUMMARY = "summary.json"  # in the run directory: how the run ended
+SKIPPED_WARN = 0.1  # a share of skipped (non-finite) updates past which the end warns
 
 
 def parser(finetune: bool = False) -> SettingsParser:
@@ -570,14 +571,40 @@ def _report(trainer, result, tok, out: Path, first: int, title: str) -> None:
     if result.step == first and (out / SUMMARY).exists():  # nothing trained: the run as it was
         print(f"done: step {result.step}, best val loss {best}; {out / SUMMARY} kept")
         return
-    plot_losses(out / METRICS, out / "loss.png", title=title)
+    with writing(out / "loss.png", result):
+        plot_losses(out / METRICS, out / "loss.png", title=title)
     if tc.sample_tokens and not result.interrupted and not trainer.sharded:
         text = sample_text(trainer.model, tok, tc.sample_tokens, tc.seed, tc.block_size)
-        (out / "sample.txt").write_text(text)
+        with writing(out / "sample.txt", result):
+            (out / "sample.txt").write_text(text)
         print("\n--- sample (temperature 0.8, top-k 50) ---" + text + "\n---")
-    (out / SUMMARY).write_text(json.dumps(summary(result, out), indent=2))
+    with writing(out / SUMMARY, result):
+        (out / SUMMARY).write_text(json.dumps(summary(result, out), indent=2))
     ended = "stopped" if result.interrupted else "done"  # the caller says how to go on
-    print(f"{ended}: step {result.step}, best val loss {best}; curves in {out / 'loss.png'}")
+    skipped = ""
+    if result.skipped_steps:  # train.on_nonfinite=skip left updates out
+        from llm_foundry.train.trainer import skipped_text
+
+        skipped = f"; {skipped_text(result.skipped_steps, result.step)}"
+    print(f"{ended}: step {result.step}, best val loss {best}{skipped}; curves in "
+          f"{out / 'loss.png'}")  # fmt: skip
+    if result.skipped_steps > SKIPPED_WARN * result.step:
+        share = result.skipped_steps / result.step
+        print(f"warning: {share:.0%} of the updates were skipped (non-finite loss or gradient "
+              f"norm): the weights trained on {result.step - result.skipped_steps} steps; lower "
+              f"train.lr or raise train.warmup_steps", file=sys.stderr)  # fmt: skip
+
+
+@contextlib.contextmanager
+def writing(path: Path, result):
+    """A write of ``path`` after training (``result``: where the run stands); one that fails (a
+    full disk) is ``FileNotWritten``, said as metrics.jsonl's would be."""
+    from llm_foundry.train.state import FileNotWritten
+
+    try:
+        yield
+    except OSError as e:
+        raise FileNotWritten(path, e, result.step, result.checkpoint) from e
 
 
 def summary(result, out: Path) -> dict:

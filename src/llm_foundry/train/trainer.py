@@ -110,6 +110,20 @@ class TrainingDiverged(RuntimeError):
     """The loss or gradient norm became NaN/inf."""
 
 
+def nonfinite(loss: float, grad_norm: float) -> str:
+    """Which of a step's loss and gradient norm was NaN/inf, with its value: 'non-finite loss
+    (nan)', 'non-finite gradient norm (inf) of a finite loss (2.31)', or both."""
+    if not math.isfinite(loss):
+        both = "" if math.isfinite(grad_norm) else f" and gradient norm ({grad_norm})"
+        return f"non-finite loss ({loss}){both}"
+    return f"non-finite gradient norm ({grad_norm}) of a finite loss ({loss:.4g})"
+
+
+def skipped_text(skipped: int, steps: int) -> str:
+    """'3 of 20 steps skipped (non-finite)': how many updates train.on_nonfinite=skip left out."""
+    return f"{skipped} of {steps} steps skipped (non-finite)"
+
+
 @dataclass
 class RunResult:
     step: int
@@ -705,6 +719,9 @@ class Trainer:
         purge = self.step + 1 if self.resumed_from else None
         tb = tensorboard(self.out, purge) if tc.tensorboard and main else None
         last_loss, last_ckpt, val_history = None, self.resumed_from, []
+        if tc.compile and main and self.step < tc.max_steps:  # else the bar sits at its start
+            log.info("compiling the model (train.compile): the first step waits for it, seconds "
+                     "to minutes, and its tokens/s counts it")  # fmt: skip
         bar = tqdm(
             total=tc.max_steps,
             initial=self.step,
@@ -736,10 +753,10 @@ class Trainer:
                     if tc.on_nonfinite == "stop":
                         where = last_ckpt or "none saved yet"
                         raise TrainingDiverged(
-                            f"non-finite loss ({loss}) or gradient norm ({grad_norm}) at step "
-                            f"{self.step + 1}; the update was not applied and no checkpoint was "
-                            f"written. Last good checkpoint: {where}. Lower train.lr, raise "
-                            "train.warmup_steps, or set train.on_nonfinite=skip."
+                            f"{nonfinite(loss, grad_norm)} at step {self.step + 1}; the update "
+                            f"was not applied and no checkpoint was written. Last good "
+                            f"checkpoint: {where}. Lower train.lr, raise train.warmup_steps, or "
+                            "set train.on_nonfinite=skip."
                         )
                     self.skipped += 1
                 self.step += 1
@@ -785,8 +802,10 @@ class Trainer:
                     dpo = "".join(
                         f", val {k} {v}" for k, v in self._dpo_shown(self.val_stats, "val_").items()
                     )
+                    # steps train.on_nonfinite=skip left out so far: a frozen run shows here
+                    skips = f"; {skipped_text(self.skipped, self.step)}" if self.skipped else ""
                     say(f"step {self.step}: train loss {loss:.4f}, val loss {val:.4f}{dpo}"
-                        + (f" (weighted mean of {each})" if each else ""))  # fmt: skip
+                        + (f" (weighted mean of {each})" if each else "") + skips)  # fmt: skip
                     if val < self.best_val:  # the best model is always on disk
                         self.best_val, self.best_name = val, step_name(self.step)
                         save_now = True
