@@ -139,7 +139,11 @@ from llm_foundry.cli import main
 
 def interrupting_measure(spec, what):
     if (spec["kv_heads"], spec["seq_len"], spec["impl"]) == (2, 32, "manual"):
-        os.killpg(0, signal.SIGINT)
+        sig = signal.Signals[os.environ["BENCH_SIGNAL"]]
+        if os.environ["BENCH_TARGET"] == "group":  # Ctrl-C at a terminal, `timeout`
+            os.killpg(0, sig)
+        else:  # `kill PID`: the benchmark's process alone
+            os.kill(int(os.environ["BENCH_PID"]), sig)
         time.sleep(60)  # a worker still running after the benchmark ended would keep sleeping
     return A.measure(spec, what)
 
@@ -149,6 +153,7 @@ def memory_isolated(spec):
 
 
 if __name__ == "__main__":
+    os.environ["BENCH_PID"] = str(os.getpid())
     A.memory_isolated = memory_isolated
     sys.exit(main(sys.argv[1:]))
 """
@@ -168,10 +173,16 @@ def _group_gone(pgid: int, seconds: float) -> bool:
     return False
 
 
-def test_ctrl_c_is_one_line_and_keeps_the_rows_measured(tmp_path):
-    """SIGINT to the process group mid-run: exit 130, one line on stderr besides the progress
+@pytest.mark.parametrize(
+    "name, target, status",
+    [("SIGINT", "group", 130), ("SIGTERM", "group", 143), ("SIGTERM", "process", 143)],
+)
+def test_ctrl_c_or_sigterm_is_one_line_and_keeps_the_rows_measured(tmp_path, name, target, status):
+    """SIGINT (Ctrl-C) or SIGTERM (a scheduler, `timeout`: to the process group; `kill`: to the
+    benchmark alone) mid-run: exit 128 + the signal, one line on stderr besides the progress
     bar (no worker traceback), the two finished rows written to --out marked partial, and no
     process of the run left behind."""
+    import os
     import subprocess
 
     script = tmp_path / "interrupting.py"
@@ -183,19 +194,20 @@ def test_ctrl_c_is_one_line_and_keeps_the_rows_measured(tmp_path):
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,  # its own process group, as a shell gives a command
+        env=dict(os.environ, BENCH_SIGNAL=name, BENCH_TARGET=target),
     )
     stdout, stderr = proc.communicate(timeout=120)
     assert _group_gone(proc.pid, 10), "a process of the run outlived it"
     lines = [x for x in stderr.replace("\r", "\n").splitlines() if x.strip()]
     said = [x for x in lines if not x.startswith("attention:")]  # the tqdm bar's redraws
     want = (
-        "llm-foundry bench attention: stopped by SIGINT: 2 of 8 rows measured; "
+        f"llm-foundry bench attention: stopped by {name}: 2 of 8 rows measured; "
         f"written to {out} (marked partial)"
     )
     assert said == [want], stderr
-    assert proc.returncode == 130 and stdout == ""
+    assert proc.returncode == status and stdout == ""
     report = json.loads((out / "attention_bench.json").read_text())
-    assert report["stopped_by"] == "SIGINT" and report["rows_planned"] == 8
+    assert report["stopped_by"] == name and report["rows_planned"] == 8
     # the command as it was run (the subcommand here; the script in test_a_whole_run...)
     assert report["command"] == " ".join(["llm-foundry bench attention", *TINY, "--out", str(out)])
     assert [(r["seq_len"], r["impl"], r["status"]) for r in report["rows"]] == [
@@ -204,7 +216,7 @@ def test_ctrl_c_is_one_line_and_keeps_the_rows_measured(tmp_path):
     ]
     assert report["rows"][1]["max_abs_diff_out"] < 1e-5  # the finished T was compared
     table = (out / "attention_bench.md").read_text()
-    assert "partial: stopped by SIGINT after 2 of 8 rows" in table.splitlines()[0]
+    assert f"partial: stopped by {name} after 2 of 8 rows" in table.splitlines()[0]
     assert (out / "attention_bench.png").exists()
 
 

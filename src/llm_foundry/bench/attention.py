@@ -17,7 +17,8 @@ recorded as "n/a". Peak memory (``MEMORY_METHOD`` says exactly what) is the cach
 peak on CUDA; on CPU, which has no allocator statistics, it is the peak resident set size of a
 fresh worker process per row. Sizes that would not fit are skipped (estimated need over the
 budget) or recorded as out of memory, never crash the run; larger T of that row are skipped.
-Ctrl-C ends the run early with the rows measured so far (the report says it is partial).
+Ctrl-C or SIGTERM ends the run early with the rows measured so far (the report says it is
+partial).
 
     python benchmarks/bench_attention.py --out runs/attention   # table, JSON and plot in runs/attention
 """
@@ -309,17 +310,20 @@ def machine(device: str) -> dict:
     return info
 
 
-def bench(args, argv: list[str], prog: str = "bench_attention.py") -> dict:
-    """The report: settings, machine, methods and one row per (KV heads, T, impl). Ctrl-C
-    (SIGINT) ends it early: ``stopped_by`` then names the signal and ``rows`` holds the rows
-    measured before it (``rows_planned`` says how many the whole run has)."""
+def bench(
+    args, argv: list[str], prog: str = "bench_attention.py", signals: list[str] | None = None
+) -> dict:
+    """The report: settings, machine, methods and one row per (KV heads, T, impl). An interrupt
+    ends it early: ``stopped_by`` then names the signal (the first of ``signals``, where the
+    caller records one it turned into a KeyboardInterrupt, such as SIGTERM; else SIGINT) and
+    ``rows`` holds the rows measured before it (``rows_planned``: how many the whole run has)."""
     total = len(args.kv_heads) * len(args.seq_lens) * len(args.impls)
     rows, stopped_by = [], None
     with tqdm(total=total, desc="attention", unit="run", file=sys.stderr) as bar:
         try:
             run_rows(args, bar, rows)
         except KeyboardInterrupt:
-            stopped_by = "SIGINT"
+            stopped_by = (signals or ["SIGINT"])[0]
     add_ratios(rows)
     settings = {k: getattr(args, k) for k in ("batch", "heads", "head_dim", "kv_heads")}
     settings |= {k: getattr(args, k) for k in ("seq_lens", "impls", "device", "dtype")}
@@ -449,13 +453,15 @@ def plot(report: dict, path: Path) -> Path:
     return path
 
 
+# the files --out DIR receives
+OUT_FILES = dict(
+    markdown="attention_bench.md", json="attention_bench.json", plot="attention_bench.png"
+)
+
+
 def write_outputs(report: dict, out: Path) -> dict[str, Path]:
     out.mkdir(parents=True, exist_ok=True)
-    paths = dict(
-        markdown=out / "attention_bench.md",
-        json=out / "attention_bench.json",
-        plot=out / "attention_bench.png",
-    )
+    paths = {what: out / name for what, name in OUT_FILES.items()}
     paths["markdown"].write_text(markdown(report))
     paths["json"].write_text(json.dumps(report, indent=2) + "\n")
     plot(report, paths["plot"])

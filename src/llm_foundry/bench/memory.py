@@ -87,8 +87,10 @@ M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
 def _worker(fn, args: tuple, conn) -> None:
     """Run ``fn(*args)`` with every allocation >= 64 KiB in its own mapping, unmapped when
     freed, so RSS follows the live buffers rather than the high-water mark of malloc's heap.
-    Ctrl-C is the parent's to answer (it ends this process): the worker ignores SIGINT."""
+    Ctrl-C and SIGTERM are the parent's to answer (it ends this process): the worker, in the
+    parent's process group, gets them too and ignores them."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c"))
         if hasattr(libc, "mallopt"):

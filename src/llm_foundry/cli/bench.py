@@ -13,6 +13,7 @@ import torch
 from llm_foundry.bench.attention import (
     DTYPES,
     IMPLS,
+    OUT_FILES,
     bench,
     default_kv_heads,
     markdown,
@@ -20,10 +21,12 @@ from llm_foundry.bench.attention import (
     write_outputs,
 )
 from llm_foundry.cli.options import SettingsParser, at_least_one
-from llm_foundry.cli.signals import stopped
+from llm_foundry.cli.signals import stopped, terminate_as_interrupt
 from llm_foundry.messages import shown
 
 BENCHMARKS = ["attention"]  # `llm-foundry bench NAME`
+# an --out ending so is a file name given for the directory: refused, not made a directory
+FILE_SUFFIXES = (".md", ".json", ".png")
 
 
 def _int_list(text: str) -> list[int]:
@@ -95,7 +98,11 @@ def parse_args(argv: list[str], prog: str = "bench_attention.py") -> argparse.Na
     )
     ap.add_argument("--json", action="store_true", help="print the JSON report on stdout")
     ap.add_argument(
-        "--out", type=Path, default=None, help="write the table (.md), JSON and plot here"
+        "--out",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help=f"a directory (made if missing) to write {', '.join(OUT_FILES.values())} in",
     )
     args = ap.parse_args(argv)
     check_args(ap, args)
@@ -124,6 +131,11 @@ def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         ap.error(f"--max-mem-gib must be > 0, got {args.max_mem_gib}")
     if args.out is not None and args.out.exists() and not args.out.is_dir():
         ap.error(f"--out {args.out} is a file; give a directory for the table, JSON and plot")
+    if args.out is not None and not args.out.is_dir() and args.out.suffix in FILE_SUFFIXES:
+        ap.error(
+            f"--out {args.out} names a file; --out is a directory, which gets "
+            f"{', '.join(OUT_FILES.values())}: give a directory (e.g. {args.out.with_suffix('')})"
+        )
     args.impls = args.impls or (IMPLS if args.device == "cuda" else ["manual", "sdpa"])
     bad = [i for i in args.impls if i not in IMPLS]
     if bad:
@@ -138,7 +150,8 @@ def attention_main(argv: list[str] | None = None, prog: str = "bench_attention.p
     except argparse.ArgumentError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
-    report = bench(args, argv, prog)
+    with terminate_as_interrupt() as signals:  # SIGTERM keeps the rows measured, as Ctrl-C
+        report = bench(args, argv, prog, signals)
     paths = write_outputs(report, args.out) if args.out and report["rows"] else {}
     if report["stopped_by"]:  # one line; the rows measured are kept in --out, marked partial
         done = f"{len(report['rows'])} of {report['rows_planned']} rows measured"
