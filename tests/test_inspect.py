@@ -50,10 +50,11 @@ def test_lr_plot_and_values(tmp_path, capsys):
     assert_png(out, 800, 450)
     assert rep["path"] == str(out) and (rep["width"], rep["height"]) == (800, 450)
     cfg = TrainConfig(schedule="wsd", max_steps=500, warmup_steps=20)
-    lrs = rep["lr"]["wsd"]
-    assert len(lrs) == 501
-    assert lrs[0] == pytest.approx(lr_at(0, cfg)) and lrs[500] == pytest.approx(lr_at(500, cfg))
-    assert lrs[0] == pytest.approx(cfg.lr / 20) and lrs[500] == pytest.approx(cfg.min_lr)
+    lrs = rep["lr"]["wsd"]  # keyed by step as training numbers them: 1..max_steps
+    assert list(lrs) == [str(k) for k in range(1, 501)]
+    assert lrs["1"] == pytest.approx(lr_at(0, cfg)) and lrs["500"] == pytest.approx(lr_at(499, cfg))
+    assert lrs["1"] == pytest.approx(cfg.lr / 20) and lrs["20"] == pytest.approx(cfg.lr)
+    assert lrs["500"] == pytest.approx(cfg.min_lr)  # wsd's last step trains at min_lr
 
 
 def test_lr_compare_and_config_file(tmp_path, capsys):
@@ -65,8 +66,8 @@ def test_lr_compare_and_config_file(tmp_path, capsys):
     assert set(rep["lr"]) == {"cosine", "linear", "constant", "wsd"}
     assert rep["train"]["schedule"] == "linear"
     cfg = TrainConfig(schedule="linear", max_steps=50, warmup_steps=0)
-    assert rep["lr"]["linear"][25] == pytest.approx(lr_at(25, cfg))
-    assert rep["lr"]["constant"][50] == pytest.approx(cfg.lr)
+    assert rep["lr"]["linear"]["25"] == pytest.approx(lr_at(24, cfg))
+    assert rep["lr"]["constant"]["50"] == pytest.approx(cfg.lr)
 
 
 def test_lr_invalid_override():

@@ -126,27 +126,31 @@ def plot_losses(metrics_path: str | Path, out_png: str | Path, title: str = "") 
     return _save(fig, out_png)
 
 
-def lr_curves(train_cfg, compare: bool = False) -> dict[str, list[float]]:
-    """schedule name -> lr of steps 0..max_steps: ``train_cfg``'s, or every schedule's."""
+def lr_curves(train_cfg, compare: bool = False) -> dict[str, dict[int, float]]:
+    """schedule name -> {step: lr} for steps 1..max_steps, numbered as training numbers them
+    (metrics.jsonl's ``step``: step k is the k-th update and trains at ``lr_at(k - 1)``):
+    ``train_cfg``'s schedule, or every schedule's."""
     import dataclasses
 
     from llm_foundry.train.schedule import SCHEDULES, lr_at
 
     names = list(SCHEDULES) if compare else [train_cfg.schedule]
     cfgs = {n: dataclasses.replace(train_cfg, schedule=n) for n in names}
-    return {n: [lr_at(s, c) for s in range(train_cfg.max_steps + 1)] for n, c in cfgs.items()}
+    steps = range(1, train_cfg.max_steps + 1)
+    return {n: {k: lr_at(k - 1, c) for k in steps} for n, c in cfgs.items()}
 
 
 def plot_lr(train_cfg, path: str | Path, compare: bool = False) -> Path:
-    """lr(step) for steps 0..max_steps; ``compare`` overlays every schedule on the same knobs."""
+    """lr of steps 1..max_steps as training numbers them (``lr_curves``); ``compare`` overlays
+    every schedule on the same knobs. The warmup ends at step warmup_steps, the first at lr."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(8, 4.5), layout="constrained")
     for name, lrs in lr_curves(train_cfg, compare).items():
         mine = name == train_cfg.schedule  # the configured schedule stands out
-        ax.plot(range(len(lrs)), lrs, lw=2.2 if mine else 1.2, label=name)
+        ax.plot(list(lrs), list(lrs.values()), lw=2.2 if mine else 1.2, label=name)
     if train_cfg.warmup_steps:
         ax.axvline(train_cfg.warmup_steps, color="gray", ls=":", lw=1, label="end of warmup")
-    ax.set_xlabel("optimizer step")
+    ax.set_xlabel("step (as metrics.jsonl numbers them: 1 = the first update)")
     ax.set_ylabel("learning rate")
     ax.set_title(
         f"{train_cfg.schedule}: warmup {train_cfg.warmup_steps}, {train_cfg.max_steps} steps, "
