@@ -154,6 +154,43 @@ def test_cli_table_and_json(tmp_path, capsys):
     assert "cannot run" not in capsys.readouterr().out
 
 
+def test_cli_refuses_what_no_run_takes_before_scoring_anything(tmp_path, capsys, monkeypatch):
+    """A bad --context among several, a --stride past the shortest context, --rope-factor < 1,
+    RoPE scaling of learned positions, and flags of the other kind of evaluation: one line each,
+    before any window is scored (and a learned-position context past its table gets no
+    extrapolation note: its row says it cannot run)."""
+    import llm_foundry.cli.eval as eval_cli
+    from llm_foundry.cli import main as cli
+
+    text = "the quick brown fox jumps over the lazy dog. " * 20
+    tok = CharTokenizer.train(text)
+    save_checkpoint(_model(vocab_size=tok.vocab_size, pos_encoding="learned"), tmp_path / "ck")
+    tok.save(tmp_path / "ck" / "tokenizer.json")
+    (tmp_path / "t.txt").write_text(text)
+    args = ["--checkpoint", str(tmp_path / "ck"), "--text", str(tmp_path / "t.txt")]
+    scored = []
+    monkeypatch.setattr(eval_cli, "evaluate_tokens", lambda *a, **k: scored.append(a))
+    for extra, said in [
+        (["--context", "16,0"], "--context 16,0: 0 is not a context; each must be >= 1"),
+        (["--context", "16,8", "--stride", "12"], "--stride 12 is longer than --context 8"),
+        (["--rope-scaling", "ntk", "--rope-factor", "0.5"], "--rope-factor 0.5 must be >= 1"),
+        (["--rope-scaling", "ntk", "--rope-factor", "2"],
+         "--rope-scaling ntk: " + str(tmp_path / "ck") + " has learned positions; only a RoPE"),
+        (["--out", "r.json", "--limit", "3"], "--limit, --out apply to --tasks (lm-eval) only"),
+    ]:  # fmt: skip
+        assert cli(["eval", *args, *extra]) != 0
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and said in err[0], (extra, err)
+    tasks = ["--checkpoint", str(tmp_path / "ck"), "--tasks", "shakespeare", "--context", "8"]
+    assert cli(["eval", *tasks]) != 0
+    assert "--context apply to --data / --text" in capsys.readouterr().err
+    assert scored == []
+    monkeypatch.undo()
+    assert main([*args, "--context", "16,32", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["results"][1]["status"] == "cannot run" and report["notes"] == []
+
+
 def test_cli_refuses_data_from_another_tokenizer(tmp_path):
     model = _model(vocab_size=20)
     save_checkpoint(model, tmp_path / "ck")

@@ -91,6 +91,8 @@ def _load_tokens(ns, tok, ckpt: Path, data: tuple | None) -> tuple[np.ndarray, s
 def past_trained_note(context: int, max_seq_len: int, block: int | None, pos: str) -> str | None:
     """The note on a ``context`` past what the model was trained at: its max_seq_len, or the
     windows of ``block`` tokens it was trained on (None: within both)."""
+    if context > max_seq_len and pos == "learned":
+        return None  # it cannot run there at all: its row says so
     if context > max_seq_len:
         return (f"note: context {context} is past the model's max_seq_len {max_seq_len}: "
                 "positions it was never trained at (extrapolation)")  # fmt: skip
@@ -100,6 +102,34 @@ def past_trained_note(context: int, max_seq_len: int, block: int | None, pos: st
                 f"trained on windows of {block} tokens): {never} {block}..{context - 1} were "
                 "never trained, and quality may drop")  # fmt: skip
     return None
+
+
+# the flags of each way of evaluating, and what each is about: the other's are refused
+HARNESS_FLAGS = {"limit": "--limit", "num_fewshot": "--num-fewshot",
+                 "include_path": "--include-path", "out": "--out"}  # fmt: skip
+PERPLEXITY_FLAGS = {"context": "--context", "stride": "--stride", "max_windows": "--max-windows",
+                    "rope_scaling": "--rope-scaling", "rope_factor": "--rope-factor"}  # fmt: skip
+
+
+def check_flags(ns) -> None:
+    """Refuse, before anything loads, flags the chosen evaluation would not use and values no
+    run can take, naming the flags."""
+    if ns.tasks is None:
+        given = [flag for name, flag in HARNESS_FLAGS.items() if getattr(ns, name) is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} apply to --tasks (lm-eval) only; for --data or "
+                             "--text, --json prints the table as JSON (--json > FILE)")  # fmt: skip
+    else:
+        given = [flag for name, flag in PERPLEXITY_FLAGS.items() if getattr(ns, name) is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} apply to --data / --text (perplexity per "
+                             "context) only, not to --tasks")  # fmt: skip
+    for name, low in (("stride", 1), ("batch_size", 1), ("max_windows", 1)):
+        value = getattr(ns, name)
+        if value is not None and value < low:
+            raise ValueError(f"--{name.replace('_', '-')} {value} must be >= {low}")
+    if ns.rope_factor is not None and not ns.rope_factor >= 1:
+        raise ValueError(f"--rope-factor {ns.rope_factor} must be >= 1 (the context's extension)")
 
 
 def format_table(rows: list[dict]) -> str:
@@ -161,12 +191,19 @@ def main(argv: list[str]) -> int:
                    help="the context extension factor of --rope-scaling (2: twice the context)")  # fmt: skip
     p.add_argument("--json", action="store_true")
     ns = p.parse_args(argv)
+    check_flags(ns)
     if ns.tasks is not None:
         return run_tasks(ns)
     try:
         contexts = [int(c) for c in ns.context.split(",")] if ns.context is not None else None
     except ValueError:
         raise ValueError(f"--context takes integers like 256,512; got {ns.context!r}") from None
+    bad = [c for c in contexts or () if c < 1]
+    if bad:
+        raise ValueError(f"--context {ns.context}: {bad[0]} is not a context; each must be >= 1")
+    if ns.stride is not None and contexts and ns.stride > min(contexts):
+        raise ValueError(f"--stride {ns.stride} is longer than --context {min(contexts)}: a "
+                         f"stride must be in [1, the shortest context]")  # fmt: skip
     if ns.rope_factor is not None and not ns.rope_scaling:
         raise ValueError("--rope-factor needs --rope-scaling linear|ntk (it scales nothing alone)")
     if ns.data and not Path(ns.data).exists():  # before the model loads: a mistyped path
@@ -191,6 +228,9 @@ def main(argv: list[str]) -> int:
     if ns.rope_scaling:
         if ns.rope_factor is None:
             raise ValueError("--rope-scaling needs --rope-factor F (e.g. 2 for twice the context)")
+        if model.cfg.pos_encoding != "rope":
+            raise ValueError(f"--rope-scaling {ns.rope_scaling}: {ckpt} has {model.cfg.pos_encoding} "
+                             "positions; only a RoPE model's positions can be scaled")  # fmt: skip
         replaced = rope_scaling_note(model.cfg, ns.rope_scaling, ns.rope_factor)
         if replaced:
             notes.append(replaced)
