@@ -242,13 +242,21 @@ def test_weights_get_the_permissions_of_the_other_files(tmp_path, mask):
     """safetensors creates its files for their owner alone; a checkpoint's weights are as
     readable as its config.json under the process's umask."""
     from llm_foundry.export import convert_to_hf
+    from llm_foundry.train.state import save_train_checkpoint
 
     old = os.umask(mask)
     try:
-        path = save_checkpoint(Transformer(ModelConfig(**TINY)), tmp_path / "ckpt")
+        model = Transformer(ModelConfig(**TINY))
+        path = save_checkpoint(model, tmp_path / "ckpt")
         hf = convert_to_hf(path, tmp_path / "hf")  # an HF export's weights too
+        opt = torch.optim.AdamW(model.parameters())
+        model(torch.zeros(1, 4, dtype=torch.long))[0].sum().backward()
+        opt.step()  # a training checkpoint's optimizer file too
+        step = save_train_checkpoint(tmp_path / "run", 1, model, opt.state_dict(), {})
     finally:
         os.umask(old)
+    files = [f for f in step.iterdir() if f.suffix == ".safetensors"]
+    assert len(files) == 2 and {f.stat().st_mode & 0o777 for f in files} == {0o666 & ~mask}
     modes = {f.name: f.stat().st_mode & 0o777 for f in path.iterdir()}
     assert modes == {"config.json": 0o666 & ~mask, "model.safetensors": 0o666 & ~mask}
     assert (Path(hf) / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~mask

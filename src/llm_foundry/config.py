@@ -280,9 +280,10 @@ class ModelConfig:
         return p
 
     # --- comparison
-    # fields no weight depends on: weights saved under one value load under another
+    # fields no weight depends on: weights saved under one value load under another (init_std
+    # draws weights that loaded ones replace)
     WEIGHT_FREE = ("dropout", "attn_impl", "moe_dispatch", "moe_aux_loss_coef",
-                   "router_z_loss_coef", "router_jitter")  # fmt: skip
+                   "router_z_loss_coef", "router_jitter", "init_std")  # fmt: skip
 
     def weight_differences(self, other: ModelConfig) -> list[str]:
         """'field: A there, B here' (there = ``other``) for every field on which the two configs

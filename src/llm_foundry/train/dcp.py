@@ -64,6 +64,7 @@ from llm_foundry.checkpoint import (
     stored_once,
     write_config,
 )
+from llm_foundry.durable import usual_mode
 from llm_foundry.rundir import STATE, latest_checkpoint, step_name
 from llm_foundry.tokenizer_files import METADATA_FILES
 from llm_foundry.train.distributed import World, any_rank, with_tied
@@ -352,6 +353,7 @@ def dcp_to_full(src: Path, out: Path) -> None:
     _copy_rest(src, out)
     if optim:  # the names a full checkpoint gives them: "<id>.<key>"
         save_file(optim, str(out / OPTIMIZER_FILE))
+        usual_mode(out / OPTIMIZER_FILE)
 
 
 def _empty_on_cpu(model: torch.nn.Module) -> torch.nn.Module:

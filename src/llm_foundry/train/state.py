@@ -36,7 +36,7 @@ from safetensors.torch import load_file, save_file
 
 from llm_foundry.checkpoint import load_weights, save_checkpoint
 from llm_foundry.config import ConfigError, ModelConfig
-from llm_foundry.durable import fsync, fsync_tree
+from llm_foundry.durable import fsync, fsync_tree, usual_mode
 from llm_foundry.messages import one_line
 from llm_foundry.rundir import (
     LATEST,
@@ -170,6 +170,7 @@ def save_train_checkpoint(
         save_checkpoint(model, tmp)
         tensors, opt_meta = optimizer_to_flat(optimizer_state)
         save_file(tensors, str(tmp / "optimizer.safetensors"))
+        usual_mode(tmp / "optimizer.safetensors")
         write_state(tmp, step, state, opt_meta, tokenizer_path)
         return commit_checkpoint(ckpt_root, tmp, step)
     except (OSError, SafetensorError) as e:  # a write that failed; a bug is not reworded
@@ -383,9 +384,9 @@ def check_resumable(
 
 
 # model fields a resumed run may change: those no weight depends on (``ModelConfig.WEIGHT_FREE``:
-# dropout, the attention kernel, MoE dispatch and loss weights) and the std of the initial
-# weights, which the checkpoint's replace
-RESUME_FREE = (*ModelConfig.WEIGHT_FREE, "init_std")
+# dropout, the attention kernel, MoE dispatch and loss weights, the std of initial weights that
+# the checkpoint's replace)
+RESUME_FREE = ModelConfig.WEIGHT_FREE
 
 
 def model_changes(saved: dict, mc: ModelConfig) -> tuple[dict[str, tuple], dict[str, tuple]]:
