@@ -672,7 +672,9 @@ def test_a_seed_out_of_range_and_bad_seeds_flags_are_one_line(data_dir, tmp_path
     for extra, expected in [
         (["--seeds", "0"], "argument --seeds: 0 must be at least 1"),
         (["--seeds", "1e23"], "argument --seeds: '1e23' is not a whole number"),
-        (["--seed", "-3"], "argument --seeds: -3 must be at least 1"),  # argparse's abbreviation
+        (["--seeds", "-3"], "argument --seeds: -3 must be at least 1"),
+        # exact names: argparse would take --seed for --seeds (or train.seed, meant or not)
+        (["--seed", "3"], "unrecognized arguments: --seed 3 (did you mean --seeds?)"),
         (["--set", "train.seed=1e23"], "train.seed=1e+23 must be an integer in [0, 2**62]"),
         (["--set", "train.seed=-1"], "train.seed=-1 must be an integer in [0, 2**62]"),
         (["--set", "train.seed=100000000000000000000000"], "train.seed=100000000000000000000000"),
