@@ -45,6 +45,9 @@ def summarise(
     rows = []
     for v in variants:
         rs = runs[v.name]
+        if any("diverged" in r for r in rs):
+            rows.append(diverged_row(v.name, rs, speed, tokens_per_step))
+            continue
         val, val_sd = _mean_std([r["val_loss"] for r in rs])
         train, train_sd = _mean_std([r["train_loss"] for r in rs])
         ms = speed.get(v.name, statistics.median(r["train_ms_per_iter"] for r in rs))
@@ -73,12 +76,62 @@ def summarise(
         rows.append(row)
     for i, row in enumerate(rows):
         ref = rows[max(i - 1, 0)] if compare == "previous" else rows[0]
+        if "diverged" in row:  # its verdict is its status
+            continue
+        if "diverged" in ref:  # nothing to compare with
+            row["delta_val"] = row["delta_best_val"] = None
+            row["verdict"] = row["best_verdict"] = f"no comparison: {ref['variant']} diverged"
+            continue
         row["delta_val"] = row["val_loss"] - ref["val_loss"]
         row["verdict"] = verdict(row, ref)
         row["delta_best_val"] = row["best_val_loss"] - ref["best_val_loss"]
         best = "reference" if row is ref else verdict(_best_view(row), _best_view(ref))
         row["best_verdict"] = best
     return rows
+
+
+def diverged_text(rs: list[dict]) -> str:
+    """'diverged at step 7', or with seeds 'diverged at step 7 (seed 1338; 1 of 3 seeds)'."""
+    hit = [r for r in rs if "diverged" in r]
+    steps = ", ".join(str(r["diverged"]["step"]) for r in hit)
+    text = f"diverged at step{'s' * (len(hit) > 1)} {steps}"
+    if len(rs) > 1:
+        seeds = ", ".join(str(r["seed"]) for r in hit)
+        text += f" (seed{'s' * (len(hit) > 1)} {seeds}; {len(hit)} of {len(rs)} seeds)"
+    return text
+
+
+def diverged_row(name: str, rs: list[dict], speed: dict, tokens_per_step: int) -> dict:
+    """The row of a variant a seed of which diverged: its sizes and interleaved step time (they
+    do not depend on training), its status as the verdict, no losses (the seeds that finished
+    are in the report's runs)."""
+    ms = speed.get(name)
+    status = diverged_text(rs)
+    return dict(
+        variant=name,
+        seeds=len(rs),
+        params=rs[0]["params"],
+        active_params=rs[0].get("active_params", rs[0]["params"]),
+        expert_cv=None,
+        diverged=[dict(seed=r["seed"], **r["diverged"]) for r in rs if "diverged" in r],
+        train_loss=None,
+        train_loss_std=None,
+        val_loss=None,
+        val_loss_std=None,
+        ms_per_iter=ms,
+        ms_per_iter_source="interleaved" if ms is not None else None,
+        tokens_per_s=None if ms is None else tokens_per_step / ms * 1e3,
+        peak_mem_mib=None,
+        decode_tokens_per_s=None,
+        kv_bytes_per_token=rs[0]["kv_bytes_per_token"],
+        best_val_loss=None,
+        best_val_loss_std=None,
+        best_val_steps=[],
+        delta_val=None,
+        delta_best_val=None,
+        verdict=status,
+        best_verdict=status,
+    )
 
 
 def best_val(rs: list[dict]) -> dict:
@@ -189,11 +242,16 @@ def markdown(report: dict) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        if "diverged" in r:
+            val, verdict_ = r["verdict"], "diverged"
+        else:
+            val, verdict_ = _pm(r["val_loss"], r["val_loss_std"]), r["verdict"]
         lines.append(
             f"| {r['variant']} | {r['params']:,} | {_pm(r['train_loss'], r['train_loss_std'])} | "
-            f"{_pm(r['val_loss'], r['val_loss_std'])} | {r['delta_val']:+.4f} | {r['verdict']} | "
-            f"{r['ms_per_iter']:.1f} | {r['tokens_per_s']:,.0f} | {r['peak_mem_mib']:.1f} | "
-            f"{r['decode_tokens_per_s']:.0f} | {r['kv_bytes_per_token']:,} |"
+            f"{val} | {_cell(r['delta_val'], '+.4f')} | {verdict_} | "
+            f"{_cell(r['ms_per_iter'], '.1f')} | {_cell(r['tokens_per_s'], ',.0f')} | "
+            f"{_cell(r['peak_mem_mib'], '.1f')} | {_cell(r['decode_tokens_per_s'], '.0f')} | "
+            f"{r['kv_bytes_per_token']:,} |"
         )
     if any(r.get("active_params", r["params"]) != r["params"] for r in rows):
         lines += [
@@ -203,9 +261,9 @@ def markdown(report: dict) -> str:
         ]
         for r in rows:
             cv = r.get("expert_cv")
+            cv_text = "n/a" if "diverged" in r else "dense" if cv is None else f"{cv:.3f}"
             lines.append(
-                f"| {r['variant']} | {r['params']:,} | {r['active_params']:,} | "
-                f"{'dense' if cv is None else f'{cv:.3f}'} |"
+                f"| {r['variant']} | {r['params']:,} | {r['active_params']:,} | {cv_text} |"
             )
         lines += [
             "",
@@ -215,7 +273,7 @@ def markdown(report: dict) -> str:
     timed = (
         "one training step (forward, backward, clip, the variant's optimizer) of every variant "
         f"timed round-robin on one batch after training (median of {st['speed_rounds']} rounds)"
-        if any(r.get("ms_per_iter_source") != "training" for r in rows)
+        if any(r.get("ms_per_iter_source") != "training" for r in rows if "diverged" not in r)
         else "the median step time of each run's own training, its first 10 steps left out "
         "(speed_rounds 0: no round-robin timing), so what else the machine ran meanwhile counts"
     )
@@ -227,13 +285,14 @@ def markdown(report: dict) -> str:
         "counted bytes of weights, gradients, AdamW moments and saved activations of one step. "
         "Decode: batch-1 greedy with the KV cache, eager. KV bytes per token in fp32.",
     ]
-    if any(r.get("best_val_loss", r["val_loss"]) < r["val_loss"] for r in rows):
+    if any(
+        "diverged" not in r and r.get("best_val_loss", r["val_loss"]) < r["val_loss"] for r in rows
+    ):
         lines += _best_table(rows, ref)
-    if "to_target" in rows[0]:
+    if any("to_target" in r for r in rows):
         lines += _target_table(rows, st["seeds"])
-    if "extrapolation" in rows[0]:
+    if ex0 := _extrapolation_of(rows):
         lines += ["", "## Loss past the training context", ""]
-        ex0 = rows[0]["extrapolation"]
         lines.append(
             "| variant | " + " | ".join(f"{e['context']} ({e['factor']:g}x)" for e in ex0) + " |"
         )
@@ -241,14 +300,18 @@ def markdown(report: dict) -> str:
         for r in rows:
             cells = [
                 "cannot run" if "loss" not in e else f"{e['loss']:.3f} (ppl {e['ppl']:.2f})"
-                for e in r["extrapolation"]
+                for e in r.get("extrapolation") or [{}] * len(ex0)
             ]
+            if "diverged" in r:
+                cells = [r["verdict"]] * len(ex0)
             lines.append(f"| {r['variant']} | " + " | ".join(cells) + " |")
         lines += [
             "",
             f"Validation loss on the first {st['eval_tokens']:,} validation tokens in "
             "non-overlapping windows of each context; every token is scored once.",
         ]
+    if any("diverged" in r for r in rows):
+        lines += _diverged_section(report)
     if "init_grad_norms" in report:
         lines += ["", "## Gradient norm per layer at initialisation (one batch)", ""]
         g = report["init_grad_norms"]
@@ -275,6 +338,29 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _cell(x, fmt: str) -> str:
+    return "n/a" if x is None else format(x, fmt)
+
+
+def _extrapolation_of(rows: list[dict]) -> list[dict] | None:
+    """The extrapolation cells of the first row that has them (a diverged row has none)."""
+    return next((r["extrapolation"] for r in rows if "extrapolation" in r), None)
+
+
+def _diverged_section(report: dict) -> list[str]:
+    """Each diverged run with the trainer's message: which value was not finite, and what to
+    change. Its evaluations before that are in the plot."""
+    lines = ["", "## Diverged runs", ""]
+    for r in report["rows"]:
+        for d in r.get("diverged") or []:
+            lines.append(f"- {r['variant']}, seed {d['seed']}: {d['message']}")
+    return lines + [
+        "",
+        "A diverged run is a result: rerunning the study reuses it (and trains the others); "
+        "change its settings, or delete its directory under runs/, to train it again.",
+    ]
+
+
 def _best_table(rows: list[dict], ref: str) -> list[str]:
     """The lowest evaluation of each run, shown when some run's validation loss rose after it."""
     lines = [
@@ -285,10 +371,13 @@ def _best_table(rows: list[dict], ref: str) -> list[str]:
         "|---|---|---|---|---|",
     ]
     for r in rows:
+        if "diverged" in r:
+            lines.append(f"| {r['variant']} | {r['verdict']} | n/a | n/a | diverged |")
+            continue
         steps = " / ".join("n/a" if s is None else str(s) for s in r["best_val_steps"])
         lines.append(
             f"| {r['variant']} | {_pm(r['best_val_loss'], r['best_val_loss_std'])} | {steps} | "
-            f"{r['delta_best_val']:+.4f} | {r['best_verdict']} |"
+            f"{_cell(r['delta_best_val'], '+.4f')} | {r['best_verdict']} |"
         )
     return lines + [
         "",
@@ -300,7 +389,7 @@ def _best_table(rows: list[dict], ref: str) -> list[str]:
 
 
 def _target_table(rows: list[dict], seeds: int) -> list[str]:
-    target = rows[0]["to_target"]["target"]
+    target = next(r["to_target"]["target"] for r in rows if "to_target" in r)
 
     def cells(values, fmt):
         return " / ".join("not reached" if v is None else fmt.format(v) for v in values)
@@ -314,6 +403,9 @@ def _target_table(rows: list[dict], seeds: int) -> list[str]:
         "|---|---|---|---|---|---|",
     ]
     for r in rows:
+        if "diverged" in r:
+            lines.append(f"| {r['variant']} | {r['verdict']} | n/a | n/a | n/a | n/a |")
+            continue
         t = r["to_target"]
         proj = "n/a" if t["projected_s"] is None else f"{t['projected_s']:.1f} s"
         lines.append(
@@ -334,7 +426,7 @@ def write_report(report: dict, out: Path) -> None:
     (out / "results.json").write_text(json.dumps(report, indent=1))
     (out / "results.md").write_text(markdown(report))
     plot_val_curves(report, out / "val_loss.png")
-    if "extrapolation" in report["rows"][0]:
+    if _extrapolation_of(report["rows"]):
         plot_extrapolation(report, out / "extrapolation.png")
     if "init_grad_norms" in report:
         plot_grad_norms(report["init_grad_norms"], out / "init_grad_norms.png")
@@ -357,48 +449,112 @@ def _finish(fig, ax, png: Path) -> None:
 
 
 def plot_val_curves(report: dict, png: Path) -> None:
-    """Validation loss against step, one line per variant (mean over seeds, band = min..max)."""
+    """Validation loss against step, one line per variant (mean over seeds, band = min..max); a
+    variant a seed of which diverged: each seed's evaluations before it and a dashed line at
+    the step. The y axis zooms on where the variants end (``zoom``); evaluations above it are
+    drawn on its top edge as triangles, so no point is left out."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(9, 5.5), dpi=100)
+    status = {r["variant"]: r["verdict"] for r in report["rows"] if "diverged" in r}
+    drawn = []  # (steps, values, color) of every curve, for the points above the zoom
     for name, rs in report["runs"].items():
+        if name in status:
+            color = ax.plot([], [], "o--", ms=3, lw=1.2, label=f"{name} ({status[name]})")[0]
+            color = color.get_color()
+            for r in rs:
+                steps = [s for s, _ in r.get("val_curve") or ()]
+                values = [v for _, v in r.get("val_curve") or ()]
+                ax.plot(steps, values, "o--", ms=3, lw=1.2, color=color)
+                drawn.append((steps, values, color))
+                if "diverged" in r:
+                    ax.axvline(r["diverged"]["step"], color=color, ls="--", lw=0.8)
+            continue
         steps = [s for s, _ in rs[0]["val_curve"]]
         curves = np.array([[v for _, v in r["val_curve"]] for r in rs])
         (line,) = ax.plot(steps, curves.mean(0), "o-", ms=3, lw=1.6, label=name)
+        drawn.append((steps, list(curves.mean(0)), line.get_color()))
         if len(rs) > 1:
             ax.fill_between(steps, curves.min(0), curves.max(0), color=line.get_color(), alpha=0.2)
+            drawn.append((steps, list(curves.min(0)), line.get_color()))
     ax.set_xlabel("step")
     ax.set_ylabel("validation loss (nats/token)")
     ax.set_title(f"{report['study']['name']}: validation loss ({report['study']['seeds']} seed(s))")
     target = report["study"].get("target_loss")
     if target is not None:
         ax.axhline(target, color="black", lw=0.8, ls=":", label=f"target {target:g}")
-    finals = [r["val_loss"] for r in report["rows"]]
-    lows = [r.get("best_val_loss", r["val_loss"]) for r in report["rows"]]
-    ax.set_ylim(min(lows) - 0.1, max(finals) + 0.6)  # zoom on the part where variants differ
+    finals = [r["val_loss"] for r in report["rows"] if "diverged" not in r]
+    limits = zoom([v for _, vs, _ in drawn for v in vs], finals)
+    if limits is not None:
+        ax.set_ylim(*limits)
+        above = [(s, v, c) for ss, vs, c in drawn for s, v in zip(ss, vs, strict=True)
+                 if v > limits[1]]  # fmt: skip
+        for s, _, c in above:  # on the edge, not clipped
+            ax.plot(s, limits[1], "^", ms=7, color=c, clip_on=False, zorder=3)
+        if above:
+            ax.plot([], [], "^", ms=7, color="grey",
+                    label=f"above {limits[1]:.2f} (up to {max(v for _, v, _ in above):.2f})")  # fmt: skip
     ax.grid(alpha=0.3)
     _finish(fig, ax, png)
 
 
+ZOOM_HIDES_AT_MOST = 0.25  # of the points drawn: a short run's curves are shown whole
+
+
+def zoom(values: list[float], finals: list[float]) -> tuple[float, float] | None:
+    """(bottom, top) of the validation plot: from the lowest point drawn - 0.1 to the highest
+    final loss + 0.6, the part where variants differ (a long run's first evaluations lie far
+    above it); None (the whole range) without a final loss, or where that would leave more
+    than ZOOM_HIDES_AT_MOST of the points above the plot (a run of a few evaluations)."""
+    values = [v for v in values if v is not None and math.isfinite(v)]
+    finals = [v for v in finals if v is not None and math.isfinite(v)]
+    if not values or not finals:
+        return None
+    low, high = min(values) - 0.1, max(finals) + 0.6
+    if sum(v > high for v in values) > ZOOM_HIDES_AT_MOST * len(values):
+        return None
+    return low, high
+
+
+def log_ticks(low: float, high: float, n: int = 6) -> list[float]:
+    """About ``n`` tick values for a log axis spanning [low, high] (> 0), evenly spaced in log
+    and rounded to two significant digits: a narrow range (13..30) gets labels of its own
+    where a log axis labels only the powers of ten and a few multiples of them."""
+    if high <= low:
+        return [float(f"{low:.2g}")]
+    ticks = [float(f"{v:.2g}") for v in np.geomspace(low, high, n)]
+    return sorted(set(ticks))
+
+
 def plot_extrapolation(report: dict, png: Path) -> None:
-    """Perplexity against evaluation context (log x); runs that cannot run are left out."""
+    """Perplexity against evaluation context (log x and y, each evaluated context and about six
+    perplexities labelled); runs that cannot run or diverged are left out."""
+    from matplotlib.ticker import FixedLocator, FormatStrFormatter, NullLocator, ScalarFormatter
+
     plt = _plt()
     fig, ax = plt.subplots(figsize=(8, 5), dpi=100)
+    ppl, contexts = [], []
     for r in report["rows"]:
-        pts = [(e["context"], e["ppl"]) for e in r["extrapolation"] if "ppl" in e]
+        pts = [(e["context"], e["ppl"]) for e in r.get("extrapolation") or () if "ppl" in e]
         if pts:
             ax.plot(*zip(*pts, strict=True), "o-", lw=1.8, label=r["variant"])
-    block = report["rows"][0]["extrapolation"][0]["context"]
+            ppl += [p for _, p in pts]
+        contexts += [e["context"] for e in r.get("extrapolation") or ()]
+    block = _extrapolation_of(report["rows"])[0]["context"]
     ax.axvline(block, color="grey", ls=":", label="training context")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    from matplotlib.ticker import FormatStrFormatter
-
-    ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
-    ax.yaxis.set_minor_formatter(FormatStrFormatter("%g"))
+    contexts = sorted(set(contexts))
+    ax.xaxis.set_major_locator(FixedLocator(contexts))  # the contexts evaluated, as numbers
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.xaxis.set_major_formatter(ScalarFormatter())
+    if ppl:
+        ax.yaxis.set_major_locator(FixedLocator(log_ticks(min(ppl), max(ppl))))
+        ax.yaxis.set_minor_locator(NullLocator())
+        ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
     ax.set_xlabel("evaluation context (tokens)")
     ax.set_ylabel("validation perplexity")
     ax.set_title(f"{report['study']['name']}: perplexity past the training context")
-    ax.grid(alpha=0.3, which="both")
+    ax.grid(alpha=0.3)
     _finish(fig, ax, png)
 
 

@@ -127,8 +127,11 @@ def extrapolation(model: Transformer, tokens: np.ndarray, block: int, factors, n
 
 
 def run_one(study: Study, variant: Variant, seed_index: int, data: Path, run_dir: Path) -> dict:
-    """Train (or resume, or reuse) one variant x seed and measure it; returns its result."""
-    from llm_foundry.train.trainer import Trainer
+    """Train (or resume, or reuse) one variant x seed and measure it; returns its result. A run
+    whose loss or gradient norm became non-finite (``TrainingDiverged``) is a result too:
+    ``diverged`` {step, message}, what is known without a trained model, and its evaluations
+    before it; a rerun reuses it as it reuses a finished one."""
+    from llm_foundry.train.trainer import Trainer, TrainingDiverged
 
     mc, tc = configs(study, variant, seed_index)
     result_file = run_dir / "result.json"
@@ -160,12 +163,21 @@ def run_one(study: Study, variant: Variant, seed_index: int, data: Path, run_dir
                 "differ), so it is not reused: use another --out, or delete that directory to "
                 "train it again"
             )
-        log.info(f"[{variant.name} seed {seed_index}] finished earlier: reusing {result_file}")
+        how = f"diverged at step {done['diverged']['step']}" if "diverged" in done else "finished"
+        log.info(f"[{variant.name} seed {seed_index}] {how} earlier: reusing {result_file}")
         return done
     resume = RunDir(run_dir).latest() is not None
     trainer = Trainer(mc, tc, data, run_dir, resume=resume)
     t0 = time.perf_counter()
-    res = trainer.run()
+    try:
+        res = trainer.run()
+    except TrainingDiverged as e:
+        # run() raises before it counts the step whose update it refused
+        out = diverged_result(variant, tc, fingerprint, trainer, run_dir, trainer.step + 1, str(e))
+        result_file.write_text(json.dumps(out, indent=1))
+        log.info(f"[{variant.name} seed {seed_index}] diverged: {e} (kept as its result; "
+                 "the study goes on)")  # fmt: skip
+        return out
     if res.interrupted:
         raise StudyInterrupted(
             res.stopped_by, f"{variant.name} seed {seed_index} interrupted; rerun to resume"
@@ -204,6 +216,24 @@ def run_one(study: Study, variant: Variant, seed_index: int, data: Path, run_dir
         )
     result_file.write_text(json.dumps(out, indent=1))
     return out
+
+
+def diverged_result(variant: Variant, tc: TrainConfig, fingerprint: dict, trainer, run_dir: Path,
+                    step: int, message: str) -> dict:  # fmt: skip
+    """The result of a run that diverged at ``step``: the model's sizes, its evaluations before
+    the divergence, and no losses or timings (there is no trained model to measure)."""
+    model = trainer.model
+    _, evals = read_metrics(run_dir / METRICS)
+    return dict(
+        variant=variant.name,
+        seed=tc.seed,
+        fingerprint=fingerprint,
+        diverged=dict(step=step, message=message),
+        params=model.num_params(),
+        active_params=model.active_params(),
+        kv_bytes_per_token=model.kv_cache_bytes_per_token(4),
+        val_curve=[(r["step"], r["val_loss"]) for r in evals],
+    )
 
 
 def _final_expert_cv(run_dir: Path) -> float | None:

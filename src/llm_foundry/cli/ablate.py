@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import sys
 from pathlib import Path
 
 from llm_foundry.ablation import (
     Study,
+    expand,
     load_study,
     markdown,
     recipe_names,
@@ -154,4 +157,19 @@ def _main(argv: list[str]) -> int:
     report = run_study(study, data, out)
     print(f"wrote {out / 'results.md'}, {out / 'results.json'} and plots")
     print(markdown(report))
+    diverged = [f"{r['variant']} {r['verdict']}" for r in report["rows"] if "diverged" in r]
+    if diverged:  # the report is written; the exit status says not every variant trained
+        print(f"llm-foundry ablate: {len(diverged)} of {len(report['rows'])} variants diverged "
+              f"({'; '.join(diverged)}): see {out / 'results.md'}", file=sys.stderr)  # fmt: skip
+        return 1
     return 0
+
+
+def given_flags(p: argparse.ArgumentParser, ns: argparse.Namespace, exclude: str) -> list[str]:
+    """The options of ``p`` given values other than their defaults, as flags (but ``exclude``)."""
+    return [
+        a.option_strings[0]
+        for a in p._actions
+        if a.option_strings and a.dest not in (exclude, "help")
+        and getattr(ns, a.dest, None) != a.default
+    ]  # fmt: skip
