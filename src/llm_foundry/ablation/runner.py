@@ -18,12 +18,13 @@ import llm_foundry
 from llm_foundry import lock
 from llm_foundry.ablation.report import summarise, training_seconds, write_report
 from llm_foundry.ablation.spec import Study, Variant, configs, expand, run_dir_name
-from llm_foundry.data import PreparedSplit, data_fingerprint, split_stream
+from llm_foundry.data import PreparedSplit, data_fingerprint, load_meta, parse_sources, split_stream
+from llm_foundry.data.preference import is_preference
 from llm_foundry.models.position import position_traits
 from llm_foundry.models.transformer import Transformer
 from llm_foundry.plots import read_metrics
 from llm_foundry.rundir import METRICS, RunDir
-from llm_foundry.train.build import build_model
+from llm_foundry.train.build import build_model, build_sampler, is_sft, model_config_for_data
 from llm_foundry.train.config import TrainConfig
 from llm_foundry.train.optim import build_optimizer, set_lr
 
@@ -262,14 +263,29 @@ def run_study(study: Study, data: str | Path, out: str | Path) -> dict:
 
 
 def preflight(study: Study, variants: list[Variant], data: Path) -> None:
-    """Refuse (one line) what would fail only after some variants trained: a variant too large
-    for this machine's memory, an extrapolation context longer than the validation split."""
+    """Refuse (one line naming the variant) what would fail only after some variants trained:
+    what a variant's trainer checks of the data (``train.build``: block_size within
+    max_seq_len, sft_packing / data_sampling against the kind of data, a window of each
+    split), a variant too large for this machine's memory, an extrapolation context longer than
+    the validation split."""
     from llm_foundry.train.distributed import resolve_device
     from llm_foundry.train.memory import check_training_memory
 
     val = sum(len(t) for t in PreparedSplit(data, "val").tokens)
+    meta = load_meta(data)
+    sampled: set[tuple] = set()  # the batch settings whose samplers were built: each once
     for v in variants:
         mc, tc = configs(study, v, 0)
+        try:  # what building the variant's trainer checks of the data, as it checks it
+            mc = model_config_for_data(mc, tc, meta, data)
+            key = (tc.block_size, tc.batch_size, tc.data_sampling, tc.document_mask,
+                   tc.sft_packing)  # fmt: skip
+            if key not in sampled and not is_preference(meta):  # pairs: train.task=dpo's own
+                sampled.add(key)
+                for split, seed in (("train", tc.seed), ("val", tc.seed + 1)):
+                    build_sampler(parse_sources(data), split, tc, seed, sft=is_sft(meta))
+        except ValueError as e:
+            raise ValueError(f"variant {v.name!r}: {e}") from None
         if tc.tensorboard:  # MissingExtra now, not after the variants before it trained
             from llm_foundry.train.metrics import require_tensorboard
 

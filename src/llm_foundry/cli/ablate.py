@@ -99,6 +99,10 @@ def _main(argv: list[str]) -> int:
         "--report", metavar="DIR", help="rebuild DIR's table and plots from its results.json"
     )
     ns = p.parse_args(as_set_flags(argv))
+    for flag in ("report", "list"):  # they read no study: a grid flag with them is refused
+        if getattr(ns, flag) and (ignored := given_flags(p, ns, exclude=flag)):
+            raise ValueError(f"--{flag} builds no study, so {', '.join(ignored)} would be "
+                             f"ignored: give --{flag} alone")  # fmt: skip
     if ns.report:
         results = Path(ns.report) / "results.json"
         if not results.is_file():
@@ -126,9 +130,17 @@ def _main(argv: list[str]) -> int:
         if len(values) > 1:
             raise ValueError(f"--set {item}: one value per --set (a grid is --vary)")
         getattr(study, section)[name] = values[0]
+    given: dict[str, str] = {}  # axis -> the --vary that gave it
+    one_value = []
     for item in ns.vary:
         section, name, values = parse_override(item, axis=True)
-        study.vary[name if section == "model" else f"train.{name}"] = values
+        axis = name if section == "model" else f"train.{name}"
+        if axis in given:
+            raise ValueError(f"--vary {item}: {axis} is varied already by --vary {given[axis]}; "
+                             "give each field one --vary with all its values")  # fmt: skip
+        given[axis] = item
+        study.vary[axis] = values
+        one_value += [item] * (len(values) == 1)
     changed = ([f"--preset {ns.preset}"] * bool(ns.preset) + [f"--set {x}" for x in ns.set]
                + [f"--seeds {ns.seeds}"] * (ns.seeds is not None))  # fmt: skip
     if ns.recipe and changed:  # results.md says what ran, not only what the recipe says
@@ -144,6 +156,14 @@ def _main(argv: list[str]) -> int:
     except ValueError as e:
         source = f"--recipe {ns.recipe}" if ns.recipe else "the study"
         raise ValueError(f"{source} with --preset/--seeds/--set/--vary: {e}") from None
+    if one_value:  # an axis of one value: a setting of every variant, not a comparison
+        variants = expand(study)
+        if len(variants) == 1:
+            raise ValueError(f"--vary {one_value[0]} has one value, so the study has one variant "
+                             f"({variants[0].name}) and nothing to compare: give two or more, "
+                             "--vary FIELD=A,B")  # fmt: skip
+        print(f"note: --vary {', '.join(one_value)}: one value, the same in every variant "
+              "(as --set would give it; the variants' names show it)", file=sys.stderr)  # fmt: skip
     data = Path(ns.data)
     if not (data / "meta.json").exists():
         if ns.data != "data/shakespeare_char":
