@@ -36,16 +36,21 @@ def read_model_config(path: str | Path, flag: str = "--checkpoint"):
     """The ``ModelConfig`` of a run (its latest checkpoint), one of our checkpoints or an HF
     transformers directory, from its config.json alone (no weights read): ours through
     ``checkpoint.read_config``, an HF one through ``interop.hf.config_from_hf``."""
+    return model_config_at(path, flag)[1]
+
+
+def model_config_at(path: str | Path, flag: str = "--checkpoint"):
+    """(the checkpoint directory ``path`` names, ``read_model_config``'s config of it)."""
     refuse_adapter_dir(path, flag)
 
     def read(ckpt: Path):
         if checkpoint_kind(ckpt)[0] == "llm-foundry":
             from llm_foundry.checkpoint import read_config
 
-            return read_config(ckpt)
+            return ckpt, read_config(ckpt)
         from llm_foundry.interop.hf import config_from_hf, transformers
 
-        return config_from_hf(transformers.AutoConfig.from_pretrained(str(ckpt)))
+        return ckpt, config_from_hf(transformers.AutoConfig.from_pretrained(str(ckpt)))
 
     return read_checkpoint(path, read, flag)
 

@@ -65,14 +65,15 @@ def _check_settings(args: list[str]) -> None:
     files, the checkpoint's architecture): a bad one is a ConfigError here, before any row is
     read or file written."""
     from llm_foundry.cli.options import join_negative_values, settings_from
-    from llm_foundry.cli.train import SECTIONS, _base_model, parser
+    from llm_foundry.cli.train import SECTIONS, parser
+    from llm_foundry.loading import read_model_config
 
     tns = parser(finetune=True).parse_args(join_negative_values(args))
     if tns.checkpoint is None:
         raise ValueError(
             "finetune needs --checkpoint DIR (a run, our checkpoint or an HF directory)"
         )
-    base = _base_model(tns.checkpoint)[1]
+    base = read_model_config(tns.checkpoint)
     extra = ("out", "resume", "data", "checkpoint")
     settings_from(tns, SECTIONS, base_model=base, extra_keys=extra)
 

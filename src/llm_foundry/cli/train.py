@@ -86,22 +86,6 @@ def _config_value(ns, key: str):
     return value
 
 
-def _base_model(checkpoint: str):
-    """(checkpoint directory, its ModelConfig) of --checkpoint: ours, a run's latest, or HF."""
-    from llm_foundry.checkpoint import read_config
-    from llm_foundry.loading import checkpoint_kind
-    from llm_foundry.rundir import read_checkpoint
-
-    def read(ckpt: Path):
-        if checkpoint_kind(ckpt)[0] == "llm-foundry":
-            return ckpt, read_config(ckpt)
-        from llm_foundry.interop.hf import config_from_hf, transformers
-
-        return ckpt, config_from_hf(transformers.AutoConfig.from_pretrained(str(ckpt)))
-
-    return read_checkpoint(checkpoint, read)  # a run in training: its latest, read again
-
-
 def main(argv: list[str], finetune: bool = False) -> int:
     prog = f"llm-foundry {'finetune' if finetune else 'train'}"
     ran: dict = {}  # the Trainer, once built: whether a signal has stopped it already
@@ -158,7 +142,9 @@ def _main(argv: list[str], finetune: bool, prog: str, ran: dict) -> int:
         raise ValueError(
             "finetune needs --checkpoint DIR (a run, our checkpoint or an HF directory)"
         )
-    start = _base_model(ns.checkpoint) if finetune and not ns.resume else None
+    from llm_foundry.loading import model_config_at
+
+    start = model_config_at(ns.checkpoint) if finetune and not ns.resume else None
     given_out, resume = _config_value(ns, "out"), bool(_config_value(ns, "resume"))
     if given_out is not None and Path(given_out).exists() and not Path(given_out).is_dir():
         raise ValueError(
