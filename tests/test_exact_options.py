@@ -59,6 +59,8 @@ def test_the_exact_name_and_its_equals_form_still_parse():
         (["prepare", "--text", "t.txt", "--out", "d", "--work", "2"], "--work"),
         (["generate", "--checkpoint", "c", "--max-new", "5"], "--max-new"),
         (["serve", "--checkpoint", "c", "--max-q", "5"], "--max-q"),
+        (["eval", "--checkpoint", "c", "--text", "t", "--max-win", "5"], "--max-win"),
+        (["convert", "--from-hf", "c", "--out", "o", "--out-t", "q8_0"], "--out-t"),
     ],
 )
 def test_the_other_commands_take_exact_names_too(argv, prefix, tmp_path, monkeypatch, capsys):

@@ -24,6 +24,7 @@ def main(argv: list[str]) -> int:
     )
     p = argparse.ArgumentParser(
         prog="llm-foundry convert",
+        allow_abbrev=False,  # exact option names: a prefix could mean another option
         description=f"Convert between HF transformers checkpoint directories ({families}) and "
         "llm-foundry checkpoints, or write a checkpoint of the LLaMA, Mistral, Qwen3, GPT-2, "
         "Mixtral or Qwen3-MoE layouts as one GGUF file for llama.cpp (--to-gguf). A LoRA run "

@@ -151,6 +151,7 @@ def main(argv: list[str]) -> int:
 
     p = argparse.ArgumentParser(
         prog="llm-foundry eval",
+        allow_abbrev=False,  # exact option names: a prefix could mean another option
         description="Loss and perplexity per context length (non-overlapping or sliding "
         "windows) on --data or --text; or lm-eval tasks with --tasks.",
     )
