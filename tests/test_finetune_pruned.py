@@ -13,8 +13,8 @@ from safetensors.torch import load_file
 from test_rundir import TEXT, TrainingRun, saves_while_reading
 
 import llm_foundry.checkpoint as ckpt_module
-import llm_foundry.cli.train as cli_train
 import llm_foundry.data.preference as preference
+import llm_foundry.loading as loading
 from llm_foundry.cli import main
 from llm_foundry.cli.finetune import DATA_DIR, _prepare
 from llm_foundry.data import prepare
@@ -27,14 +27,14 @@ def test_finetune_starts_from_the_newer_checkpoint_when_training_deletes_the_one
     (tmp_path / "text.txt").write_text(TEXT * 40)
     prepare(tmp_path / "data", text_files=[tmp_path / "text.txt"], tokenizer="char",
             progress=False)  # fmt: skip
-    resolve = cli_train._base_model
+    resolve = loading.model_config_at
 
     def resolved_then_saved(checkpoint):  # finetune knows step 10; the run saves 20 and prunes
         found = resolve(checkpoint)
         run.save()
         return found
 
-    monkeypatch.setattr(cli_train, "_base_model", resolved_then_saved)
+    monkeypatch.setattr(loading, "model_config_at", resolved_then_saved)
     # and while the weights of step 20 are read, the run saves 30 and deletes 20
     saves_while_reading(monkeypatch, run, ckpt_module, "load_model", times=1)
     out = tmp_path / "tuned"

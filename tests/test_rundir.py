@@ -162,11 +162,11 @@ def test_convert_to_peft_of_a_run_in_training_reads_its_newer_checkpoint(tmp_pat
 
 
 def test_finetune_from_a_run_in_training_reads_its_newer_checkpoint(tmp_path, monkeypatch):
-    from llm_foundry.cli.train import _base_model
+    from llm_foundry.loading import model_config_at
 
     run = TrainingRun(tmp_path / "run")
     saves_while_reading(monkeypatch, run, ckpt_module, "read_config", times=1)
-    ckpt, cfg = _base_model(str(run.path))
+    ckpt, cfg = model_config_at(str(run.path))
     assert ckpt == run.root / "step_000020" and cfg == run.models[20].cfg
 
 

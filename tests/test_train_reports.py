@@ -19,7 +19,8 @@ from conftest import TINY, cli_status, make_trainer
 from llm_foundry.cli import main
 from llm_foundry.train import metrics as train_metrics
 from llm_foundry.train import state as train_state
-from llm_foundry.train.trainer import Trainer, TrainingDiverged, nonfinite
+from llm_foundry.train.notes import nonfinite
+from llm_foundry.train.trainer import Trainer, TrainingDiverged
 
 FLAGS = [f"--model.{k}={v}" for k, v in TINY.items() if k != "vocab_size"] + [
     "--train.block_size=32", "--train.batch_size=4", "--train.eval_batches=1",

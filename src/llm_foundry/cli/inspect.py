@@ -95,8 +95,7 @@ def cmd_lr(argv: list[str]) -> int:
 
     p = SettingsParser(
         prog="llm-foundry inspect lr",
-        description="Plot the learning rate of every step 1..max_steps (as training numbers "
-        "them).",
+        description="Plot the learning rate of every step 1..max_steps (as training numbers them).",
     )
     add_settings_arguments(p, ("train",))
     p.add_argument("--compare", action="store_true", help=f"overlay {', '.join(SCHEDULES)}")

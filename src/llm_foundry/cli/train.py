@@ -569,7 +569,7 @@ def _report(trainer, result, tok, out: Path, first: int, title: str) -> None:
     ended = "stopped" if result.interrupted else "done"  # the caller says how to go on
     skipped = ""
     if result.skipped_steps:  # train.on_nonfinite=skip left updates out
-        from llm_foundry.train.trainer import skipped_text
+        from llm_foundry.train.notes import skipped_text
 
         skipped = f"; {skipped_text(result.skipped_steps, result.step)}"
     print(f"{ended}: step {result.step}, best val loss {best}{skipped}; curves in "

@@ -405,8 +405,7 @@ def _check_arguments(a: dict) -> None:
 
 def _stats() -> dict:
     return {"documents": 0, "tokens": 0, "empty": 0, "bad_utf8": 0, "bad_utf8_first": None,
-            "bad_rows": 0, "bad_rows_first": None, "empty_files": 0,
-            "empty_files_first": []}  # fmt: skip
+            "bad_rows": 0, "bad_rows_first": None, "empty_files": 0, "empty_files_first": []}  # fmt: skip
 
 
 # a record's counter

@@ -4,15 +4,15 @@ One step = ``grad_accum`` micro-batches, one clip, one optimizer update; on fine
 the step's loss is the mean over all its target tokens, whatever the ranks and micro-batches.
 Everything a resumed run needs to continue bit for bit (weights, optimizer moments, RNG and
 data-sampler states: those of the batches trained on, not of those the prefetch thread built
-ahead) goes into each checkpoint; ``metrics.jsonl`` is cut back to the checkpoint's
-step on resume, and its ``time`` (the seconds the run has trained) goes on from the checkpoint's.
-Settings given on resume are the ones trained with: the optimizer's group settings (betas, weight
-decay, Muon's) are put back on the loaded groups (``optim.apply_group_settings``). A subclass ends a run before ``max_steps`` by overriding ``should_stop`` (e.g. at
-a target loss): that step's checkpoint is the last, and records why. With ``monitor_interval``
-set, ``llm_foundry.train.monitor`` adds a training-dynamics record every N steps. With
-``task=dpo`` a micro-batch is B preference pairs and its loss is DPO's (``train.dpo``) against a
-frozen reference (``train.reference``); the rewards and margins are logged with each step and
-validation.
+ahead) goes into each checkpoint; ``metrics.jsonl`` is cut back to the checkpoint's step on
+resume, and its ``time`` (seconds trained) goes on from the checkpoint's. Settings given on resume
+are the ones trained with: the optimizer's group settings (betas, weight decay, Muon's) are put
+back on the loaded groups (``optim.apply_group_settings``). A subclass ends a run before
+``max_steps`` by overriding ``should_stop`` (e.g. at a target loss): that step's checkpoint is the
+last, and records why. With ``monitor_interval`` set, ``llm_foundry.train.monitor`` adds a
+training-dynamics record every N steps. With ``task=dpo`` a micro-batch is B preference pairs and
+its loss is DPO's (``train.dpo``) against a frozen reference (``train.reference``); the rewards
+and margins are logged with each step and validation.
 """
 
 from __future__ import annotations
@@ -69,6 +69,7 @@ from llm_foundry.train.launch import launch_record
 from llm_foundry.train.memory import check_training_memory
 from llm_foundry.train.metrics import MetricsLog, tb_write, tensorboard
 from llm_foundry.train.monitor import ExpertLoad, Monitor, layer_grad_norms, rest_grad_norm
+from llm_foundry.train.notes import batch_note, dpo_shown, nonfinite, schedule_note, skipped_text
 from llm_foundry.train.optim import (
     apply_group_settings,
     build_optimizer,
@@ -108,20 +109,6 @@ log = logging.getLogger(__name__)
 
 class TrainingDiverged(RuntimeError):
     """The loss or gradient norm became NaN/inf."""
-
-
-def nonfinite(loss: float, grad_norm: float) -> str:
-    """Which of a step's loss and gradient norm was NaN/inf, with its value: 'non-finite loss
-    (nan)', 'non-finite gradient norm (inf) of a finite loss (2.31)', or both."""
-    if not math.isfinite(loss):
-        both = "" if math.isfinite(grad_norm) else f" and gradient norm ({grad_norm})"
-        return f"non-finite loss ({loss}){both}"
-    return f"non-finite gradient norm ({grad_norm}) of a finite loss ({loss:.4g})"
-
-
-def skipped_text(skipped: int, steps: int) -> str:
-    """'3 of 20 steps skipped (non-finite)': how many updates train.on_nonfinite=skip left out."""
-    return f"{skipped} of {steps} steps skipped (non-finite)"
 
 
 @dataclass
@@ -341,11 +328,10 @@ class Trainer:
                            self.tc.init_from, path)  # fmt: skip
         if changed and self.world.main:
             log.info("resuming with changed training settings: " + ", ".join(changed))
-        for note in (self._batch_note(state), self._schedule_note(state)):
+        for note in (batch_note(state, self.tc, self.world.dp_size), schedule_note(state, self.tc)):
             if note and self.world.main:
                 log.info(note)
-        # the group settings this run's config gives, put back on the loaded groups below
-        given = group_settings(self.optimizer)
+        given = group_settings(self.optimizer)  # this config's, put back on the loaded groups
         if is_dcp(path):  # each rank reads what its shards hold, in whatever layout it runs
             load_sharded(path, self.wrapped, self.optimizer, state["optimizer"])
             set_rng_state(state["rng"])
@@ -445,48 +431,6 @@ class Trainer:
         write_json_atomic(self.out / RUN_INFO, info)
 
     # ------------------------------------------------------------------------------------------
-    def _batch_note(self, state: dict) -> str | None:
-        """What resuming on another number of data-parallel ranks than the checkpoint's did to
-        the global batch, and how to keep it; None where the global batch is the same."""
-        tc, now, was = self.tc, self.world.dp_size, state.get("data_parallel")
-        saved = state.get("train_config") or {}
-        if not was or "batch_size" not in saved:
-            return None
-        before = saved["batch_size"] * saved.get("grad_accum", 1) * was
-        after = tc.batch_size * tc.grad_accum * now
-        if before == after:
-            return None
-        keep = before / (tc.batch_size * now)
-        how = (f"--train.grad_accum {int(keep)} keeps it" if keep == int(keep)
-               else "set batch_size x grad_accum x ranks to keep it")  # fmt: skip
-        return (
-            f"note: the run trained on {was} data-parallel rank(s), this one has {now}: a "
-            f"step now takes {after} sequences, not {before} ({how})"
-        )
-
-    def _schedule_note(self, state: dict) -> str | None:
-        """What the settings given on resume do to the learning rate of the next step: the
-        saved run's schedule against this one's, and (where the saved run had finished its
-        schedule and the lr now jumps up) the flags that go on at its floor; None where the lr
-        of the next step is the same."""
-        tc, step = self.tc, state["step"]
-        saved = TrainConfig.from_dict(state["train_config"])
-        was, now = lr_at(step, saved), lr_at(step, tc)
-        if was == now:
-            return None
-        names = ("schedule", "max_steps", "warmup_steps", "lr", "min_lr", "decay_frac")
-        why = ", ".join(f"{k} {getattr(saved, k)!r} -> {getattr(tc, k)!r}" for k in names
-                        if getattr(saved, k) != getattr(tc, k))  # fmt: skip
-        ratio = f" ({now / was:.3g}x)" if was > 0 else ""
-        note = (f"note: the learning-rate schedule changed ({why}): step {step + 1} trains at lr "
-                f"{now:.3g}, where the saved schedule gives {was:.3g}{ratio}")  # fmt: skip
-        if step >= saved.max_steps and now > was > 0:  # the run had decayed: how to stay there
-            keep = f"--train.schedule constant --train.lr {was:.4g}"
-            if tc.optimizer == "muon":  # Muon's lr is lr x muon_lr / lr: its floor given too
-                keep += f" --train.muon_lr {saved.muon_lr * was / saved.lr:.4g}"
-            note += f"; to go on at that floor instead: {keep}"
-        return note
-
     def _check_sdpa_backend(self) -> None:
         """Refuse, in one line, a train.sdpa_backend the model's attention does not call or that
         kernel cannot run here (found by running the model on a few tokens with it pinned)."""
@@ -571,15 +515,6 @@ class Trainer:
         tc = self.tc
         return preference_loss(policy, reference, completion_lengths(y), tc.dpo_loss,
                                tc.dpo_beta, tc.dpo_label_smoothing)  # fmt: skip
-
-    @staticmethod
-    def _dpo_shown(stats: dict[str, float], prefix: str = "") -> dict[str, str]:
-        """DPO's reward margin and accuracy of ``stats`` as printed (none without them)."""
-        names = {"margin": "rewards/margins", "acc": "rewards/accuracies"}
-        got = {k: stats.get(prefix + v) for k, v in names.items()}
-        return {
-            k: f"{v:.3f}" if k == "margin" else f"{v:.2f}" for k, v in got.items() if v is not None
-        }
 
     def elapsed(self) -> float:
         """Seconds the run has trained: before this process (a resumed run's) and since
@@ -780,7 +715,7 @@ class Trainer:
                 if tb:
                     tb_write(tb, "train", rec)
                 bar.update(1)
-                bar.set_postfix(loss=f"{loss:.4f}", **self._dpo_shown(self.last_stats),
+                bar.set_postfix(loss=f"{loss:.4f}", **dpo_shown(self.last_stats),
                                 lr=f"{rec['lr']:.2e}", tok_s=f"{tps:,.0f}")  # fmt: skip
                 final = self.step == tc.max_steps
                 if self.experts.due(self.step) or (final and self.experts.layers):
@@ -800,7 +735,7 @@ class Trainer:
                         tb_write(tb, "val", ev)
                     each = ", ".join(f"{k} {v:.4f}" for k, v in self.val_by_source.items())
                     dpo = "".join(
-                        f", val {k} {v}" for k, v in self._dpo_shown(self.val_stats, "val_").items()
+                        f", val {k} {v}" for k, v in dpo_shown(self.val_stats, "val_").items()
                     )
                     # steps train.on_nonfinite=skip left out so far: a frozen run shows here
                     skips = f"; {skipped_text(self.skipped, self.step)}" if self.skipped else ""
