@@ -736,7 +736,7 @@ def test_a_row_that_raises_fails_alone_and_the_engine_goes_on(small_server, monk
 
     from llm_foundry.serve.detok import WindowText
 
-    monkeypatch.setattr(engine, "detokenizer", lambda: WindowText(broken))
+    monkeypatch.setattr(engine, "detokenizer", lambda prompt: WindowText(broken))
     error = assert_openai_error(ask(url, "completions", base_body("completions")), 500)
     assert error["type"] == "server_error" and "the decoder broke" in error["message"]
     monkeypatch.undo()

@@ -36,11 +36,13 @@ def _replies(tok, n: int = 30, length: int = 48) -> list[list[int]]:
 @pytest.mark.parametrize("window", [False, True], ids=["its own", "window"])
 def test_text_token_by_token_equals_the_whole_decode_at_every_step(make, window):
     """Both kinds: the one ``Pieces`` picks for the tokenizer, and the window over its decode
-    (which the engine uses for any tokenizer it is given bare)."""
+    (which the engine uses for any tokenizer it is given bare). Byte-fallback runs broken by an
+    invalid byte (each byte then U+FFFD, an ASCII one's too) and special tokens inside a run
+    (left out of the text, so the run joins across them) are among the random replies."""
     pieces = Pieces(make())
     kinds = 0
     for ids in _replies(pieces.tok):
-        d = WindowText(pieces.text) if window else pieces.detokenizer()
+        d = WindowText(pieces.text, held=pieces.held) if window else pieces.detokenizer()
         kinds |= 1 if isinstance(d, Utf8Text) else 2
         text = ""
         for k, token in enumerate(ids, 1):
@@ -82,3 +84,22 @@ def test_the_window_stays_short():
     assert text == pieces.text(ids)
     first = len(pieces.tok.encode(" ".join(TEXTS)))
     assert max(lengths) == max(lengths[:first]) < first, (max(lengths), first)
+
+
+@pytest.mark.parametrize("name", ["sentencepiece-like", "llama 2 style (byte fallback)"])
+def test_a_reply_is_the_text_it_adds_to_its_prompt(name):
+    """After a prompt, a reply's text is the whole text less the prompt's (as generate and HF's
+    text-generation pipeline slice it): a first token that begins with a sentencepiece space
+    keeps it, where decoding the reply alone strips it."""
+    pieces = Pieces(TOKENIZERS[name]())
+    prompt, ids = (
+        pieces.tok.encode("héllo wörld,"),
+        pieces.tok.encode("héllo wörld, naïve café 世界"),
+    )
+    assert ids[: len(prompt)] == prompt
+    reply = ids[len(prompt) :]
+    assert pieces.text(reply).startswith("naïve")  # alone: the space stripped
+    d = pieces.detokenizer(prompt)
+    text = "".join(d.add(i) for i in reply) + d.end()
+    whole = pieces.text(prompt + reply)
+    assert text == whole[len(pieces.text(prompt)) :] and text.startswith(" naïve café")

@@ -197,8 +197,8 @@ def test_a_prompt_far_past_the_context_is_refused_before_it_is_encoded(
 
     encoded: list[int] = []
     encode = prompts._encode
-    monkeypatch.setattr(prompts, "_encode", lambda tok, text: (encoded.append(len(text)),
-                                                           encode(tok, text))[1])  # fmt: skip
+    monkeypatch.setattr(prompts, "_encode", lambda tok, text, chat: (encoded.append(len(text)),
+                                                                 encode(tok, text, chat))[1])  # fmt: skip
     with running(byte_level_checkpoint, slots=1) as (url, served):
         most = 128 * served.chars_per_token
         for endpoint, body, param in (
@@ -254,7 +254,7 @@ def test_a_failed_request_is_counted_under_500(long_checkpoint, monkeypatch):
             m.setattr(served.tokenizer, "encode", lambda text: 1 / 0)
             assert_openai_error(ask(url, "completions", body), 500)
         with monkeypatch.context() as m:
-            m.setattr(served.engine, "detokenizer", lambda: WindowText(lambda ids: 1 / 0))
+            m.setattr(served.engine, "detokenizer", lambda prompt: WindowText(lambda ids: 1 / 0))
             chat = {"model": "tiny", "messages": [{"role": "user", "content": "a"}]}
             assert_openai_error(ask(url, "chat", chat), 500)
         assert requests_counted(url) == {("completions", "500"): 1, ("chat", "500"): 1}

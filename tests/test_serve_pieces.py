@@ -7,6 +7,7 @@ official ``openai`` client against a real server."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -56,12 +57,47 @@ def _metaspace_file() -> HFTokenizerFile:
     return HFTokenizerFile(hf)
 
 
+def _llama2_file() -> HFTokenizerFile:
+    """A Llama 2 style tokenizer.json: <0x00>..<0xFF> ordinary tokens of the vocabulary (byte
+    fallback for characters it lacks: 世, 🙂), Metaspace, a decoder that joins byte runs and
+    strips the first space, <s> put in front of a text."""
+    from tokenizers import (
+        AddedToken,
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
+
+    base = Tokenizer(models.BPE(unk_token="<unk>"))
+    base.pre_tokenizer = pre_tokenizers.Metaspace()
+    base.train_from_iterator(["héllo wörld, naïve café\n" * 30], trainers.BpeTrainer(
+        vocab_size=120, show_progress=False, special_tokens=["<unk>", "<s>", "</s>"]))  # fmt: skip
+    trained = json.loads(base.to_str())["model"]
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for piece in sorted(trained["vocab"], key=trained["vocab"].get):
+        vocab.setdefault(piece, len(vocab))
+    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in trained["merges"]]
+    hf = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True,
+                              fuse_unk=True))  # fmt: skip
+    hf.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                           for t in ("<unk>", "<s>", "</s>")])  # fmt: skip
+    hf.pre_tokenizer = pre_tokenizers.Metaspace()
+    hf.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                    decoders.Fuse(), decoders.Strip(" ", 1, 0)])  # fmt: skip
+    hf.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    return HFTokenizerFile(hf, eos_id=2)
+
+
 TOKENIZERS = {
     "ours (byte-level BPE)": bytes_bpe,
     "byte-level tokenizer.json": _byte_level_file,
     "characters": lambda: CharTokenizer.train("héllo 世界🙂!\n"),
     "characters as tokenizer.json (Fuse)": _fuse_file,
     "sentencepiece-like": _metaspace_file,
+    "llama 2 style (byte fallback)": _llama2_file,
 }
 
 
@@ -104,7 +140,7 @@ def test_where_the_text_joins_token_bytes_offsets_from_bytes_equal_the_exact_one
     text; the linear path decodes nothing."""
     tok = make()
     pieces = Pieces(tok)
-    assert pieces.joined == (make is not _metaspace_file)
+    assert pieces.joined == (make not in (_metaspace_file, _llama2_file))
     rng, calls = random.Random(0), []
 
     def counting(ids):

@@ -346,10 +346,10 @@ def create_app(
             return refuse(endpoint, BadRequest(str(e)))
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
-        usage = lambda: {  # noqa: E731
+        usage = lambda: {  # noqa: E731 - an end-of-text token that ended a reply counted
             "prompt_tokens": len(prompt),
-            "completion_tokens": sum(len(s.tokens) for s in seqs),
-            "total_tokens": len(prompt) + sum(len(s.tokens) for s in seqs),
+            "completion_tokens": sum(len(s.tokens) + s.eos for s in seqs),
+            "total_tokens": len(prompt) + sum(len(s.tokens) + s.eos for s in seqs),
         }
         obj = "chat.completion" if chat else "text_completion"
 

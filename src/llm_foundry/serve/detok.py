@@ -19,7 +19,14 @@ adds is whole characters. The window begins a token or more back, so a decoder t
 first token apart (a stripped space) treats the window's first token so on both sides. The
 prefix/read-offset scheme of text-generation-inference and vLLM's detokenizers; exact wherever
 a token changes no text more than a window back (tests/test_serve_detok.py checks it against
-whole decodes for the decoders the project imports).
+whole decodes for the decoders the project imports). Two things it is told:
+
+    context   the prompt's last tokens: the reply's text is what it adds to the prompt's text
+              (as ``generate`` and HF's text-generation pipeline slice it), so a reply whose
+              first token begins with a sentencepiece space keeps it
+    held      byte-fallback tokens (``<0xE4>``): HF's ByteFallback decodes a run of them
+              together, each byte a U+FFFD where the run is not UTF-8, so a byte's text (an
+              ASCII one's too) is final only once a token that is not a byte ends the run
 """
 
 from __future__ import annotations
@@ -48,21 +55,31 @@ class Utf8Text:
         return self.decoder.decode(b"", final=True)
 
 
-class WindowText:
-    """The text of tokens under any ``decode(ids) -> str``, read through a moving window."""
+CONTEXT = 4  # prompt tokens a reply's window begins with
 
-    def __init__(self, decode: Callable[[list[int]], str]):
-        self.decode = decode
-        self.ids: list[int] = []
+
+class WindowText:
+    """The text of tokens under any ``decode(ids) -> str``, read through a moving window, after
+    ``context`` (a prompt's tokens); ``held``: byte-fallback tokens, whose text waits for the
+    end of their run."""
+
+    def __init__(
+        self,
+        decode: Callable[[list[int]], str],
+        context: list[int] | tuple = (),
+        held: frozenset[int] = frozenset(),
+    ):
+        self.decode, self.held = decode, held
+        self.ids: list[int] = list(context[-CONTEXT:])
         self.start = 0  # the window's first token
-        self.read = 0  # tokens whose text was given as final
-        self.known = 0  # len(decode(ids[start:read]))
+        self.read = len(self.ids)  # tokens whose text was given as final (the context's)
+        self.known = len(decode(self.ids)) if self.ids else 0  # len(decode(ids[start:read]))
         self.open = ""  # the window's text past ``known`` while it is not final
 
     def add(self, token: int) -> str:
         self.ids.append(token)
         text = self.decode(self.ids[self.start :])
-        if len(text) <= self.known or text.endswith(UNFINISHED):  # nothing whole yet
+        if len(text) <= self.known or text.endswith(UNFINISHED) or token in self.held:
             self.open = text[self.known :]
             return ""
         new = text[self.known :]

@@ -89,6 +89,7 @@ class Sequence:
     tokens: list[int] = field(default_factory=list)
     sent: int = 0  # characters of the text emitted so far
     detok: object = None  # the reply's text token by token (``detok``), made by the engine
+    eos: bool = False  # ended by an end-of-text token: generated, counted, not in the text
     tail: str = ""  # the final text from character ``base`` on: what stop strings still need
     base: int = 0
     pending: list = field(default_factory=list)  # logprob records not yet sent with text
@@ -131,7 +132,7 @@ class Engine:
         max_context: int | None = None,
         adapters=None,
         cuda_graph: bool = False,
-        detokenizer: Callable[[], Utf8Text | WindowText] | None = None,
+        detokenizer: Callable[[list[int]], Utf8Text | WindowText] | None = None,
     ):
         cfg = model.cfg
         if slots < 1 or max_queue < 0:
@@ -161,8 +162,8 @@ class Engine:
         self._check_memory(cfg, slots, device, dtype, capacity is None)
         self.model, self.tok, self.slots, self.max_queue = model.eval(), tokenizer, slots, max_queue
         self.eos_ids = set(eos_ids)
-        # a new reply's text token by token; default: windows of the tokenizer's decode
-        self.detokenizer = detokenizer or (lambda: WindowText(tokenizer.decode))
+        # a new reply's text token by token after its prompt; default: windows of the decode
+        self.detokenizer = detokenizer or (lambda prompt: WindowText(tokenizer.decode, prompt))
         self.adapters = adapters
         # one busy row decodes through the compiled step, whose fused matvec streams weights
         # faster; batches of rows are matrix products either way and run eager (measured:
@@ -507,11 +508,12 @@ class Engine:
             seq.pending.append((token, float(lp[token]), alternatives))
         if token in self.eos_ids:
             seq.tokens.pop()  # the end of the text, not part of it
+            seq.eos = True
             self._flush(seq, final=True)
             self._finish(seq, "stop")
             return
         if seq.detok is None:
-            seq.detok = self.detokenizer()
+            seq.detok = self.detokenizer(seq.prompt)
         seq.tail += seq.detok.add(token)
         reason = self._flush(seq, final=False)
         if reason is None and len(seq.tokens) >= p.max_tokens:
@@ -528,11 +530,12 @@ class Engine:
         what could still begin a stop string or an unfinished character (``stops.settle``).
         Returns "stop" when a stop string appeared (the text is emitted up to it)."""
         if seq.detok is None:  # a request ended before its first token
-            seq.detok = self.detokenizer()
+            seq.detok = self.detokenizer(seq.prompt)
         if final:
             seq.tail += seq.detok.end()
-        # the text from ``base`` on: settle sees no further back than a stop string reaches
-        text = seq.tail if final else seq.tail + seq.detok.unsettled()
+        # the final text from ``base`` on (what may still change waits): settle sees no further
+        # back than a stop string reaches
+        text = seq.tail
         sent = seq.sent - seq.base
         cut, stopped = settle(text, seq.params.stop, final=final, released=sent)
         if cut > sent or (seq.pending and (final or stopped)):

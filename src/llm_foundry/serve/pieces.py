@@ -10,7 +10,8 @@ in logprobs, read from the tokenizer's pipeline.
                      a special token's own literal (so an alternative such as <eos> is named)
     joined           True where text(ids) is the UTF-8 of the tokens' bytes joined (errors
                      replaced): offsets can then be read from the bytes in linear time
-    detokenizer()    a reply's text token by token (``detok``): from the bytes where joined
+    detokenizer(p)   a reply's text token by token after prompt ``p`` (``detok``): from the
+                     bytes where joined, else a window of ``text`` (byte-fallback tokens held)
 
 Decoders are told apart by a small table keyed by tokenizer.json's decoder type: "ByteLevel"
 (GPT-2's byte alphabet), "Fuse" (pieces joined as they are), and the character tokenizer; any
@@ -21,6 +22,7 @@ the tokenizer's own decode and the exact, general offsets.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 
 from llm_foundry.serve.detok import Utf8Text, WindowText
@@ -53,6 +55,8 @@ def _fuse_bytes(hf) -> Callable[[int], bytes]:
     return lambda i: (hf.id_to_token(i) or "").encode()
 
 
+BYTE_TOKEN = re.compile(r"<0x[0-9A-F]{2}>")  # a byte-fallback token's spelling
+
 # tokenizer.json's decoder type -> the bytes of one token, where decode joins them
 JOINED = {"ByteLevel": _byte_level_bytes, "Fuse": _fuse_bytes}
 
@@ -66,6 +70,7 @@ class Pieces:
         self.specials: frozenset[int] = frozenset()
         self._names: dict[int, str] = {}
         self._bytes: Callable[[int], bytes] | None = None
+        self.byte_tokens: frozenset[int] = frozenset()  # <0xNN> tokens a ByteFallback joins
         hf = getattr(tok, "hf", None)
         if getattr(tok, "kind", "") == "char":
             self._bytes = lambda i: tok.chars[i].encode()
@@ -73,9 +78,16 @@ class Pieces:
             added = hf.get_added_tokens_decoder()
             self._names = {i: t.content for i, t in added.items() if t.special}
             self.specials = frozenset(self._names)
-            decoder = (json.loads(hf.to_str()).get("decoder") or {}).get("type")
+            spec = json.loads(hf.to_str()).get("decoder") or {}
+            decoder = spec.get("type")
             if decoder in JOINED:
                 self._bytes = JOINED[decoder](hf)
+            if "ByteFallback" in {d.get("type") for d in [spec, *spec.get("decoders", [])]}:
+                self.byte_tokens = frozenset(i for t, i in hf.get_vocab().items()
+                                             if BYTE_TOKEN.fullmatch(t))  # fmt: skip
+        # what leaves a byte run open: its bytes, and special tokens (left out of the text, so
+        # the bytes on both sides of one join into one run)
+        self.held = self.byte_tokens | self.specials if self.byte_tokens else frozenset()
         self.joined = self._bytes is not None
 
     def text(self, ids) -> str:
@@ -84,9 +96,11 @@ class Pieces:
             ids = [i for i in ids if i not in self.specials]
         return self.tok.decode(ids)
 
-    def detokenizer(self) -> Utf8Text | WindowText:
-        """A new reply's text as its tokens come (``detok``)."""
-        return Utf8Text(self.token_bytes) if self.joined else WindowText(self.text)
+    def detokenizer(self, prompt: list[int] | tuple = ()) -> Utf8Text | WindowText:
+        """A new reply's text as its tokens come after ``prompt`` (``detok``)."""
+        if self.joined:
+            return Utf8Text(self.token_bytes)
+        return WindowText(self.text, prompt, self.held)
 
     def token_bytes(self, i: int) -> bytes:
         """The bytes token ``i`` adds to the text (none for a special token)."""

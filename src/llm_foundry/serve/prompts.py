@@ -24,20 +24,23 @@ def prompt_ids(served, body: dict, chat: bool) -> list[int]:
             code="context_length_exceeded",
         )  # fmt: skip
     try:
-        return _encode(served.tokenizer, prompt)
+        return _encode(served.tokenizer, prompt, chat)
     except ValueError as e:
         what, param = ("the chat, written in its template,", "messages") if chat else (
             "the prompt", "prompt")  # fmt: skip
         raise BadRequest(f"{what} cannot be encoded: {e}", param) from None
 
 
-def _encode(tok, text: str) -> list[int]:
-    """``text``'s ids, no special tokens added; a Hugging Face tokenizer's through encode_batch,
-    which lets go of the GIL while it works (its encode holds it: the server would stall)."""
+def _encode(tok, text: str, chat: bool) -> list[int]:
+    """``text``'s ids as ``generate`` encodes it: a prompt with the special tokens an HF
+    tokenizer.json adds (a Llama one's BOS; ours add none), a rendered chat with none (its
+    template writes them); a Hugging Face tokenizer's through encode_batch, which lets go of the
+    GIL while it works (its encode holds it: the server would stall)."""
     hf = getattr(tok, "hf", None)
     if hf is None:
         return tok.encode(text)
-    return hf.encode_batch([text], add_special_tokens=False)[0].ids
+    adds = not chat and getattr(tok, "kind", "") == "hf"
+    return hf.encode_batch([text], add_special_tokens=adds)[0].ids
 
 
 def _prompt_text(served, body: dict, chat: bool) -> str | list[int]:
