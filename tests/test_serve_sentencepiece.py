@@ -95,3 +95,17 @@ def test_a_byte_run_an_invalid_byte_breaks_is_shown_as_the_whole_reply_decodes(s
         else:
             got = c.completions.create(**kw).choices[0].text
         assert got == want, (stream, got, want)
+
+
+def test_logprob_token_names_keep_their_sentencepiece_space(server):
+    """Each token named by the text it adds after an ordinary token: joined, the names of a reply
+    of whole-character tokens are its text (decoding a token alone strips its space)."""
+    url, tok, play = server
+    reply = _reply(tok, " naïve café")
+    assert any(tok.hf.id_to_token(i).startswith("▁") for i in reply)
+    play(reply)
+    r = client(url).completions.create(model="tiny", prompt=PROMPT, max_tokens=len(reply),
+                                       logprobs=0)  # fmt: skip
+    choice = r.choices[0]
+    assert choice.text == " naïve café" and "".join(choice.logprobs.tokens) == choice.text
+    assert choice.logprobs.text_offset[0] == 0

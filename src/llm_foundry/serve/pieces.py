@@ -111,5 +111,19 @@ class Pieces:
         return self._bytes(i)
 
     def name(self, i: int) -> str:
-        """Token ``i`` as logprobs show it."""
-        return self._names[i] if i in self._names else self.tok.decode([i])
+        """Token ``i`` as logprobs show it: the text it adds after an ordinary token (a
+        sentencepiece token keeps its space, which decoding it alone strips)."""
+        if i in self._names:
+            return self._names[i]
+        if self.joined or self._anchor is None:
+            return self.tok.decode([i])
+        return self.tok.decode([self._anchor, i])[len(self.tok.decode([self._anchor])) :]
+
+    @property
+    def _anchor(self) -> int | None:
+        """An ordinary token (not special, not a byte) whose text is not empty, once found."""
+        if not hasattr(self, "_anchor_id"):
+            ordinary = (i for i in range(self.tok.vocab_size)
+                        if i not in self.specials and i not in self.held)  # fmt: skip
+            self._anchor_id = next((i for i in ordinary if self.tok.decode([i])), None)
+        return self._anchor_id
