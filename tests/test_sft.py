@@ -680,3 +680,26 @@ def test_prepare_sft_again_is_nothing_to_do_or_refused_as_text_prepares_are(sft_
     rc, err = cli_status([*argv[:-3], str(run)], capsys)
     assert rc == 2 and "is a training run's directory (run.json, checkpoints/)" in err
     assert list(run.iterdir()) == [run / "checkpoints"]
+
+
+def test_text_rows_are_tokenized_as_trl_tokenizes_them():
+    """A prompt/completion row with a Llama 2 style tokenizer (it puts <s> first and a space
+    before every text it encodes): prompt + completion encoded whole, as transformers' tokenizer
+    (and so TRL) encodes it, the completion from where the prompt's ids part; its first target
+    the completion's first word, not a lone space."""
+    transformers = pytest.importorskip("transformers")
+    from test_serve_pieces import _llama2_file
+
+    from llm_foundry.data.sft import encode_row, prompt_completion
+
+    tok = _llama2_file()
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tok.hf)
+    prompt, completion = "héllo wörld,", " naïve café"
+    whole, alone = hf(prompt + completion).input_ids, hf(prompt).input_ids
+    n = next(i for i, (a, b) in enumerate(zip(alone + [-1], whole, strict=False)) if a != b)
+    ids, mask = encode_row(tok, {"prompt": prompt, "completion": completion})
+    assert ids == whole + [tok.eos_id] and ids[0] == 1  # <s> first, </s> last
+    assert mask == [0] * n + [1] * (len(whole) - n + 1)
+    assert hf.convert_ids_to_tokens(ids[n]) == "▁naïve"
+    pair = prompt_completion(tok, prompt, [completion, " café naïve"])
+    assert pair[0] == (ids, mask) and pair[1][0][:n] == ids[:n]  # one prompt for both

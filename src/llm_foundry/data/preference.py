@@ -44,6 +44,7 @@ from llm_foundry.data.encode import token_dtype
 from llm_foundry.data.rows import iter_objects
 from llm_foundry.data.sft import (
     check_messages,
+    prompt_completion,
     publish_prepared,
     segments,
     temporaries,
@@ -120,12 +121,28 @@ class Encoder:
             return []
         return self.tok.encode(text, add_special_tokens=False) if self.hf else self.tok.encode(text)
 
+    def encodes(self, value) -> bool:
+        """Whether the field ``value`` (a text or messages) encodes alone (which one a row's
+        error is in)."""
+        try:
+            for text in [value] if isinstance(value, str) else [m["content"] for m in value]:
+                self._encode(text)
+        except (KeyError, ValueError):
+            return False
+        return True
+
+    def pair(self, prompt, chosen, rejected) -> list[tuple[list[int], list[int]]]:
+        """The (ids, mask) of the chosen and the rejected sequence: text rows as TRL tokenizes
+        them (``sft.prompt_completion``: one prompt, where both part from it), message lists
+        each as ``sequence``."""
+        if isinstance(prompt, str):
+            return prompt_completion(self.tok, prompt, [chosen, rejected])
+        return [self.sequence(prompt, chosen), self.sequence(prompt, rejected)]
+
     def sequence(self, prompt, completion) -> tuple[list[int], list[int]]:
         """``prompt`` and ``completion`` both text or both message lists -> (ids, mask)."""
         if isinstance(prompt, str):
-            p, c = self._encode(prompt), self._encode(completion)
-            eos = [self.tok.eos_id] if getattr(self.tok, "eos_id", None) is not None else []
-            return p + c + eos, [0] * len(p) + [1] * (len(c) + len(eos))
+            return prompt_completion(self.tok, prompt, [completion])[0]
         if self.hf:
             return self._chat(prompt, completion)
         pieces = [(t, False) for t, _ in segments({"messages": prompt})]
@@ -172,12 +189,13 @@ def prepare_preference(
     for split, part in splits.items():
         seqs = []
         for line, row in part:
-            for field in ("chosen", "rejected"):
-                try:
-                    seqs.append(enc.sequence(row["prompt"], row[field]))
-                except (KeyError, ValueError) as e:
-                    raise DataError(f"{jsonl}, line {line}: {field!r} cannot be encoded by "
-                                    f"{tokenizer_file}: {e}") from None  # fmt: skip
+            try:
+                seqs += enc.pair(row["prompt"], row["chosen"], row["rejected"])
+            except (KeyError, ValueError) as e:
+                field = next((f for f in ("prompt", "chosen", "rejected")
+                              if not enc.encodes(row[f])), "prompt")  # fmt: skip
+                raise DataError(f"{jsonl}, line {line}: {field!r} cannot be encoded by "
+                                f"{tokenizer_file}: {e}") from None  # fmt: skip
         encoded[split] = seqs
     out.mkdir(parents=True, exist_ok=True)
     with lock.hold(out, "data directory", readers=True):

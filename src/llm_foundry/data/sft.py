@@ -150,9 +150,36 @@ def segments(row: dict) -> list[tuple[str, bool]]:
     return out
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading ids ``a`` and ``b`` share."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def prompt_completion(tokenizer, prompt: str, completions: list[str]) -> list[tuple[list, list]]:
+    """(ids, mask) of ``prompt`` followed by each of ``completions``, as TRL tokenizes text rows:
+    prompt and prompt + completion each encoded whole, as ``generate`` encodes a prompt (an HF
+    tokenizer's BOS included), the completion starting where the two part (the prompt's ids
+    shared by every completion); the tokenizer's end-of-sequence id, if it has one, ends each as
+    a target. (Encoded alone, a completion would start with a token running text never has: a
+    sentencepiece tokenizer puts a space before every text it encodes.)"""
+    p = tokenizer.encode(prompt) if prompt else []
+    wholes = [tokenizer.encode(prompt + c) for c in completions]
+    n = min(common_prefix(p, w) for w in wholes)
+    eos = [tokenizer.eos_id] if getattr(tokenizer, "eos_id", None) is not None else []
+    return [(w + eos, [0] * n + [1] * (len(w) - n + len(eos))) for w in wholes]
+
+
 def encode_row(tokenizer, row: dict) -> tuple[list[int], list[int]]:
-    """(ids, mask) of one row: each piece encoded alone, mask 1 on target tokens; the tokenizer's
+    """(ids, mask) of one row: a prompt/completion row as ``prompt_completion`` encodes it; a
+    chat row's pieces each encoded alone, mask 1 on target tokens; the tokenizer's
     end-of-sequence id, if it has one, ends the example as a target."""
+    if "messages" not in row:
+        return prompt_completion(tokenizer, row["prompt"], [row["completion"]])[0]
     ids, mask = [], []
     for text, trained in segments(row):
         piece = tokenizer.encode(text) if text else []
@@ -167,12 +194,10 @@ def encode_row(tokenizer, row: dict) -> tuple[list[int], list[int]]:
 def encode_chat(tokenizer, template: str, specials: dict, row: dict) -> tuple[list, list]:
     """(ids, mask) of a chat row under an HF tokenizer's Jinja template: the rendered text
     tokenized as ``apply_chat_template`` does; mask 1 on the tokens of every assistant reply (the
-    characters each reply adds to the rendering). A prompt/completion row is its two pieces."""
+    characters each reply adds to the rendering). A prompt/completion row as TRL tokenizes it
+    (``prompt_completion``)."""
     if "messages" not in row:
-        prompt = tokenizer.encode(row["prompt"], add_special_tokens=False) if row["prompt"] else []
-        completion = tokenizer.encode(row["completion"], add_special_tokens=False)
-        eos = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
-        return prompt + completion + eos, [0] * len(prompt) + [1] * (len(completion) + len(eos))
+        return prompt_completion(tokenizer, row["prompt"], [row["completion"]])[0]
     text, spans = response_spans(template, row["messages"], **specials)
     enc = tokenizer.hf.encode(text, add_special_tokens=False)
     mask = [int(any(a <= start < b for a, b in spans)) for start, _ in enc.offsets]
