@@ -70,3 +70,24 @@ def test_dpo_rows_are_tokenized_with_the_newer_checkpoint_when_training_deletes_
     assert meta["train_pairs"] + meta["val_pairs"] == 8
     assert (data / "tokenizer.json").read_bytes() == run.tok_file.read_bytes()
     assert f"(tokenizer {run.root / 'step_000020' / 'tokenizer.json'})" in capsys.readouterr().out
+
+
+def test_a_fine_tune_records_its_base_as_an_absolute_path(tmp_path, monkeypatch, capsys):
+    """--checkpoint given relative to the working directory: run.json's train.init_from and an
+    exported adapter's base_model_name_or_path name the directory from anywhere (a relative name
+    reads as a hub id elsewhere, and a DPO run reads its reference from it again on resume)."""
+    run = TrainingRun(tmp_path / "run")
+    (tmp_path / "text.txt").write_text(TEXT * 40)
+    prepare(tmp_path / "data", text_files=[tmp_path / "text.txt"], tokenizer="char",
+            progress=False)  # fmt: skip
+    monkeypatch.chdir(tmp_path)
+    argv = ["finetune", "--checkpoint", "run", "--data", "data", "--out", "tuned",
+            "--train.max_steps", "1", "--train.lora_r", "2", "--train.batch_size", "2",
+            "--train.block_size", "16", "--train.eval_batches", "1", "--train.sample_tokens", "0",
+            "--train.progress", "false"]  # fmt: skip
+    assert main(argv) == 0, capsys.readouterr().err
+    recorded = json.loads((tmp_path / "tuned" / "run.json").read_text())["train"]["init_from"]
+    assert recorded == str(run.path.resolve())
+    assert main(["convert", "--to-peft", "tuned", "--out", "adapter"]) == 0
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(run.path.resolve())

@@ -176,8 +176,14 @@ def _main(argv: list[str], finetune: bool, prog: str, ran: dict) -> int:
 
         require_tensorboard()
     if start:  # a run, not the step it resolved to now: its weights are read with a retry
-        init = str(Path(ns.checkpoint))  # should training replace that step (load_any)
+        init = ns.checkpoint  # should training replace that step (load_any)
         train_cfg = type(train_cfg).from_dict({**train_cfg.to_dict(), "init_from": init})
+    if train_cfg.init_from and Path(train_cfg.init_from).exists():
+        # recorded absolute: a resume from another directory (a DPO run reads its reference
+        # from it again) and an exported adapter's base name find it, never a hub id
+        init = str(Path(train_cfg.init_from).resolve())
+        train_cfg = type(train_cfg).from_dict({**train_cfg.to_dict(), "init_from": init})
+    if start:
         if ns.data is None:
             raise ValueError("finetune needs --data: a directory `prepare` wrote with the "
                              "checkpoint's tokenizer (prepare --input FILES or --sft ROWS, "
