@@ -186,3 +186,15 @@ def test_finetune_task_dpo_into_a_data_directory_is_refused_before_preparing(run
     rc, err = cli_status(argv, capsys)
     assert rc != 0 and f"--out {data} is a data directory" in _one_line(err), err
     assert sorted(p.name for p in data.iterdir()) == before
+
+
+@pytest.mark.parametrize("data", ["pairs.jsonl", "shakespeare_prefer_next_line"])
+def test_a_dpo_resume_given_rows_says_it_goes_on_with_the_pairs_it_prepared(runs, data, capsys):
+    """The command a DPO run started with, plus --resume: its rows are not prepared again; one
+    line says the run's own prepared pairs are what it goes on with."""
+    _, _, tuned, _ = runs
+    argv = ["finetune", "--task", "dpo", "--resume", "--out", str(tuned), "--data", data, *QUIET]
+    rc, err = cli_status(argv, capsys)
+    said = (f"--resume: a DPO run goes on with the pairs it prepared ({tuned}/data), not --data "
+            f"{data}: drop --data, or give --data {tuned}/data")  # fmt: skip
+    assert rc != 0 and said in _one_line(err), err

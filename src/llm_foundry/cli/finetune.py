@@ -125,6 +125,10 @@ def main(argv: list[str]) -> int:
               ", settings --train.dpo_*\n")  # fmt: skip
         return train_main(argv, finetune=True)
     ns, rest = _pre_parser().parse_known_args(argv)
+    if ns.task == "dpo" and ns.resume and ns.data is not None and not Path(ns.data).is_dir():
+        run = ns.out or "RUN"  # rows (a file, the shipped task) are prepared when a run starts
+        raise ValueError(f"--resume: a DPO run goes on with the pairs it prepared ({run}/data), "
+                         f"not --data {ns.data}: drop --data, or give --data {run}/data")  # fmt: skip
     if ns.task == "dpo" and not ns.resume:
         ns.out = ns.out or default_out("dpo")
         if ns.data is not None:
