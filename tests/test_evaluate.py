@@ -438,3 +438,23 @@ def test_cli_default_context_is_the_trained_block_size_and_past_it_gets_a_note(c
     assert trained_block_size(ckpt) is None
     assert main(args) == 0
     assert [r["context"] for r in json.loads(capsys.readouterr().out)["results"]] == [64]
+
+
+def test_eval_on_fine_tuning_examples_says_it_scores_them_as_a_stream(tmp_path, capsys):
+    """An SFT data directory (prompts and completions, masked in training) is scored as one
+    token stream all the same, with a note that it is not the fine-tune's val loss."""
+    from llm_foundry.data.sft import prepare_sft
+
+    text = "the quick brown fox jumps over the lazy dog. "
+    tok = CharTokenizer.train(text)
+    save_checkpoint(_model(vocab_size=tok.vocab_size), tmp_path / "ck")
+    tok.save(tmp_path / "ck" / "tokenizer.json")
+    rows = [{"prompt": text[: 5 + i], "completion": text[5 + i : 30 + i]} for i in range(12)]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    prepare_sft(tmp_path / "sft", tmp_path / "rows.jsonl", tmp_path / "ck" / "tokenizer.json",
+                val_fraction=0.5)  # fmt: skip
+    args = ["--checkpoint", str(tmp_path / "ck"), "--data", str(tmp_path / "sft"), "--context", "8"]
+    assert main([*args, "--json"]) == 0
+    notes = json.loads(capsys.readouterr().out)["notes"]
+    assert any("holds fine-tuning examples (prompts and completions): eval scores its tokens as "
+               "one stream" in n for n in notes), notes  # fmt: skip

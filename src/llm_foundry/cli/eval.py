@@ -104,6 +104,10 @@ def past_trained_note(context: int, max_seq_len: int, block: int | None, pos: st
     return None
 
 
+# prepared data of fine-tuning examples, by meta.json's kind: what it holds
+EXAMPLES = {"sft": "fine-tuning examples (prompts and completions)",
+            "preference": "preference pairs (a prompt with its chosen and rejected completion)"}  # fmt: skip
+
 # the flags of each way of evaluating, and what each is about: the other's are refused
 HARNESS_FLAGS = {"limit": "--limit", "num_fewshot": "--num-fewshot",
                  "include_path": "--include-path", "out": "--out"}  # fmt: skip
@@ -218,6 +222,11 @@ def main(argv: list[str]) -> int:
         check_data_tokenizer(f"--data {ns.data}", *data[1:], ckpt, tok, vocab) if data else None
     )
     notes = [checked] if checked else []
+    kind = data[2].get("kind") if data else None
+    if kind in EXAMPLES:  # scored as a stream all the same: said, not refused
+        notes.append(f"note: --data {ns.data} holds {EXAMPLES[kind]}: eval scores its tokens as "
+                     "one stream (prompts included, across examples), not the fine-tune's val "
+                     "loss (completion tokens only, in its metrics.jsonl)")  # fmt: skip
     for note in [info.merged_note(), *notes]:
         if note and not ns.json:
             print(note)
