@@ -114,4 +114,4 @@ def test_an_hf_model_takes_data_prepared_with_its_tokenizer_and_refuses_a_permut
                           str(tmp_path / "no")], capsys)  # fmt: skip
     assert rc == 2 and err.count("\n") == 1, err
     assert f"its tokenizer ({hf / 'tokenizer.json'}) is not the one" in err
-    assert "--tokenizer-from MODEL" in err
+    assert f"--tokenizer-from {hf}" in err  # the model named in the command to run

@@ -120,14 +120,16 @@ def load_initial_weights(model: Transformer, path: Path, tokenizer: Path | None 
     if diff:
         hint = ""
         if source.cfg.vocab_size != model.cfg.vocab_size:
-            hint = f"; the data must be tokenized with that model's tokenizer: {PREPARE_WITH}"
+            how = PREPARE_WITH.replace("MODEL", str(path))
+            hint = f"; the data must be tokenized with that model's tokenizer: {how}"
         raise ConfigError(diff, f"train.init_from {path} holds another model{hint}")
     theirs = loaded.info.checkpoint / "tokenizer.json"
     if tokenizer is not None and not same_tokenizer(theirs, loaded.tokenizer, Path(tokenizer)):
         char = getattr(loaded.tokenizer, "kind", None) == "char"
         how = ("a character model's ids number the characters of its training text: prepare "
                "text of that same set of characters" if char
-               else f"tokenize the data with the model's tokenizer: {PREPARE_WITH}")  # fmt: skip
+               else "tokenize the data with the model's tokenizer: "
+                    + PREPARE_WITH.replace("MODEL", str(path)))  # fmt: skip
         raise ValueError(
             f"train.init_from {path}: its tokenizer ({theirs}) is not the one "
             f"{Path(tokenizer).parent} was prepared with, though both have "
