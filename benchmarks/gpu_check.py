@@ -915,13 +915,9 @@ def decode_contenders(ctx, idx, new, graphs) -> dict:
 
 def agreeing(a: torch.Tensor, b: torch.Tensor, prompt: int) -> int:
     """How many generated tokens of ``a`` equal ``b``'s before the first difference."""
-    a, b = a[0, prompt:].tolist(), b[0, prompt:].tolist()
-    n = 0
-    for u, v in zip(a, b, strict=False):
-        if u != v:
-            break
-        n += 1
-    return n
+    from llm_foundry.data.sft import common_prefix
+
+    return common_prefix(a[0, prompt:].tolist(), b[0, prompt:].tolist())
 
 
 # ----------------------------------------------------------------------------------------------
