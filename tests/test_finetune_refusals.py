@@ -198,3 +198,14 @@ def test_a_dpo_resume_given_rows_says_it_goes_on_with_the_pairs_it_prepared(runs
     said = (f"--resume: a DPO run goes on with the pairs it prepared ({tuned}/data), not --data "
             f"{data}: drop --data, or give --data {tuned}/data")  # fmt: skip
     assert rc != 0 and said in _one_line(err), err
+
+
+def test_finetune_help_lists_task_among_its_options(capsys):
+    """--task is in the usage and the option list (was a line printed above the usage)."""
+    from llm_foundry.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["finetune", "--help"])
+    out = capsys.readouterr().out
+    assert out.startswith("usage: llm-foundry finetune [-h] [--checkpoint DIR] [--task {lm,dpo}]")
+    assert "dpo on preference rows {prompt, chosen, rejected}" in " ".join(out.split())

@@ -119,10 +119,7 @@ def _prepared_from(data: Path, digest: str) -> bool:
 
 
 def main(argv: list[str]) -> int:
-    if "-h" in argv or "--help" in argv:
-        print("--task {lm,dpo}: lm (default) trains on text or SFT rows; dpo on preference rows "
-              '{"prompt", "chosen", "rejected"} (--data ROWS.jsonl or shakespeare_prefer_next_line)'
-              ", settings --train.dpo_*\n")  # fmt: skip
+    if "-h" in argv or "--help" in argv:  # the training command's help lists --task too
         return train_main(argv, finetune=True)
     ns, rest = _pre_parser().parse_known_args(argv)
     if ns.task == "dpo" and ns.resume and ns.data is not None and not Path(ns.data).is_dir():

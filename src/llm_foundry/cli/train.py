@@ -45,6 +45,10 @@ def parser(finetune: bool = False) -> SettingsParser:
             "are masked out of the loss). --train.lora_r R trains low-rank adapters only.",
         )
         p.add_argument("--checkpoint", metavar="DIR", help="the model to start from")
+        # read by finetune's own pre-parser (it never reaches this one): listed for --help
+        p.add_argument("--task", choices=("lm", "dpo"), default="lm", help="lm trains on text "
+                       "or SFT rows; dpo on preference rows {prompt, chosen, rejected} (--data "
+                       "ROWS.jsonl or shakespeare_prefer_next_line), settings --train.dpo_*")  # fmt: skip
     else:
         p = SettingsParser(
             prog="llm-foundry train",
