@@ -209,3 +209,26 @@ def test_finetune_help_lists_task_among_its_options(capsys):
     out = capsys.readouterr().out
     assert out.startswith("usage: llm-foundry finetune [-h] [--checkpoint DIR] [--task {lm,dpo}]")
     assert "dpo on preference rows {prompt, chosen, rejected}" in " ".join(out.split())
+
+
+def test_data_of_another_vocabulary_is_refused_without_a_note_saying_it_was_taken(
+    runs, tmp_path, capsys
+):
+    """Data prepared with another tokenizer (another number of ids) under a fine-tune: the one
+    line refusing it names the model to prepare with, and no note first claims the model took
+    the data's vocabulary."""
+    from llm_foundry.data import prepare
+
+    _, base, _, _ = runs
+    (tmp_path / "t.txt").write_text("abcdefg hij\n" * 300)
+    prepare(tmp_path / "d", text_files=[tmp_path / "t.txt"], tokenizer="char", progress=False)
+    argv = ["finetune", "--checkpoint", str(base), "--data", str(tmp_path / "d"), "--out",
+            str(tmp_path / "x"), *QUIET, "--train.max_steps", "1"]  # fmt: skip
+    from llm_foundry.cli import main
+
+    capsys.readouterr()
+    rc = main(argv)
+    out, err = capsys.readouterr()
+    assert rc != 0 and "model.vocab_size set to" not in out + err, out + err
+    assert f"train.init_from {base} holds another model" in err
+    assert f"--tokenizer-from {base}" in err

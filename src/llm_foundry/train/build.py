@@ -42,7 +42,9 @@ def model_config_for_data(mc: ModelConfig, tc: TrainConfig, meta: dict, data_dir
             "context the model is built for): lower train.block_size or raise model.max_seq_len"
         )
     if mc.vocab_size != meta["vocab_size"]:
-        if int(os.environ.get("RANK", "0")) == 0:  # said once, not by every torchrun rank
+        # said once, not by every torchrun rank; not over init_from's weights, whose vocabulary
+        # the data must have (load_initial_weights refuses it, naming both)
+        if int(os.environ.get("RANK", "0")) == 0 and not tc.init_from:
             log.info(
                 f"note: model.vocab_size set to {meta['vocab_size']} "
                 f"(the tokenizer in {data_dir}; the config said {mc.vocab_size})"
