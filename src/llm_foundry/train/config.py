@@ -90,7 +90,8 @@ class TrainConfig:
     warmup_steps: int = 100  # linear warmup from 0 to lr
     schedule: str = "cosine"  # cosine | linear | constant | wsd (warmup-stable-decay)
     decay_frac: float = 0.2  # wsd: fraction of max_steps spent decaying at the end
-    # AdamW's decoupled decay: on weight matrices, not embedding tables, norms or biases
+    # AdamW's decoupled decay: on weight matrices, not embedding tables, norms or biases (with
+    # optimizer muon, its AdamW group decays the embedding tables too)
     weight_decay: float = 0.1
     optimizer: str = "adamw"  # adamw | muon (Muon on the blocks' 2-D weights, AdamW on the rest)
     muon_lr: float = 0.02  # Muon's peak lr, on the same schedule as lr

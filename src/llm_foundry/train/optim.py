@@ -218,15 +218,14 @@ def muon_groups(model: torch.nn.Module, weight_decay: float, muon_weight_decay: 
                 momentum: float, betas: tuple[float, float], lr_scale: float,
                 ns_dtype: str = "bf16") -> list[dict]:  # fmt: skip
     """The model's trainable parameters in Muon and AdamW groups: Muon takes the 2-D weights of
-    the blocks (attention, MLP, router projections); AdamW decays the other matrices (an untied
-    output head, 3-D expert banks) and leaves embedding tables, norms and biases undecayed, as
-    the AdamW optimizer's groups (``Transformer.param_groups``) do."""
+    the blocks (attention, MLP, router projections); AdamW decays the other matrices (embeddings,
+    output head, 3-D expert banks) and leaves norms and biases undecayed."""
     hidden = muon_params(model)
     ids = {id(p) for p in hidden}
-    tables = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
-    trainable = [p for p in model.parameters() if p.requires_grad and id(p) not in ids]
-    matrices = [p for p in trainable if p.dim() >= 2 and id(p) not in tables]
-    rest = [p for p in trainable if p.dim() < 2 or id(p) in tables]
+    matrices = [
+        p for p in model.parameters() if p.requires_grad and p.dim() >= 2 and id(p) not in ids
+    ]
+    rest = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     return [
         {"params": hidden, "kind": "muon", "weight_decay": muon_weight_decay,
          "momentum": momentum, "lr_scale": lr_scale, "ns_dtype": ns_dtype},
