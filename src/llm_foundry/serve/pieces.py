@@ -21,6 +21,7 @@ the tokenizer's own decode and the exact, general offsets.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Callable
@@ -119,11 +120,9 @@ class Pieces:
             return self.tok.decode([i])
         return self.tok.decode([self._anchor, i])[len(self.tok.decode([self._anchor])) :]
 
-    @property
+    @functools.cached_property
     def _anchor(self) -> int | None:
-        """An ordinary token (not special, not a byte) whose text is not empty, once found."""
-        if not hasattr(self, "_anchor_id"):
-            ordinary = (i for i in range(self.tok.vocab_size)
-                        if i not in self.specials and i not in self.held)  # fmt: skip
-            self._anchor_id = next((i for i in ordinary if self.tok.decode([i])), None)
-        return self._anchor_id
+        """An ordinary token (not special, not a byte) whose text is not empty."""
+        ordinary = (i for i in range(self.tok.vocab_size)
+                    if i not in self.specials and i not in self.held)  # fmt: skip
+        return next((i for i in ordinary if self.tok.decode([i])), None)
