@@ -495,8 +495,10 @@ def train(ctx: Ctx, res: dict, deadline: float, batch: int) -> None:
         res["skipped"].append("nanoGPT: no --nanogpt DIR")
     contenders: list[Contender] = []
     compile_guess = 20.0 if ctx.compile and ctx.cuda else 2.0
+    # the kernel profile says why a speed goal is missed: its time is kept from later contenders
+    reserve = 30.0 if ctx.args.profile and ctx.cuda else 0.0
     for name, make in makers:
-        if ctx.left(deadline) < compile_guess + 10:
+        if ctx.left(deadline) < compile_guess + 10 + (reserve if contenders else 0.0):
             res["skipped"].append(f"{name}: out of time before its warm-up")
             log(f"train {B}x{T}: {name} skipped, out of time")
             continue
@@ -542,7 +544,7 @@ def train(ctx: Ctx, res: dict, deadline: float, batch: int) -> None:
 
     last_round = 0.0
     for r in range(rounds):
-        if r and ctx.left(deadline) < last_round + 2:
+        if r and ctx.left(deadline) < last_round + 2 + reserve:
             res["rounds_cut"] = f"{r} of {rounds} rounds (time budget)"
             break
         t_round = time.perf_counter()
@@ -882,9 +884,9 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 def decode_contenders(ctx, idx, new, graphs) -> dict:
     """(dtype, name) -> (a function decoding ``new`` greedy tokens after ``idx``, its first call's
     guessed seconds), in the order they are warmed up, so that what the time budget leaves out is
-    the least needed: fp32 (the issue's table and exactness against HF), then bf16 (its speed
-    goal: the compiled CUDA-graph step before the plain compiled one), then HF's static cache
-    (compiled by HF) and fp32's compiled CUDA-graph step."""
+    the least needed: bf16 (the speed goal: HF, eager, the CUDA-graph step, then compiled with
+    it), then fp32 (exactness against HF: HF, eager, the CUDA-graph step), then bf16 compiled
+    without graphs, HF's static cache (compiled by HF) and fp32's compiled steps."""
     from llm_foundry.generate import generate
 
     def ours_fn(dname, **kw):
@@ -895,22 +897,27 @@ def decode_contenders(ctx, idx, new, graphs) -> dict:
         return hf_generate_fn(llama_in(ctx, DTYPES[dname])["hf"], idx, new, **kw)
 
     g = {f"{n}={v}": {n: v} for n, v in graphs.items()}
-    fns, last = {}, {}
-    for dname in ("fp32", "bf16"):
+    fns = {}
+    for dname in ("bf16", "fp32"):
         fns[(dname, "HF generate")] = (hf_fn(dname), 3.0)
         fns[(dname, "llm-foundry generate, eager")] = (ours_fn(dname), 3.0)
         for shown, kw in g.items():  # the static step captured eagerly: no compile
             fns[(dname, f"llm-foundry generate, {shown}")] = (ours_fn(dname, **kw), 10.0)
-        if not ctx.compile:
-            continue
-        for shown, kw in g.items():
-            key = (dname, f"llm-foundry generate, compile=True, {shown}")
-            (fns if dname == "bf16" else last)[key] = (ours_fn(dname, compile=True, **kw), 35.0)
-        fns[(dname, "llm-foundry generate, compile=True")] = (ours_fn(dname, compile=True), 35.0)
+        if ctx.compile and dname == "bf16":
+            for shown, kw in g.items():
+                key = (dname, f"llm-foundry generate, compile=True, {shown}")
+                fns[key] = (ours_fn(dname, compile=True, **kw), 35.0)
+    if ctx.compile:
+        fns[("bf16", "llm-foundry generate, compile=True")] = (ours_fn("bf16", compile=True), 35.0)
     if ctx.cuda and not ctx.quick:  # HF compiles its static-cache step (CUDA graphs)
-        key = ("bf16", "HF generate, static cache (compiled by HF)")
-        fns[key] = (hf_fn("bf16", static=True), 60.0)
-    return fns | last
+        fns[("bf16", "HF generate, static cache (compiled by HF)")] = (
+            hf_fn("bf16", static=True), 60.0)  # fmt: skip
+    if ctx.compile:
+        fns[("fp32", "llm-foundry generate, compile=True")] = (ours_fn("fp32", compile=True), 35.0)
+        for shown, kw in g.items():
+            key = ("fp32", f"llm-foundry generate, compile=True, {shown}")
+            fns[key] = (ours_fn("fp32", compile=True, **kw), 35.0)
+    return fns
 
 
 def agreeing(a: torch.Tensor, b: torch.Tensor, prompt: int) -> int:
@@ -1038,7 +1045,7 @@ def section_serve(ctx: Ctx, res: dict, deadline: float) -> None:
     dtype = torch.bfloat16 if (ctx.cuda or ctx.args.serve_dtype == "bf16") else torch.float32
     pair = llama_in(ctx, dtype)
     hf, ours, cfg = pair["hf"], pair["ours"], pair["cfg"]
-    new = 8 if ctx.tiny else 128
+    new = 8 if ctx.tiny else 64  # tokens/s, side by side: 64 leave time for every contender
     levels = serve_levels(ctx)
     prompts = serve_prompts(cfg["vocab_size"], 256, ctx.tiny)
     n_req = lambda c: max(3, 2 * c) if not ctx.quick else max(2, c)
