@@ -34,7 +34,7 @@ timeout is recorded and the next section goes on; what a budget leaves out is na
            compiles) last, as time allows. Tokens/s and whether the greedy tokens equal HF's and
            our eager ones
   serve    the same model in bf16 served in-process at 1/8/32 concurrent clients (a client sends
-           its next request when the last one ends; random prompts of 16-48 tokens, 128 new
+           its next request when the last one ends; random prompts of 16-48 tokens, 64 new
            tokens each, greedy): llm-foundry's engine (serve/engine.py) driven by its own step
            loop in this thread, as `llm-foundry serve` runs it, vs transformers' continuous
            batching (init_continuous_batching, what `transformers serve --continuous-batching`
@@ -43,12 +43,14 @@ timeout is recorded and the next section goes on; what a budget leaves out is na
            time allows, the engine with --compile (1 client) and any CUDA-graph option it has
   train32  the train section at batch 32x1024 (last: it runs as the time budget allows)
 
-    PYTHONPATH=src python benchmarks/gpu_check.py --nanogpt .nanogpt --out gpu_check.json
-    PYTHONPATH=src python benchmarks/gpu_check.py --device cpu --quick   # tiny sizes, a dry run
+    python benchmarks/gpu_check.py --nanogpt .nanogpt --out gpu_check.json
+    python benchmarks/gpu_check.py --device cpu --quick   # tiny sizes, a dry run
 
 On a CPU every size is tiny, one thread, and nothing is compiled unless ``--compile on``.
 ``--quick``: fewer rounds and requests, no HF static cache, no train32. ``--budget`` (default
-290 s) bounds the whole run; a later section gets what is left.
+290 s, under five minutes) bounds the whole run; a later section gets what is left of it, each at
+most its own budget (``--section-budget NAME=SECONDS``). The script imports the project from the
+``src/`` beside it, so a lent machine needs no install.
 """
 
 from __future__ import annotations
@@ -78,6 +80,8 @@ import torch
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
+# the checkout this script sits in is the one measured, installed or not (a lent GPU has no venv)
+sys.path.insert(0, str(ROOT / "src"))
 SECTIONS = ("matmul", "train", "loader", "decode", "serve", "train32")
 PEAK_TFLOPS = 989.0  # H100 SXM bf16 dense (NVIDIA's datasheet; the H200 has the same)
 # seconds each section may take on a GPU; the total is capped by --budget as well
@@ -1361,7 +1365,23 @@ def main() -> int:
         help="train: profile the kernels of nanoGPT's, ours and the fastest step",
     )
     ap.add_argument("--commit", default=None, help="the commit, where the tree has no .git")
+    ap.add_argument(
+        "--section-budget",
+        action="append",
+        default=[],
+        metavar="NAME=SECONDS",
+        help="a section's own budget on a GPU (default: "
+        + ", ".join(f"{k} {v}" for k, v in BUDGETS.items())
+        + ")",
+    )
     args = ap.parse_args()
+    for item in args.section_budget:
+        name, _, sec = item.partition("=")
+        if name not in BUDGETS or not sec.replace(".", "", 1).isdigit():
+            ap.error(
+                f"--section-budget {item!r}: expected NAME=SECONDS, NAME one of {', '.join(BUDGETS)}"
+            )
+        BUDGETS[name] = float(sec)
     args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
     unknown = [s for s in args.sections if s not in SECTIONS]
     if unknown:
