@@ -463,6 +463,7 @@ def test_the_serve_command_starts_a_server_a_client_can_use(checkpoint, tmp_path
         assert "note: --cuda-graph: no CUDA graphs on cpu; the static decode step runs " in err
         assert err.count("note: --cuda-graph") == 1
     assert "capturing" not in out + err and "ready in" not in out + err
+    assert "without --cuda-graph" not in err  # the GPU's note: not on a CPU
 
 
 def test_the_serve_command_refuses_cuda_graph_with_adapters_before_loading(tmp_path, capsys):
@@ -473,6 +474,19 @@ def test_the_serve_command_refuses_cuda_graph_with_adapters_before_loading(tmp_p
     assert main(args) == 2
     err = capsys.readouterr().err
     assert "--cuda-graph with --adapter" in err and "absent" not in err and err.count("\n") == 1
+
+
+def test_a_gpu_served_without_cuda_graphs_is_told_to_add_them():
+    """Eager decoding on a GPU is paced by kernel launches (14x slower for one client on an H100):
+    the command says so there, and only where --cuda-graph would apply."""
+    from llm_foundry.cli.serve import eager_gpu_note
+
+    note = eager_gpu_note("cuda", cuda_graph=False, adapters={})
+    assert note.startswith("note: decoding on cuda without --cuda-graph") and "\n" not in note
+    assert note.endswith("; add --cuda-graph")
+    assert eager_gpu_note("cuda", cuda_graph=True, adapters={}) is None
+    assert eager_gpu_note("cuda", cuda_graph=False, adapters={"a": "dir"}) is None  # refused there
+    assert eager_gpu_note("cpu", cuda_graph=False, adapters={}) is None
 
 
 def test_without_fastapi_the_install_line_is_given(checkpoint, monkeypatch, capsys):
