@@ -212,6 +212,70 @@ def test_rows_that_move_in_the_cache_keep_their_tokens(checkpoint):
         assert served.tokenizer.decode(seqs[i].tokens) == solo(checkpoint, p, room), i
 
 
+class _PoisonRow:
+    """The engine's model, with one batch row's decode-step logits made NaN once ``on``."""
+
+    def __init__(self, model, row: int):
+        self.model, self.row, self.on = model, row, False
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def __call__(self, idx, **kw):
+        out = self.model(idx, **kw)
+        if self.on and idx.shape == (idx.shape[0], 1) and idx.shape[0] > self.row:
+            out[0][self.row] = float("nan")
+        return out
+
+
+def test_greedy_rows_read_as_one_batch_keep_each_request_its_own_fate(checkpoint, monkeypatch):
+    """Greedy rows take their tokens from one read of the batch's argmax (row by row, each
+    row's two reads of the device paced a GPU); a sampled row beside them still samples with its
+    own seed, and a row whose logits turn NaN fails alone, saying why, while the others end with
+    their solo tokens."""
+    from llm_foundry.serve import engine as engine_module
+
+    sampled = []
+    sample_next = engine_module.sample_next
+    monkeypatch.setattr(engine_module, "sample_next",
+                        lambda logits, **kw: sampled.append(kw["temperature"])
+                        or sample_next(logits, **kw))  # fmt: skip
+    served = load_served(checkpoint, slots=3)
+    tok = served.tokenizer
+
+    def run(params: list[Params], poison: int | None = None, after: int = 5):
+        engine = Engine(served.engine.model, tok, slots=3)
+        if poison is not None:
+            engine.model = _PoisonRow(engine.model, poison)
+        ends = {}
+        seqs = [Sequence(tok.encode(PROMPTS[i]), p, lambda k, v, i=i: ends.setdefault(i, v)
+                         if k == "done" else None) for i, p in enumerate(params)]  # fmt: skip
+        engine.submit(seqs)
+        steps = 0
+        while any(not s.finished for s in seqs):
+            engine.step()
+            steps += 1
+            if poison is not None and steps == after:
+                engine.model.on = True
+        return seqs, ends
+
+    params = [Params(max_tokens=20, temperature=0), Params(max_tokens=20, temperature=0),
+              Params(max_tokens=20, temperature=1.0, seed=7)]  # fmt: skip
+    seqs, ends = run(params)
+    assert ends == {0: "length", 1: "length", 2: "length"}
+    # alone: each greedy row's first token (after its prefill) and every token of the sampled one
+    assert sorted(sampled) == [0, 0] + [1.0] * 20
+    for i in (0, 1):
+        assert tok.decode(seqs[i].tokens) == solo(checkpoint, PROMPTS[i], 20), i
+    alone, _ = run([params[2]])  # the seeded row, sampled alone
+    assert seqs[2].tokens == alone[0].tokens
+    seqs, ends = run(params, poison=1)
+    assert ends[1].startswith("error: ValueError: the model produced non-finite logits (NaN)")
+    assert ends[0] == ends[2] == "length" and 0 < len(seqs[1].tokens) < 20
+    assert tok.decode(seqs[0].tokens) == solo(checkpoint, PROMPTS[0], 20)
+    assert seqs[2].tokens == alone[0].tokens
+
+
 class _Replays:
     """Stands in for a CUDA graph on the CPU: "captured" once, each replay runs the static step."""
 

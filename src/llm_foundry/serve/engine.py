@@ -387,8 +387,20 @@ class Engine:
         self.t += 1
         self.stats.decode_steps += 1
         self.stats.busy_slot_steps += len(active)
+        picks = self._greedy_picks(logits, active)
         for r in active:
-            self._accept(self.rows[r], logits[r : r + 1])
+            self._accept(self.rows[r], logits[r : r + 1], picks.get(r))
+
+    def _greedy_picks(self, logits: torch.Tensor, active: list[int]) -> dict[int, int]:
+        """Row -> token for the greedy rows whose logits are finite, read from the device once
+        for the batch (row by row, two reads each paced a GPU's decoding at many clients); a row
+        left out samples alone, and says why it cannot."""
+        greedy = [r for r in active if self.rows[r].params.temperature == 0]
+        if not greedy:
+            return {}
+        sub = logits[greedy]
+        tokens, finite = torch.stack([sub.argmax(-1), torch.isfinite(sub.amax(-1))]).tolist()
+        return {r: t for r, t, ok in zip(greedy, tokens, finite, strict=True) if ok}
 
     def _static_step(self, b: int, last: torch.Tensor, t: int, pad: torch.Tensor):
         """The logits (b, V) of the static step over rows 0..b-1 (its graph replayed on CUDA),
@@ -470,25 +482,21 @@ class Engine:
                 self.pad[r] += d
         self.t = t + d
 
-    def _accept(self, seq: Sequence, logits: torch.Tensor) -> None:
-        """Pick ``seq``'s next token from its logits (1, V), emit the text that is final; what
-        fails here fails this request only."""
+    def _accept(self, seq: Sequence, logits: torch.Tensor, pick: int | None = None) -> None:
+        """Pick ``seq``'s next token from its logits (1, V) (or take ``pick``, its greedy token
+        read with the batch's), emit the text that is final; what fails here fails this request
+        only."""
         try:
-            self._next_token(seq, logits)
+            self._next_token(seq, logits, pick)
         except Exception as e:  # noqa: BLE001 - sampling, decoding, the client's queue
             self._finish(seq, _error(e))
 
-    def _next_token(self, seq: Sequence, logits: torch.Tensor) -> None:
+    def _next_token(self, seq: Sequence, logits: torch.Tensor, pick: int | None) -> None:
         p = seq.params
-        token = int(
-            sample_next(
-                logits,
-                temperature=p.temperature,
-                top_k=p.top_k,
-                top_p=p.top_p,
-                generator=seq.generator,
-            )[0]  # fmt: skip
-        )
+        token = pick
+        if token is None:
+            token = int(sample_next(logits, temperature=p.temperature, top_k=p.top_k,
+                                    top_p=p.top_p, generator=seq.generator)[0])  # fmt: skip
         now = time.perf_counter()
         if seq.first_token_s is None:
             seq.first_token_s = now - seq.submitted
