@@ -212,6 +212,50 @@ def test_an_error_from_the_server_is_shown_as_a_message(server, page):
     )
 
 
+@pytest.mark.parametrize("typed, asked", [("1e1", 10), ("1.2e1", 12)])
+def test_max_tokens_typed_in_exponent_form_asks_for_that_many_tokens(server, page, typed, asked):
+    """The number field takes "1e1" as 10: the page sends that number, not the text's leading
+    digit (1), which would cut the reply after one token without a word."""
+    url, _ = server
+    turn = [{"role": "user", "content": "ROMEO:"}]
+    want = visible(api_reply(url, turn, asked))
+    assert want != visible(api_reply(url, turn, 1))  # else the check below could not fail
+    field(page, "max-tokens", typed)
+    say(page, "ROMEO:")
+    assert finished_reply(page) == want
+
+
+@pytest.mark.parametrize(
+    "element_id, typed, said",
+    [("max-tokens", "2.5", "max tokens must be a whole number >= 1 (or empty, for a reply up "
+      "to the end of the context), got 2.5"),
+     ("max-tokens", "0", "max tokens must be a whole number >= 1 (or empty, for a reply up to "
+      "the end of the context), got 0"),
+     ("max-tokens", "1e", "max tokens: the field holds no number"),
+     ("temperature", "1e", "temperature: the field holds no number")],
+    ids=["max-tokens=2.5", "max-tokens=0", "max-tokens=1e", "temperature=1e"],
+)  # fmt: skip
+def test_a_setting_the_page_cannot_send_is_an_error_and_the_message_waits(
+    server, page, element_id, typed, said
+):
+    """A non-integer or too small max tokens, or a field the browser reads no number from, is
+    shown as an error naming the field; nothing is sent and the typed message stays in the box,
+    to go once the field is fixed."""
+    url, _ = server
+    field(page, element_id, typed)
+    say(page, "Hello")
+    wait(page, lambda b: b.find_elements(By.CSS_SELECTOR, ".message.error"), "the error")
+    assert [m.text for m in page.find_elements(By.CSS_SELECTOR, ".message")] == [said]
+    assert page.find_element(By.ID, "input").get_attribute("value") == "Hello"
+    field(page, element_id, "0" if element_id == "temperature" else "20")
+    field(page, "max-tokens", "20")
+    page.find_element(By.ID, "input").send_keys(Keys.ENTER)
+    assert finished_reply(page) == visible(
+        api_reply(url, [{"role": "user", "content": "Hello"}], 20)
+    )
+    assert [m.text for m in page.find_elements(By.CSS_SELECTOR, ".message.user")] == ["Hello"]
+
+
 def test_the_adapter_picked_in_the_page_is_the_one_that_answers(checkpoint, browser, tmp_path):
     """Served with an adapter (`serve --adapter tuned=DIR`): the page lists the base and the
     adapter, and the one picked answers as the API does under that name."""
