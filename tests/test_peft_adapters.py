@@ -195,3 +195,42 @@ def test_an_adapter_on_a_module_hf_fuses_says_why_it_cannot_be_carried(
     assert "\n" not in message and said in message
     assert message.endswith("(llama, mistral, qwen3, mixtral, qwen3_moe), or fine-tune here "
                             "with finetune --lora and export it")  # fmt: skip
+
+
+def test_convert_to_peft_names_a_relative_peft_base_by_its_absolute_path(
+    tmp_path, monkeypatch, capsys
+):
+    """``convert --to-peft CKPT --peft-base hf-base`` typed from the base's parent directory:
+    adapter_config.json names the base by its absolute path, so AutoPeftModelForCausalLM loads
+    it from any other directory (a relative name would be read from there, or taken for a Hub
+    id), with the checkpoint's logits; a name that is no directory, a Hub id, is kept as given."""
+    from llm_foundry.checkpoint import save_checkpoint
+    from llm_foundry.cli import main
+    from llm_foundry.loading import load_any
+
+    tiny_hf_llama().save_pretrained(tmp_path / "hf-base")
+    ours = from_hf(tiny_hf_llama())
+    add_lora(ours, ("wq", "wv", "w2"), r=4, alpha=8)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # B is zero at init: an adapter that changes nothing would prove little
+        for lora in lora_layers(ours).values():
+            lora.lora_B.copy_(torch.randn(lora.lora_B.shape, generator=g) * 0.3)
+    save_checkpoint(ours, tmp_path / "tuned")
+    monkeypatch.chdir(tmp_path)
+    argv = ["convert", "--to-peft", "tuned", "--out", "adapter", "--peft-base", "hf-base"]
+    assert main(argv) == 0
+    base = (tmp_path / "hf-base").resolve()
+    assert f"for the base {base}" in capsys.readouterr().out
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(base)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    loaded = peft.AutoPeftModelForCausalLM.from_pretrained(str(tmp_path / "adapter")).eval()
+    x = torch.randint(0, 61, (1, 12))
+    with torch.no_grad():
+        want = load_any(tmp_path / "tuned").model(x)[0]
+        assert (loaded(input_ids=x).logits - want).abs().max().item() <= TOL
+    save_adapter(ours, tmp_path / "hub", base="some-org/some-model")
+    config = json.loads((tmp_path / "hub" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == "some-org/some-model"

@@ -63,11 +63,12 @@ def convert_to_peft(src: str | Path, out_dir: str | Path, family: str | None = N
     """``llm-foundry convert --to-peft RUN --out DIR``: the LoRA adapters of a fine-tuning run or
     checkpoint alone, in PEFT's format for the HF export of the base it was tuned from. The base
     adapter_config.json names (what ``AutoPeftModelForCausalLM`` loads) is ``base``, an HF
-    directory of the run's architecture, else the run's train.init_from as recorded. Returns
+    directory of the run's architecture, else the run's train.init_from as recorded; a directory
+    is named by its absolute path (``base_reference``). Returns
     what was written: the settings, the base named, whether transformers can load it
     (``base_is_hf``)."""
     from llm_foundry.checkpoint import load_checkpoint, read_lora
-    from llm_foundry.interop.peft import save_adapter
+    from llm_foundry.interop.peft import base_reference, save_adapter
     from llm_foundry.loading import checkpoint_kind
     from llm_foundry.outputs import check_new_output, new_directory
     from llm_foundry.rundir import CHECKPOINTS, read_checkpoint, read_run_info
@@ -91,6 +92,7 @@ def convert_to_peft(src: str | Path, out_dir: str | Path, family: str | None = N
         run = ckpt.parent.parent if ckpt.parent.name == CHECKPOINTS else None
         train = (read_run_info(run).get("train") or {}) if run else {}
         base = str(train.get("init_from") or "")
+    base = base_reference(base)  # a directory as its absolute path, as the adapter records it
     with new_directory(out_dir) as tmp:
         save_adapter(model, tmp, family, base=base)
     return {"from": str(src), "to": str(out_dir), "lora": lora, "base": base,

@@ -77,8 +77,16 @@ def _modules(cfg, family: str | None):
     return fam, out, other
 
 
+def base_reference(base: str) -> str:
+    """``base`` as adapter_config.json's base_model_name_or_path records it: a local directory as
+    its absolute path (a relative one would be read from wherever the adapter is loaded, or
+    taken for a Hub id), anything else (a Hub id, "") as given."""
+    return str(Path(base).resolve()) if base and Path(base).is_dir() else base
+
+
 def save_adapter(model, out_dir: str | Path, family: str | None = None, base: str = "") -> Path:
-    """Write ``model``'s LoRAs as a PEFT adapter for the HF export of its base (``to_hf``)."""
+    """Write ``model``'s LoRAs as a PEFT adapter for the HF export of its base (``to_hf``),
+    named by ``base`` (``base_reference``)."""
     layers = lora_layers(model)
     if not layers:
         raise ValueError("the model has no LoRA adapters to save (add them with add_lora)")
@@ -102,7 +110,7 @@ def save_adapter(model, out_dir: str | Path, family: str | None = None, base: st
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": base,
+        "base_model_name_or_path": base_reference(base),
         "r": r,
         "lora_alpha": alpha,
         "lora_dropout": dropout,
