@@ -644,10 +644,49 @@ def test_a_lora_checkpoint_as_adapter_goes_on_its_base_and_no_other(tiny_config,
     save_checkpoint(Transformer(tiny_config(dim=64)), tmp_path / "wider")
     with pytest.raises(ValueError, match=r"trained on another model \(dim: 32 there, 64 here"):
         load_any(tmp_path / "wider", adapter=tmp_path / "tuned")
-    with pytest.raises(ValueError, match="carries LoRA adapters of its own"):
-        load_any(tmp_path / "tuned", adapter=tmp_path / "tuned")
+    # a LoRA run's adapters over itself merged: over other weights than their base, said so
+    _, _, info = load_any(tmp_path / "tuned", adapter=tmp_path / "tuned")
+    note = info.merged_note()
+    assert note.startswith(f"merged the LoRA adapters of {tmp_path / 'tuned'} (r=4")
+    assert "; then merged the LoRA adapters of" in note and "other base weights" in note
     with pytest.raises(ValueError, match="neither a PEFT adapter"):
         load_any(tmp_path / "base", adapter=tmp_path / "base")
+
+
+def test_an_adapter_trained_over_a_lora_run_goes_over_its_merged_adapters(tiny_config, tmp_path,
+                                                                          caplog):  # fmt: skip
+    """SFT then DPO, each with LoRA: the second run starts from the first (its adapters merged)
+    and its adapters go back over that run as they were trained, said in one line for both; a
+    run started from a LoRA run says it merged them, as every reader of one does."""
+    import logging
+
+    from llm_foundry.checkpoint import save_checkpoint
+    from llm_foundry.loading import load_any
+    from llm_foundry.train.build import load_initial_weights
+
+    torch.manual_seed(0)
+    sft = Transformer(tiny_config()).eval()
+    add_lora(sft, ("wq", "wv"), r=4, alpha=8)
+    _randomise(sft, seed=4)
+    save_checkpoint(sft, tmp_path / "sft")
+    dpo = Transformer(tiny_config()).eval()
+    with caplog.at_level(logging.INFO, logger="llm_foundry"):
+        load_initial_weights(dpo, tmp_path / "sft")  # as finetune --checkpoint sft starts
+    said = [r.getMessage() for r in caplog.records if "merged the LoRA" in r.getMessage()]
+    assert said == ["merged the LoRA adapters (r=4, alpha=8, on wq, wv) into the base weights: "
+                    "widen(W) + s·B·A"]  # fmt: skip
+    add_lora(dpo, ("wo", "w1"), r=2, alpha=4)
+    _randomise(dpo, seed=5)
+    save_checkpoint(dpo, tmp_path / "dpo")
+    idx = torch.randint(0, 37, (2, 9))
+    with torch.no_grad():
+        want = dpo(idx)[0]
+        model, _, info = load_any(tmp_path / "sft", adapter=tmp_path / "dpo")
+        torch.testing.assert_close(model(idx)[0], want, atol=1e-5, rtol=1e-5)
+    note = info.merged_note()
+    assert note.startswith(f"merged the LoRA adapters of {tmp_path / 'sft'} (r=4, alpha=8, on ")
+    assert f"; then merged the LoRA adapters of {tmp_path / 'dpo'} (r=2, alpha=4, on " in note
+    assert "other base" not in note and "\n" not in note
 
 
 @pytest.mark.parametrize("base_dtype", ["fp32", "bf16", "int8"])

@@ -316,10 +316,11 @@ def test_the_serve_command_with_compile_serves_each_adapter(base, wanted):
     assert "adapters qv, mlp, run)" in out, err
 
 
-def test_a_lora_run_as_the_base_is_merged_with_its_line_and_takes_no_adapter(base, tmp_path,
-                                                                            capsys):  # fmt: skip
-    """As generate: a LoRA run served is its adapters merged, said in a line; an adapter over
-    it (which would go over its merged ones) is refused in one line."""
+def test_a_lora_run_as_the_base_is_merged_with_its_line_and_takes_adapters_over_it(base,
+                                                                                  tmp_path,
+                                                                                  capsys):  # fmt: skip
+    """As generate: a LoRA run served is its adapters merged, said in a line; adapters go over
+    it (a DPO adapter trained on an SFT run), served unmerged as over any base."""
     import shutil
 
     from llm_foundry.cli.__init__ import show_library_messages
@@ -331,8 +332,13 @@ def test_a_lora_run_as_the_base_is_merged_with_its_line_and_takes_no_adapter(bas
     capsys.readouterr()
     load_served(run, slots=1)
     assert "merged the LoRA adapters (r=8, alpha=4, on lm_head, w2, wq)" in capsys.readouterr().out
-    err = _refusal(["--checkpoint", str(run), "--adapter", f"qv={adapters['qv']}"], capsys)
-    assert "carries LoRA adapters of its own (merged on load); give the base model" in err
+    served = load_served(run, slots=2, adapters={"qv": adapters["qv"]})
+    assert "merged the LoRA adapters (r=8, alpha=4, on lm_head, w2, wq)" in capsys.readouterr().out
+    assert served.adapters == ["qv"]
+    texts, _ = run_engine(served.engine, [(1, PROMPTS[2], LENGTHS[2]), (0, PROMPTS[1], LENGTHS[1])])
+    over = load_any(run, adapter=adapters["qv"]).model  # qv merged over the run's merged weights
+    assert texts == [greedy(over, tok, PROMPTS[2], LENGTHS[2]),
+                     greedy(load_any(run).model, tok, PROMPTS[1], LENGTHS[1])]  # fmt: skip
 
 
 def test_an_adapter_run_over_other_base_weights_or_a_rounded_base_is_noted(base, tmp_path,

@@ -98,15 +98,15 @@ class CheckpointInfo:
     adapter: Path | None = None  # the adapter directory put on the model, when one was given
 
     def merged_note(self) -> str | None:
-        """One line saying that LoRA adapters were merged into the model (None: there were
-        none)."""
+        """One line saying that LoRA adapters were merged into the model, a LoRA run's own first
+        where an adapter went over them (None: there were none)."""
         from llm_foundry.models.lora import describe_merge
 
-        return (
-            describe_merge(self.lora, str(self.adapter) if self.adapter else None)
-            if self.lora
-            else None
-        )
+        if not self.lora:
+            return None
+        note = describe_merge(self.lora, str(self.adapter) if self.adapter else None)
+        over = self.lora.get("over")
+        return f"{describe_merge(over, str(self.checkpoint))}; then {note}" if over else note
 
 
 class Loaded(NamedTuple):
@@ -161,10 +161,10 @@ def _load(given: Path, ckpt: Path, device, tokenizer, quantize, group_size, adap
         from llm_foundry.interop.hf import from_hf
 
         model = from_hf(ckpt).to(device).eval()
-    if adapter is not None:
-        if lora:
-            raise lora_base_refused(f"--adapter {adapter}", ckpt)
-        lora = put_adapter(model, adapter)
+    if adapter is not None:  # over a LoRA run: over its adapters, merged (SFT, then DPO on it)
+        merged, lora = lora, put_adapter(model, adapter)
+        if merged:
+            lora["over"] = merged
     if quantize:
         from llm_foundry.models.quant import quantize_model
 
@@ -192,13 +192,6 @@ def _load(given: Path, ckpt: Path, device, tokenizer, quantize, group_size, adap
     run = given if ckpt != given and (given / CHECKPOINTS).is_dir() else None
     info = CheckpointInfo(kind, ckpt, run, eos, meta, lora, Path(adapter) if adapter else None)
     return Loaded(model.eval(), tok, info)
-
-
-def lora_base_refused(flag: str, ckpt: Path) -> ValueError:
-    """The error for an adapter given over ``ckpt``, itself a LoRA run (its adapters merged on
-    load: another would go over them)."""
-    return ValueError(f"{flag}: {ckpt} carries LoRA adapters of its own (merged on load); give "
-                      "the base model it was fine-tuned from")  # fmt: skip
 
 
 def put_adapter(model, adapter: str | Path) -> dict:

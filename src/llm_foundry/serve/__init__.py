@@ -64,11 +64,7 @@ def load_served(checkpoint: str | Path, slots: int = 8, max_queue: int = 64,
     from llm_foundry.tokenizer_files import chat_format
 
     model, tok, info = load_any(checkpoint, device, quantize=quantize, group_size=group_size)
-    if info.lora and adapters:  # an adapter would go over the run's own, merged
-        from llm_foundry.loading import lora_base_refused
-
-        raise lora_base_refused(f"--adapter {next(iter(adapters))}=...", info.checkpoint)
-    if info.lora:  # as every command that reads a LoRA run says it
+    if info.lora:  # as every command that reads a LoRA run says it (adapters go over them)
         log.info(info.merged_note())
     rows = None
     if adapters:

@@ -108,12 +108,14 @@ PREPARE_WITH = ("prepare --input FILES --tokenizer-from MODEL (chat/SFT rows: pr
                 "--tokenizer-from MODEL)")  # fmt: skip
 
 
-def load_initial_weights(model: Transformer, path: Path, tokenizer: Path | None = None) -> None:
+def load_initial_weights(model: Transformer, path: Path, tokenizer: Path | None = None,
+                         say: bool = True) -> None:  # fmt: skip
     """Put the weights in ``path`` on ``model``: a run, one of our checkpoints (LoRA adapters
     merged) or an HF transformers directory, read by the one loader (``loading.load_any``). The
     model must be the one they were saved from, up to settings no weight depends on (a longer
     context for relative positions), and the data's ``tokenizer`` file (when given) the one the
-    weights were trained with (``same_tokenizer``); quantized weights cannot be trained."""
+    weights were trained with (``same_tokenizer``); quantized weights cannot be trained. A LoRA
+    run's adapters are merged, said in a line unless not ``say`` (a second copy)."""
     checkpoint_dir(path, "train.init_from")  # a path that names no checkpoint: said as such
     # a run is read through its latest checkpoint, resolved again if training replaces it
     loaded = load_any(path, full_precision="train.init_from")
@@ -139,6 +141,8 @@ def load_initial_weights(model: Transformer, path: Path, tokenizer: Path | None 
         )
     with torch.no_grad():
         model.load_state_dict(source.state_dict())
+    if say and loaded.info.lora:  # a LoRA run starts this one with its adapters merged
+        log.info(loaded.info.merged_note())
 
 
 def same_tokenizer(file: Path, tok, data_file: Path) -> bool:

@@ -78,7 +78,7 @@ def frozen_copy(model_cfg, init_from: str | Path, device: torch.device) -> Trans
     from llm_foundry.train.build import load_initial_weights
 
     model = Transformer(model_cfg).to(device)
-    load_initial_weights(model, Path(init_from))
+    load_initial_weights(model, Path(init_from), say=False)  # the trained copy said it
     return model.eval().requires_grad_(False)
 
 
