@@ -23,8 +23,8 @@ RECIPES = ("pretrain-124m-gpt2", "pretrain-124m-llama")
 GPT2_PADDED = 124_475_904
 # what each recipe must keep when the test shrinks it: the architecture, not the sizes
 ARCHITECTURE = ("pos_encoding", "norm", "norm_position", "mlp", "gelu_approx", "attn_bias",
-                "mlp_bias", "tie_embeddings", "max_seq_len")  # fmt: skip
-SHRINK = ["--model.n_layers", "2", "--model.dim", "64", "--model.n_heads", "2",
+                "mlp_bias", "tie_embeddings", "max_seq_len", "n_kv_heads")  # fmt: skip
+SHRINK = ["--model.n_layers", "2", "--model.dim", "64", "--model.n_heads", "4",
           "--model.hidden_dim", "172", "--model.vocab_size", "512",
           "--train.block_size", "64", "--train.batch_size", "4", "--train.grad_accum", "1",
           "--train.max_steps", "10", "--train.warmup_steps", "2", "--train.eval_interval", "5",
@@ -64,7 +64,12 @@ def test_the_recipes_ship_by_name():
 
 @pytest.mark.parametrize("name", RECIPES)
 def test_each_recipe_is_124m_as_transformers_counts_it(name):
-    settings = resolve(files=[name])
+    """As `train --config NAME` resolves it (over the default preset, which a file describing a
+    model replaces: none of its fields, such as 2 KV heads, leak in) and `params` counts it."""
+    from llm_foundry.cli.train import DEFAULT_PRESET
+
+    settings = resolve(files=[name], default_preset=DEFAULT_PRESET)
+    assert settings.model == resolve(files=[name]).model
     model, train = settings.model, settings.train
     hf_total = sum(p.numel() for p in hf_model(name).parameters())  # tied: counted once
     assert param_report(model)["total"] == hf_total

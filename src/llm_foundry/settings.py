@@ -169,7 +169,9 @@ def resolve(
     """Resolve the settings of one run.
 
     The model starts from ``preset`` (given here or as a config file's ``preset:``), else
-    ``base_model`` (e.g. a resumed run's), else ``default_preset``, else ``ModelConfig()``;
+    ``base_model`` (e.g. a resumed run's), else ``default_preset`` unless a config file describes
+    a model (its fields left out keep ``ModelConfig``'s defaults, as ``params`` counts them, not
+    the default preset's), else ``ModelConfig()``;
     training starts from ``base_train`` or ``TrainConfig()``. Then each config file's sections
     apply in order, then ``overrides``. Only the fields given change: ``n_kv_heads`` left out
     keeps a multi-head base multi-head when ``n_heads`` changes.
@@ -178,6 +180,8 @@ def resolve(
     extra: dict[str, Any] = {}
     for file in files:
         conf = read_config_file(file)
+        if conf.get("model"):  # the file is the model: nothing of the default preset leaks in
+            default_preset = None
         for section in SECTIONS:
             given[section].update(conf.get(section) or {})
         extra.update({k: v for k, v in conf.items() if k not in SECTIONS})
