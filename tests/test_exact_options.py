@@ -22,6 +22,11 @@ from llm_foundry.cli.options import SettingsParser, flag_hint
         (["params", "--preset", "gpt2", "--model.hidden", "100"], "--model.hidden 100",
          "did you mean --model.hidden_dim or --model.expert_hidden_dim?"),
         (["bench", "attention", "--seq", "16"], "--seq 16", "did you mean --seq-lens?"),
+        # ablate's way of setting a field, given to train: its own flag, not --preset
+        (["train", "--set", "train.max_steps=3"], "--set train.max_steps=3",
+         "did you mean --train.max_steps 3?"),
+        (["train", "--set=model.n_layers=4"], "--set=model.n_layers=4",
+         "did you mean --model.n_layers 4?"),
     ],
 )  # fmt: skip
 def test_a_prefix_of_an_option_is_refused_naming_it_and_the_options_meant(

@@ -36,6 +36,11 @@ class SettingsParser(argparse.ArgumentParser):
         if not message.startswith("unrecognized arguments:"):
             return ""
         options = [o for o in self._option_string_actions if o.startswith("--")]
+        # ablate's --set SECTION.FIELD=V, given to a command that takes --SECTION.FIELD V
+        if (m := re.search(r"--set[= ]((?:model|train)\.\w+)=(\S*)", message)) and (
+            f"--{m[1]}" in options
+        ):
+            return f" (did you mean --{m[1]} {m[2]}?)"
         for arg in message.partition(":")[2].split():
             flag = arg.partition("=")[0]
             if not flag.startswith("--") or re.match(r"--(model|train)\.", flag):
