@@ -190,5 +190,42 @@ def test_phi3_is_chosen_by_name_and_refuses_what_it_lacks(phi3):
     cfg = ModelConfig(vocab_size=97, dim=64, n_layers=1, n_heads=4, hidden_dim=96)
     assert type(config_to_hf(cfg)).__name__ == "LlamaConfig"  # registered first, fits first
     assert type(config_to_hf(cfg, family="phi3")).__name__ == "Phi3Config"
-    with pytest.raises(ConversionError, match=r"phi3: attn_bias=True blocks export"):
+    with pytest.raises(ConversionError, match=r"as phi3: attn_bias=True blocks export"):
         config_to_hf(cfg.replace(attn_bias=True), family="phi3")
+
+
+def _exports_as(cfg: ModelConfig, family: str) -> bool:
+    try:
+        config_to_hf(cfg, family=family)
+    except ConversionError:
+        return False
+    return True
+
+
+def test_a_family_asked_for_that_cannot_represent_the_model_says_why_and_which_can():
+    """A family asked for by name (convert --family) that cannot represent the config is named
+    with what blocks it and the families that can (each checked to export), not called "no
+    family"; with none that can, it says so."""
+    from llm_foundry.presets import get_preset
+
+    cfg = ModelConfig(vocab_size=97, dim=64, n_layers=1, n_heads=4, n_kv_heads=2, hidden_dim=96)
+    can = [name for name in FAMILIES if _exports_as(cfg, name)]
+    assert "llama" in can and "qwen3" not in can
+    with pytest.raises(ConversionError) as e:
+        config_to_hf(cfg, family="qwen3")
+    assert str(e.value) == (
+        "cannot export to Hugging Face as qwen3: qk_norm=False blocks export (needs True (Qwen3 "
+        f"always normalises q and k)); {', '.join(can)} can represent this config exactly"
+    )
+    with pytest.raises(ConversionError) as e:  # several problems: one line each, under the head
+        config_to_hf(cfg, family="gpt2")
+    head, *lines = str(e.value).split("\n")
+    assert head == (f"cannot export to Hugging Face as gpt2 ({len(lines)} problems; "
+                    f"{', '.join(can)} can represent this config exactly):")  # fmt: skip
+    assert len(lines) > 1 and "  - pos_encoding='rope' blocks export (needs 'learned')" in lines
+    shared = get_preset("moe-shakespeare-char", n_shared_experts=1)
+    assert not any(_exports_as(shared, name) for name in FAMILIES)
+    with pytest.raises(ConversionError) as e:
+        config_to_hf(shared, family="mixtral")
+    assert str(e.value).startswith("cannot export to Hugging Face as mixtral: n_shared_experts=1")
+    assert str(e.value).endswith("; no other family can represent this config exactly either")

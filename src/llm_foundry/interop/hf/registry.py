@@ -53,17 +53,41 @@ def family_of(hf_config: Any) -> Family:
     return FAMILIES[model_type]
 
 
+def _fitting(cfg: ModelConfig) -> list[str]:
+    """The families that represent ``cfg`` exactly, in export order."""
+    return [n for n in export_order(cfg.pos_encoding) if not unmet(cfg, FAMILIES[n].needs)]
+
+
 def choose_family(cfg: ModelConfig, family: str | None = None) -> Family:
     """The HF family that represents ``cfg`` exactly (``family`` forces one, by model_type);
-    ``ConversionError`` naming each field that blocks export."""
+    ``ConversionError`` naming each field that blocks export (and, for a family asked for,
+    the families that can)."""
     fail(unmet(cfg, common_needs()), "cannot export to Hugging Face")
     if family is not None and family not in FAMILIES:
         raise ConversionError(f"family={family!r} is not one of {', '.join(FAMILIES)}")
+    if family is not None:
+        _refuse_asked(cfg, family)
+        return FAMILIES[family]
     problems: list[str] = []
-    for name in (family,) if family else export_order(cfg.pos_encoding):
+    for name in export_order(cfg.pos_encoding):
         blocked = unmet(cfg, FAMILIES[name].needs)
         if not blocked:
             return FAMILIES[name]
         problems += [f"{name}: {u}" for u in blocked]
     fail(problems, "cannot export to Hugging Face: no family represents this config exactly")
     raise AssertionError("unreachable")
+
+
+def _refuse_asked(cfg: ModelConfig, family: str) -> None:
+    """Raise, if the family asked for cannot represent ``cfg``: why, and which families can."""
+    blocked = unmet(cfg, FAMILIES[family].needs)
+    if not blocked:
+        return
+    can = _fitting(cfg)
+    others = (f"{', '.join(can)} can represent this config exactly" if can
+              else "no other family can represent this config exactly either")  # fmt: skip
+    what = f"cannot export to Hugging Face as {family}"
+    if len(blocked) == 1:
+        raise ConversionError(f"{what}: {blocked[0]}; {others}", blocked)
+    lines = "\n".join(f"  - {b}" for b in blocked)
+    raise ConversionError(f"{what} ({len(blocked)} problems; {others}):\n{lines}", blocked)
