@@ -458,3 +458,20 @@ def test_eval_on_fine_tuning_examples_says_it_scores_them_as_a_stream(tmp_path, 
     notes = json.loads(capsys.readouterr().out)["notes"]
     assert any("holds fine-tuning examples (prompts and completions): eval scores its tokens as "
                "one stream" in n for n in notes), notes  # fmt: skip
+
+
+def test_the_eval_command_shows_its_progress_off_a_terminal_too(tmp_path, capsys):
+    """A held-out split of a real corpus takes minutes to score: the bar of windows scored goes
+    to stderr in a log as in a terminal (stdout keeps the JSON alone)."""
+    text = "".join(chr(97 + (i * 7) % 26) for i in range(3000))
+    tok = CharTokenizer.train(text)
+    cfg = ModelConfig(vocab_size=tok.vocab_size, dim=32, n_layers=1, n_heads=2, max_seq_len=64)
+    save_checkpoint(Transformer(cfg), tmp_path / "ckpt")
+    tok.save(tmp_path / "ckpt" / "tokenizer.json")
+    (tmp_path / "held-out.txt").write_text(text)
+    capsys.readouterr()
+    main(["--checkpoint", str(tmp_path / "ckpt"), "--text", str(tmp_path / "held-out.txt"),
+          "--context", "64", "--json"])  # fmt: skip
+    out, err = capsys.readouterr()
+    windows_scored = json.loads(out)["results"][0]["windows"]
+    assert "eval context 64: 100%" in err and f"{windows_scored}/{windows_scored}" in err

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -53,7 +54,8 @@ def _prepared(given: str) -> tuple[Path, Path, dict]:
 
 
 def _bar(what: str):
-    """A progress callback drawing a bar of windows scored (on a terminal only)."""
+    """A progress callback drawing a bar of windows scored on stderr (off a terminal too, as
+    prepare's and train's: a long eval of a real corpus's val split is not silent in a log)."""
     from tqdm import tqdm
 
     bar = None
@@ -61,7 +63,8 @@ def _bar(what: str):
     def update(done: int, total: int) -> None:
         nonlocal bar
         if bar is None:
-            bar = tqdm(total=total, desc=f"eval {what}", unit="window", disable=None, leave=False)
+            bar = tqdm(total=total, desc=f"eval {what}", unit="window", leave=False,
+                       file=sys.stderr)  # fmt: skip
         bar.update(done - bar.n)
         if done >= total:
             bar.close()
