@@ -703,3 +703,35 @@ def test_text_rows_are_tokenized_as_trl_tokenizes_them():
     assert hf.convert_ids_to_tokens(ids[n]) == "▁naïve"
     pair = prompt_completion(tok, prompt, [completion, " café naïve"])
     assert pair[0] == (ids, mask) and pair[1][0][:n] == ids[:n]  # one prompt for both
+
+
+def test_chat_rows_for_a_tokenizer_without_a_template_say_how_to_give_one(tmp_path):
+    """Most base models have no chat template: chat rows are refused saying what to add (a
+    chat_template.jinja beside tokenizer.json, which then prepares them) or to write text rows."""
+    tokenizers = pytest.importorskip("tokenizers")
+    pytest.importorskip("jinja2")
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token=None))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(["hello there, how are you? fine, thanks."] * 20, trainer)
+    (base := tmp_path / "base").mkdir()
+    tok.save(str(base / "tokenizer.json"))
+    rows = tmp_path / "rows.jsonl"
+    chat = [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "fine"}]
+    rows.write_text("".join(json.dumps({"messages": chat}) + "\n" for _ in range(4)))
+    with pytest.raises(DataError) as e:
+        prepare_sft(tmp_path / "sft", rows, base / "tokenizer.json", 0.25)
+    assert str(e.value) == (
+        f"{base} has no chat template (tokenizer_config.json chat_template or chat_template.jinja)"
+        " to render the chat rows with: add the model's chat template as chat_template.jinja "
+        "beside tokenizer.json (serve and generate --chat use it too), or write the rows as "
+        "prompt/completion text"
+    )
+    (base / "chat_template.jinja").write_text(
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+    )
+    meta = prepare_sft(tmp_path / "sft", rows, base / "tokenizer.json", 0.25)
+    assert meta["train_examples"] + meta["val_examples"] == 4

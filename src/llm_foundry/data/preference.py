@@ -157,7 +157,10 @@ class Encoder:
     def _chat(self, prompt: list, completion: list) -> tuple[list[int], list[int]]:
         """Under the HF template: mask 1 on the completion's assistant replies alone."""
         if self.template is None:
-            raise ValueError("the tokenizer has no chat template to render messages with")
+            from llm_foundry.data.sft import NO_TEMPLATE
+
+            raise ValueError(f"the tokenizer has no chat template to render messages with: "
+                             f"{NO_TEMPLATE}")  # fmt: skip
         text, spans = response_spans(self.template, prompt + completion, **self.specials)
         spans = spans[sum(m["role"] == "assistant" for m in prompt) :]  # the completion's
         enc = self.tok.hf.encode(text, add_special_tokens=False)

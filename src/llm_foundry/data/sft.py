@@ -78,6 +78,12 @@ TOKEN_FILES = tuple(f"{s}.{k}bin" for s in ("train", "val") for k in ("", "mask.
 OUTPUTS = (*TOKEN_FILES, "tokenizer.json", "meta.json")
 FLUSH_TOKENS = 1 << 16  # tokens buffered per split before they are written
 
+# what to do about chat rows for a tokenizer without a template (serve and generate --chat fall
+# back to a plain 'ROLE: content' one, which a fine-tune would then not have been trained on)
+NO_TEMPLATE = ("add the model's chat template as chat_template.jinja beside tokenizer.json "
+               "(serve and generate --chat use it too), or write the rows as prompt/completion "
+               "text")  # fmt: skip
+
 
 def iter_rows(path: str | Path, digest=None) -> Iterator[tuple[int, dict]]:
     """(line number, row) of every row of a JSONL file of SFT rows, checked (see ``read_rows``);
@@ -303,7 +309,7 @@ def prepare_sft(
     if hf and template is None and chats:
         raise DataError(
             f"{tokenizer_file.parent} has no chat template (tokenizer_config.json "
-            "chat_template or chat_template.jinja) to render the chat rows with"
+            f"chat_template or chat_template.jinja) to render the chat rows with: {NO_TEMPLATE}"
         )
     n_val = max(1, int(round(n_rows * val_fraction)))
     if n_val >= n_rows:
