@@ -156,7 +156,8 @@ def held_out_rewards(metrics: Path) -> str | None:
     r = evals[-1]
     return (f"held-out pairs at step {r['step']}: reward margin {r['val_rewards/margins']:.3f} "
             f"(chosen {r['val_rewards/chosen']:.3f}, rejected {r['val_rewards/rejected']:.3f}), "
-            f"the chosen completion ahead in {r['val_rewards/accuracies']:.0%} of them")  # fmt: skip
+            f"the chosen completion ahead in {r['val_rewards/accuracies']:.0%} of the held-out "
+            "pairs drawn for it (train.eval_batches batches, drawn with replacement)")  # fmt: skip
 
 
 def _is_dpo(out: Path) -> bool:
