@@ -22,7 +22,8 @@ from __future__ import annotations
 import json
 import logging
 import numbers
-from collections.abc import Iterable
+import threading
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 TOKENIZER_KINDS = ("char", "bpe")
@@ -178,7 +179,7 @@ class BPETokenizer(Tokenizer):
         merges); ``chat_tokens``: reserve ``CHAT_TOKENS`` too (ids 3, 4).
 
         A corpus too small to supply that many merges yields a smaller vocabulary (with a note,
-        logged as a warning).
+        logged as a warning). Ctrl-C and SIGTERM stop it within ``WAIT_S`` (``run_interruptibly``).
         """
         from tokenizers import Tokenizer as HFTokenizer
         from tokenizers import decoders, models, pre_tokenizers, trainers
@@ -199,7 +200,16 @@ class BPETokenizer(Tokenizer):
             initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
             show_progress=False,
         )
-        hf.train_from_iterator([texts] if isinstance(texts, str) else texts, trainer=trainer)
+        cancel = threading.Event()
+
+        def until_cancelled() -> Iterator[str]:
+            for text in [texts] if isinstance(texts, str) else texts:
+                if cancel.is_set():  # stopped: the trainer's reading ends here, in its thread
+                    raise InterruptedError("BPE training was stopped")
+                yield text
+
+        run_interruptibly(hf.train_from_iterator, until_cancelled(), trainer=trainer,
+                          cancel=cancel)  # fmt: skip
         got = hf.get_vocab_size()
         if got < vocab_size:
             log.warning(
@@ -228,6 +238,42 @@ class BPETokenizer(Tokenizer):
 
     def save(self, path: str | Path) -> None:
         self.hf.save(str(path))
+
+
+WAIT_S = 0.1  # how long the waiting thread sleeps at a time: a signal is answered within it
+
+
+def run_interruptibly(work, *args, cancel=None, **kwargs):
+    """``work(*args, **kwargs)``'s result, computed in a daemon thread while this one waits in
+    joins of ``WAIT_S``, so that Ctrl-C and SIGTERM's handlers run meanwhile: a Rust call such
+    as HF tokenizers' ``train_from_iterator`` holds this thread until it returns (seconds to
+    hours) but lets go of the interpreter while it merges pairs, so it can run beside it. Its
+    exception is raised here. Stopped so (KeyboardInterrupt), the call goes on in its thread
+    until it ends or the process exits (a command exits at once: nothing is left to write);
+    ``cancel`` (a ``threading.Event``) is set then, for the work to end early where it can.
+    Called off the main thread (where no signal handler runs), it runs there."""
+    if threading.current_thread() is not threading.main_thread():
+        return work(*args, **kwargs)
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = work(*args, **kwargs)
+        except BaseException as e:  # raised again in the waiting thread
+            outcome["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True, name=getattr(work, "__name__", "work"))
+    thread.start()
+    try:
+        while thread.is_alive():
+            thread.join(WAIT_S)
+    except BaseException:
+        if cancel is not None:
+            cancel.set()
+        raise
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome.get("value")
 
 
 # ----------------------------------------------------------------------------------------------

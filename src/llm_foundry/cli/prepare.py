@@ -234,6 +234,7 @@ def main(argv: list[str]) -> int:
     except AlreadyPrepared as done:
         return _already(done, ns.json)
     except KeyboardInterrupt:
+        _lower_other_threads()
         out = Path(ns.out)
         if (out / "meta.json").is_file():
             state = f"{out} is complete (its meta.json matches its files)"
@@ -256,6 +257,27 @@ def main(argv: list[str]) -> int:
             f"entries; source {meta['source']}"
         )
     return 0
+
+
+LOWEST_PRIORITY = 19  # nice value
+
+
+def _lower_other_threads() -> None:
+    """Stopped: put this process's other threads at the lowest priority (Linux), so that work
+    left running until the exit (a BPE trainer's threads, which nothing stops) does not slow the
+    interpreter's exit, which competes with them for the CPUs."""
+    import os
+    import threading
+
+    try:
+        tasks = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        return
+    for tid in set(tasks) - {threading.get_native_id()}:
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, LOWEST_PRIORITY)
+        except OSError:  # ended meanwhile
+            pass
 
 
 def _prepare_documents(ns) -> int:
