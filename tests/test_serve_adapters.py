@@ -370,3 +370,60 @@ def test_an_adapter_run_over_other_base_weights_or_a_rounded_base_is_noted(base,
     assert "other base weights" not in err  # the base it was fitted over, rounded
     load_served(path, slots=1, adapters={"run": adapters["run"]})
     assert "note:" not in capsys.readouterr().err
+
+
+def test_adapters_past_a_layers_rank_or_on_a_tied_head_run_as_in_peft(tmp_path):
+    """Adapters peft makes and runs: r=48 over a 64->32 projection (exact: past its rank a LoRA
+    adds parameters, no error), loaded by generate's reader too; and one on the head of a model
+    whose head is its embedding, served unmerged (merging it would change the embedding: there
+    it is refused). Greedy texts equal peft's own, unmerged."""
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    from conftest import assert_decisive
+
+    from llm_foundry.export import convert_to_hf
+
+    tok = CharTokenizer.train(" \n" + string.ascii_letters + string.punctuation)
+    save_checkpoint(tiny_model(tok, tie_embeddings=True), tmp_path / "tied")
+    tok.save(tmp_path / "tied" / "tokenizer.json")
+    convert_to_hf(tmp_path / "tied", tmp_path / "hf")
+    save_checkpoint(tiny_model(tok), tmp_path / "untied")
+    convert_to_hf(tmp_path / "untied", tmp_path / "hf-untied")
+    made = {}
+    for name, config, where in [
+        ("big", peft.LoraConfig(r=48, lora_alpha=16, target_modules=["k_proj", "v_proj"]), "hf"),
+        # made where the head is its own (peft saves a tied head's weight beside its adapter)
+        ("head", peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"]),
+         "hf-untied"),
+    ]:  # fmt: skip
+        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / where).eval()
+        with_adapter = peft.get_peft_model(hf, config)
+        g = torch.Generator().manual_seed(len(name))
+        with torch.no_grad():
+            for pname, p in with_adapter.named_parameters():
+                if "lora_B" in pname:
+                    p.normal_(0.0, 0.3, generator=g)
+        with_adapter.save_pretrained(str(tmp_path / name), save_embedding_layers=False)
+        tied = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+        made[name] = peft.PeftModel.from_pretrained(tied, str(tmp_path / name)).eval()
+
+    def peft_greedy(name: str, prompt: str, n: int) -> str:
+        ids = torch.tensor([tok.encode(prompt)])
+        with torch.no_grad():
+            out = made[name].generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                      max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                      eos_token_id=None, pad_token_id=0)  # fmt: skip
+            assert_decisive(made[name](input_ids=out[:, :-1]).logits[0, ids.shape[1] - 1 :])
+        return tok.decode(out[0, ids.shape[1] :].tolist())
+
+    x = torch.tensor([tok.encode("To be, or not")])
+    with torch.no_grad():  # generate's reader merges the rank-48 adapter: peft's logits
+        ours = load_any(tmp_path / "tied", adapter=tmp_path / "big").model(x)[0]
+        torch.testing.assert_close(ours, made["big"](input_ids=x).logits, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="lm_head is tied to the token embedding: a LoRA merged"):
+        load_any(tmp_path / "tied", adapter=tmp_path / "head")
+    served = load_served(tmp_path / "tied", slots=2,
+                         adapters={n: tmp_path / n for n in ("big", "head")})  # fmt: skip
+    jobs = [(1, PROMPTS[2], 16), (2, PROMPTS[1], 12)]
+    texts, _ = run_engine(served.engine, jobs)
+    assert texts == [peft_greedy("big", PROMPTS[2], 16), peft_greedy("head", PROMPTS[1], 12)]

@@ -129,13 +129,15 @@ def save_adapter(model, out_dir: str | Path, family: str | None = None, base: st
     return out
 
 
-def load_adapter(model, adapter_dir: str | Path, family: str | None = None) -> list[str]:
+def load_adapter(model, adapter_dir: str | Path, family: str | None = None,
+                 merged: bool = True) -> list[str]:  # fmt: skip
     """Put the PEFT LoRA adapter in ``adapter_dir`` on ``model`` (freezing the base); returns
     the adapted modules. The modules adapted are those adapter_config.json's target_modules
     chooses, by peft's rules (``peft_targets``); a tensor of a module it does not choose is left
     out, as peft leaves it, with a note. Every chosen module must find its two tensors, of the
     config's rank and the model's shapes; what does not fit is refused in one line
-    (``ConversionError``), an adapter made for another model naming how it differs."""
+    (``ConversionError``), an adapter made for another model naming how it differs. ``merged``
+    false: the adapter stays unmerged (serve), so a tied lm_head may take one, as in peft."""
     path = Path(adapter_dir)
     config_file, weights_file = path / CONFIG_FILE, path / WEIGHTS_FILE
     config, settings = read_config(path)
@@ -204,7 +206,7 @@ def load_adapter(model, adapter_dir: str | Path, family: str | None = None) -> l
         log.warning(f"note: {config_file} {_choice(config)} leaves out"
                  f" {len(left_out)} module(s) {weights_file} holds tensors for, as peft does: "
                  f"{first_few(left_out)}")  # fmt: skip
-    adapted = add_lora_at(model, [ours_of[hf] for hf in mine],
+    adapted = add_lora_at(model, [ours_of[hf] for hf in mine], fitted=True, merged=merged,
                           **{k: v for k, v in settings.items() if k != "targets"})  # fmt: skip
     layers = lora_layers(model)
     with torch.no_grad():

@@ -256,9 +256,14 @@ def add_lora_at(
     dropout: float = 0.0,
     rslora: bool = False,
     base_dtype: str = "fp32",
+    fitted: bool = False,
+    merged: bool = True,
 ) -> list[str]:
     """``add_lora`` on exactly the linear layers ``names`` (full module names: a PEFT adapter
-    may adapt some layers' projections and not others'). Returns ``names``."""
+    may adapt some layers' projections and not others'). Returns ``names``. ``fitted``: the
+    adapters' weights exist (an adapter loaded), so a rank above a layer's is theirs, not a
+    typo; ``merged`` false: they stay beside the weights (serve), so a tied lm_head may take
+    one without changing the embedding."""
     names = list(names)
     targets = sorted({name.split(".")[-1] for name in names})
     problems = check_settings(dict(targets=targets, r=r, alpha=alpha, dropout=dropout,
@@ -269,7 +274,7 @@ def add_lora_at(
     if problems:
         raise ValueError("; ".join(problems))
     cfg = getattr(model, "cfg", None)
-    if "lm_head" in targets and getattr(cfg, "tie_embeddings", False):
+    if merged and "lm_head" in targets and getattr(cfg, "tie_embeddings", False):
         raise ValueError(
             "lm_head is tied to the token embedding: a LoRA merged into it would change the "
             "embedding too; leave lm_head out of the targets, or untie the model"
@@ -280,7 +285,7 @@ def add_lora_at(
     # (so a mistyped r cannot take the machine's memory)
     smallest = min(names, key=lambda n: min(model.get_submodule(n).weight.shape))
     limit = min(model.get_submodule(smallest).weight.shape)
-    if r > limit:
+    if r > limit and not fitted:
         out_f, in_f = model.get_submodule(smallest).weight.shape
         raise ValueError(
             f"LoRA rank r={r:,} exceeds the rank {limit} of {smallest} ({out_f}x{in_f}); "

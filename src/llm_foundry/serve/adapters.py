@@ -77,7 +77,7 @@ def read_adapter(model, path: str | Path, notes: list[str] | None = None) -> dic
     if not ((path / CONFIG_FILE).exists() or (path / WEIGHTS_FILE).exists()):
         return _from_run(model, path, notes)
     try:
-        load_adapter(model, path)
+        load_adapter(model, path, merged=False)  # served unmerged: a tied lm_head may take one
     except ConversionError as e:
         raise ValueError("; ".join(e.problems)) from None
     finally:
