@@ -201,15 +201,24 @@ def test_metrics_time_goes_on_across_a_resume(data_dir, tmp_path):
                if "time" in r}  # fmt: skip
     assert resumed[9] > elapsed and list(resumed.values()) == sorted(resumed.values())
 
-    old = run / "checkpoints" / "step_000010" / "state.json"
-    state = json.loads(old.read_text())
-    del state["elapsed"]
-    old.write_text(json.dumps(state))
-    t = make_trainer(data_dir, run, resume=True, max_steps=11)
-    t.run()
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    last = [r for r in rows if "time" in r][-1]
-    assert last["step"] == 11 and last["time"] < resumed[9]
+    def resume_with(step: int, elapsed: float | None) -> dict:
+        """The last timed record after resuming from ``step`` with its state's ``elapsed``
+        replaced (None: removed, as in a checkpoint saved before it was recorded)."""
+        path = run / "checkpoints" / f"step_{step:06d}" / "state.json"
+        state = json.loads(path.read_text())
+        state.pop("elapsed")
+        if elapsed is not None:
+            state["elapsed"] = elapsed
+        path.write_text(json.dumps(state))
+        make_trainer(data_dir, run, resume=True, max_steps=step + 1).run()
+        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        return [r for r in rows if "time" in r][-1]
+
+    # a day already spent goes on from a day; none recorded goes on from 0 (no timing luck)
+    last = resume_with(10, 86_400.0)
+    assert last["step"] == 11 and 86_400 < last["time"] < 86_400 + 600
+    last = resume_with(11, None)
+    assert last["step"] == 12 and last["time"] < 600
 
 
 def test_resume_of_a_run_training_now_says_it_is_in_use(tmp_path, capsys):
