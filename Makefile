@@ -33,7 +33,7 @@ browser:
 test: $(STAMP) $(LLAMA_STAMP) browser
 	$(BIN)/python -m pytest -q
 
-# the quick loop while developing (about 2 minutes on 2 cores): everything but the `heavy` tests
+# the quick loop while developing (about 2.5 minutes on 2 cores): all but the `slow` and `heavy` tests
 test-fast: $(STAMP) $(LLAMA_STAMP)
 	$(BIN)/python -m pytest -q -m "not slow and not heavy"
 
