@@ -63,6 +63,7 @@ def main(argv: list[str]) -> int:
         DEFAULT_TOKENIZER_SAMPLE,
         DTYPES,
     )
+    from llm_foundry.data.encode import RUN_CHARS
     from llm_foundry.data.shard_writer import PROGRESS_FILE, AlreadyPrepared
     from llm_foundry.tokenizer import TOKENIZER_KINDS
 
@@ -71,7 +72,11 @@ def main(argv: list[str]) -> int:
         allow_abbrev=False,  # exact option names: a prefix could mean another option
         description="Tokenize a corpus: a text stream (--text, --dataset) into "
         "train.bin/val.bin; a document corpus (--input, --hf-dataset) into shards with document "
-        "indexes; fine-tuning rows (--sft). Each writes tokenizer.json and, last, meta.json.",
+        "indexes; fine-tuning rows (--sft). Each writes tokenizer.json and, last, meta.json. "
+        f"BPE: a run of more than {RUN_CHARS:,} characters with no space or newline between "
+        f"words (base64, DNA, minified code) is trained on and tokenized in pieces of {RUN_CHARS:,} "
+        "characters (its time would grow with the square of its length), where a token may "
+        "break; the summary counts them.",
     )
     src = p.add_mutually_exclusive_group()
     src.add_argument("--dataset", choices=DATASETS, help="a known corpus (fetched and cached)")
@@ -256,7 +261,19 @@ def main(argv: list[str]) -> int:
             f"({meta['dtype']}), {meta['tokenizer']} tokenizer with {meta['vocab_size']:,} "
             f"entries; source {meta['source']}"
         )
+        runs = meta["long_runs"]["runs"]
+        if runs:
+            what = f"the text held {runs:,} run{'s' if runs != 1 else ''}"
+            print(_long_runs_line(what, meta["run_chars"], None))
     return 0
+
+
+def _long_runs_line(what: str, run_chars: int, first: str | None) -> str:
+    """The summary's line for runs cut in pieces (``what``: which, counted)."""
+    at = f"; first: {first}" if first else ""
+    return (f"note: {what} of more than {run_chars:,} characters with no space or newline between "
+            f"words (base64, DNA, minified code?{at}): tokenized in pieces of {run_chars:,} "
+            "characters, a token may break at each cut")  # fmt: skip
 
 
 LOWEST_PRIORITY = 19  # nice value
@@ -282,6 +299,7 @@ def _lower_other_threads() -> None:
 
 def _prepare_documents(ns) -> int:
     from llm_foundry.data.documents import prepare_documents
+    from llm_foundry.data.encode import RUN_CHARS
     from llm_foundry.data.shard_writer import AlreadyPrepared
 
     try:
@@ -330,6 +348,11 @@ def _prepare_documents(ns) -> int:
         f"documents ended by {meta['eot']} ({meta['eot_id']}); "
         f"{len(meta['sources'])} input(s){skipped}"
     )
+    long = sum(s.get("long_runs", 0) for s in meta["sources"])
+    if long:
+        first = next((s["long_runs_first"] for s in meta["sources"] if s["long_runs_first"]), None)
+        what = f"{long:,} document{'s' if long != 1 else ''} held a run"
+        print(_long_runs_line(what, RUN_CHARS, first))
     return 0
 
 

@@ -18,9 +18,10 @@ tokens written in a document are text: only the end-of-text id between documents
 ``workers`` > 1 tokenizes in that many processes (HF tokenizers' batch encoding, one thread
 each); 1 tokenizes here (the tokenizer's own threads). Documents go to the workers in batches of
 pieces (a document past ``PIECE_CHARS`` is cut where encoding the pieces gives the ids of the
-whole, when the tokenizer allows it), at most ``2 * workers`` batches in flight, and come back
-in order: the output is the same bytes whatever the number of workers, and memory stays flat
-whatever the corpus size.
+whole, when the tokenizer allows it; a run of over ``encode.RUN_CHARS`` characters with no such
+place, e.g. base64 or DNA, every ``RUN_CHARS`` characters, where a token may break: counted in
+``long_runs``), at most ``2 * workers`` batches in flight, and come back in order: the output is
+the same bytes whatever the number of workers, and memory stays flat whatever the corpus size.
 
 An interrupted prepare (Ctrl-C, a crash, a kill) leaves no meta.json and a progress record;
 calling it again with the same inputs and settings goes on from the last closed shard
@@ -76,9 +77,12 @@ from llm_foundry.data.corpus import (
 from llm_foundry.data.encode import (
     MERGING,
     PROGRESS_MIN_CHARS,
+    RUN_CHARS,
+    WHOLE,
+    LongRuns,
     bytes_counted,
+    cut_safe,
     split_pieces,
-    split_text,
     token_dtype,
 )
 from llm_foundry.data.shard_writer import (
@@ -126,16 +130,6 @@ log = logging.getLogger(__name__)
 
 # ----------------------------------------------------------------------------------------------
 # Tokenizing (here or in worker processes)
-
-
-def cut_safe(encoder: BatchEncoder) -> bool:
-    """Whether cutting a text where ``split_text`` cuts leaves its ids unchanged for this
-    tokenizer, tried on a probe text (byte-level BPE: yes; one that marks the start of a text,
-    as SentencePiece does: no, and long documents are then tokenized whole)."""
-    probe = "Hello world, a test.\nA line\n\nand  a paragraph: é東🙂 ok!\n\tDone. " * 4
-    whole = encoder([probe])[0]
-    parts = encoder(list(split_text(probe, 16)))[0]
-    return np.array_equal(whole, parts)
 
 
 def _pool(workers: int, tokenizer_json: str, dtype: str) -> ProcessPoolExecutor:
@@ -238,26 +232,27 @@ class _Val:
         return ((i + 1) * self.p) // self.q > (i * self.p) // self.q
 
 
-def _pieces(text: str | LongText, cut: bool, limit: int | None = None) -> Iterator[str]:
-    """A document as the pieces it is tokenized in (or sampled in: ``limit``)."""
-    limit = limit or PIECE_CHARS
-    if isinstance(text, LongText):
-        yield from split_pieces(text.pieces(), limit) if cut else ["".join(text.pieces())]
-    elif len(text) > limit and cut:
-        yield from split_text(text, limit)
-    else:
+def _pieces(text: str | LongText, cut: bool, limit: int | None = None,
+            runs: LongRuns | None = None) -> Iterator[str]:  # fmt: skip
+    """A document as the pieces it is tokenized in (or sampled in: ``limit``); not ``cut``: one
+    piece but where a run of over ``RUN_CHARS`` characters is cut (counted in ``runs``)."""
+    chunk = (limit or PIECE_CHARS) if cut else WHOLE
+    if isinstance(text, str) and len(text) <= min(chunk, RUN_CHARS):
         yield text
+    else:
+        yield from split_pieces(text.pieces() if isinstance(text, LongText) else [text], chunk,
+                                runs=runs)  # fmt: skip
 
 
 def _batches(records, file_group: list[int], val_groups: set[int], next_doc: int, is_val: _Val,
              cut: bool) -> Iterator[tuple[list[str], list[tuple]]]:  # fmt: skip
     """(pieces, ops) batches: the ops say, in order, where each piece goes: ("begin", split),
-    ("piece",), ("end", group, file, next record, next document number), ("skip", group, kind,
-    file, next record, where). ``file_group``: the group of each file; ``val_groups``: those of
-    the val sources."""
+    ("piece",), ("end", group, file, next record, next document number, where if a long run was
+    cut in it else None), ("skip", group, kind, file, next record, where). ``file_group``: the
+    group of each file; ``val_groups``: those of the val sources."""
     pieces: list[str] = []
     ops: list[tuple] = []
-    chars = 0
+    chars, runs = 0, LongRuns()
     for r in records:
         if len(ops) >= BATCH_OPS:  # many short, empty or skipped records: bounded all the same
             yield pieces, ops
@@ -272,14 +267,16 @@ def _batches(records, file_group: list[int], val_groups: set[int], next_doc: int
             split = "val" if is_val(next_doc) else "train"
             next_doc += 1
         ops.append(("begin", split))
-        for piece in _pieces(r.text, cut):
+        cuts = runs.cuts
+        for piece in _pieces(r.text, cut, runs=runs):
             pieces.append(piece)
             ops.append(("piece",))
             chars += len(piece)
             if chars >= BATCH_CHARS or len(pieces) >= BATCH_PIECES:
                 yield pieces, ops
                 pieces, ops, chars = [], [], 0
-        ops.append(("end", group, r.file, r.next, next_doc))
+        long = (r.where or str(getattr(r.text, "path", ""))) if runs.cuts > cuts else None
+        ops.append(("end", group, r.file, r.next, next_doc, long))
     if ops:
         yield pieces, ops
 
@@ -405,7 +402,8 @@ def _check_arguments(a: dict) -> None:
 
 def _stats() -> dict:
     return {"documents": 0, "tokens": 0, "empty": 0, "bad_utf8": 0, "bad_utf8_first": None,
-            "bad_rows": 0, "bad_rows_first": None, "empty_files": 0, "empty_files_first": []}  # fmt: skip
+            "bad_rows": 0, "bad_rows_first": None, "empty_files": 0, "empty_files_first": [],
+            "long_runs": 0, "long_runs_first": None}  # fmt: skip
 
 
 # a record's counter
@@ -652,9 +650,11 @@ class _Job:
                     at["writer"], at["tokens"] = writers[op[1]], 0
                     at["writer"].begin()
                 elif tag == "end":
-                    _, group, file, nxt, next_doc = op
+                    _, group, file, nxt, next_doc, long = op
                     closed = at["writer"].end(eot)
                     stats[group]["documents"] += 1
+                    stats[group]["long_runs"] += long is not None  # a long run cut in it
+                    stats[group]["long_runs_first"] = stats[group]["long_runs_first"] or long
                     stats[group]["tokens"] += at["tokens"] + 1
                     record["position"], record["next_doc"] = [file, nxt], next_doc
                     if closed:  # a shard is complete: what precedes this point is on disk
