@@ -3,12 +3,15 @@ measurements taken of each trained model, and the probes a recipe can ask for.""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import json
 import logging
+import os
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +19,7 @@ import torch
 
 import llm_foundry
 from llm_foundry import lock
+from llm_foundry.ablation.progress import StudyInterrupted, bar, kept_on_interrupt
 from llm_foundry.ablation.report import summarise, training_seconds, write_report
 from llm_foundry.ablation.spec import Study, Variant, configs, expand, run_dir_name
 from llm_foundry.data import PreparedSplit, data_fingerprint, load_meta, parse_sources, split_stream
@@ -77,11 +81,14 @@ def step_times_ms(
     tc: TrainConfig,
     rounds: int,
     train_cfgs: dict[str, TrainConfig] | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    each_round: Callable[[int, dict[str, float]], None] | None = None,
 ) -> dict[str, float]:
     """ms per training step (forward, backward, clip, optimizer) of every model on the same
     batch, timed round-robin so machine noise hits all alike; median over rounds of 10 steps.
     Each model steps the optimizer its ``train_cfgs`` entry names (``tc`` without one), built
-    as the trainer builds it, at a small lr."""
+    as the trainer builds it, at a small lr. ``progress(done, total)`` is told the models timed
+    (rounds x models), ``each_round(r, {name: ms})`` each round's times (r from 1)."""
     g = torch.Generator().manual_seed(0)
     vocab = min(m.cfg.vocab_size for m in models.values())
     device = next(next(iter(models.values())).parameters()).device
@@ -104,26 +111,44 @@ def step_times_ms(
         for _ in range(3):
             step(name)
     samples: dict[str, list[float]] = {k: [] for k in models}
-    for _ in range(rounds):
-        for name in models:
+    for r in range(rounds):
+        for i, name in enumerate(models):
             t = time.perf_counter()
             for _ in range(10):
                 step(name)
             samples[name].append((time.perf_counter() - t) / 10 * 1e3)
+            if progress:
+                progress(r * len(models) + i + 1, rounds * len(models))
+        if each_round:
+            each_round(r + 1, {k: v[-1] for k, v in samples.items()})
     return {k: statistics.median(v) for k, v in samples.items()}
 
 
-def extrapolation(model: Transformer, tokens: np.ndarray, block: int, factors, n_tokens: int):
+def extrapolation(
+    model: Transformer,
+    tokens: np.ndarray,
+    block: int,
+    factors,
+    n_tokens: int,
+    progress: Callable[[int], contextlib.AbstractContextManager] | None = None,
+    each: Callable[[dict], None] | None = None,
+) -> list[dict]:
     """Loss/perplexity at context = factor x block on the first ``n_tokens`` validation tokens
-    (non-overlapping windows); learned positions past their table come back "cannot run"."""
+    (non-overlapping windows); learned positions past their table come back "cannot run".
+    ``progress(context)`` gives the context in which that context is scored (yielding an
+    ``evaluate_tokens`` progress callback or None); ``each(row)`` is told each row when done."""
     from llm_foundry.evaluate import evaluate_tokens
 
     rows = []
     for f in factors:
         ctx = int(round(f * block))
         windows = max(1, n_tokens // ctx)
-        r = evaluate_tokens(model, tokens, ctx, max_windows=windows, batch_size=4)
+        with progress(ctx) if progress else contextlib.nullcontext() as update:
+            r = evaluate_tokens(model, tokens, ctx, max_windows=windows, batch_size=4,
+                                progress=update)  # fmt: skip
         rows.append(dict(r, factor=f))
+        if each:
+            each(rows[-1])
     return rows
 
 
@@ -175,7 +200,7 @@ def run_one(study: Study, variant: Variant, seed_index: int, data: Path, run_dir
     except TrainingDiverged as e:
         # run() raises before it counts the step whose update it refused
         out = diverged_result(variant, tc, fingerprint, trainer, run_dir, trainer.step + 1, str(e))
-        result_file.write_text(json.dumps(out, indent=1))
+        write_json(result_file, out)
         log.info(f"[{variant.name} seed {seed_index}] diverged: {e} (kept as its result; "
                  "the study goes on)")  # fmt: skip
         return out
@@ -183,6 +208,28 @@ def run_one(study: Study, variant: Variant, seed_index: int, data: Path, run_dir
         raise StudyInterrupted(
             res.stopped_by, f"{variant.name} seed {seed_index} interrupted; rerun to resume"
         )
+    tag = f"[{variant.name} seed {seed_index}]"
+    extra = ""
+    if study.extrapolation:
+        ctxs = ", ".join(str(int(round(f * tc.block_size))) for f in study.extrapolation)
+        extra = f", then its loss at contexts {ctxs} on {study.eval_tokens:,} validation tokens"
+    log.info(f"{tag} trained: measuring its training memory and decode speed{extra}")
+    with kept_on_interrupt(
+        f"measuring {variant.name} seed {seed_index} after its training",
+        f"its checkpoint {res.checkpoint} and every run finished before it (the rerun measures "
+        "this one again without training it)",
+    ):
+        out = measure(study, variant, data, run_dir, trainer, res, fingerprint, t0, tag)
+        write_json(result_file, out)
+    return out
+
+
+def measure(study: Study, variant: Variant, data: Path, run_dir: Path, trainer, res,
+            fingerprint: dict, t0: float, tag: str) -> dict:  # fmt: skip
+    """The result of a run trained since ``t0``: its losses and timings from metrics.jsonl,
+    training memory, decode speed and the study's extrapolation (a bar per context where
+    train.progress is on, and one line each)."""
+    tc = trainer.tc
     model = trainer.model.eval()
     train, evals = read_metrics(run_dir / METRICS)
     tail = [r["loss"] for r in train[-max(1, len(train) // 20) :]]
@@ -211,12 +258,28 @@ def run_one(study: Study, variant: Variant, seed_index: int, data: Path, run_dir
         skipped_steps=res.skipped_steps,
     )
     if study.extrapolation:
+
+        def said(row: dict) -> None:
+            if "loss" in row:
+                log.info(f"{tag} context {row['context']}: loss {row['loss']:.4f}, ppl "
+                         f"{row['ppl']:.2f} ({row['windows']} windows)")  # fmt: skip
+            else:
+                log.info(f"{tag} context {row['context']}: {row['status']} ({row['reason']})")
+
         val = np.asarray(split_stream(data, "val"))
         out["extrapolation"] = extrapolation(
-            model, val, tc.block_size, study.extrapolation, study.eval_tokens
-        )
-    result_file.write_text(json.dumps(out, indent=1))
+            model, val, tc.block_size, study.extrapolation, study.eval_tokens,
+            progress=lambda ctx: bar(f"{tag} eval context {ctx}", "window", tc.progress),
+            each=said,
+        )  # fmt: skip
     return out
+
+
+def write_json(path: Path, obj: dict) -> None:
+    """``obj`` at ``path`` whole or not at all (a signal while writing leaves no torn file)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)
 
 
 def diverged_result(variant: Variant, tc: TrainConfig, fingerprint: dict, trainer, run_dir: Path,
@@ -242,14 +305,6 @@ def _final_expert_cv(run_dir: Path) -> float | None:
     expert-load record (None for a dense model): 0 is perfectly balanced."""
     records = [r for r in RunDir(run_dir).metrics() if "experts" in r]
     return statistics.fmean(records[-1]["experts"]["cv"]) if records else None
-
-
-class StudyInterrupted(KeyboardInterrupt):
-    """A signal stopped a variant's training (saved: rerunning the study resumes it)."""
-
-    def __init__(self, signal_name: str | None, message: str):
-        super().__init__(message)
-        self.signal_name = signal_name
 
 
 def run_study(study: Study, data: str | Path, out: str | Path) -> dict:
@@ -330,21 +385,41 @@ def _run_study(study: Study, data: Path, out: Path) -> dict:
         runs.setdefault(v.name, []).append(
             run_one(study, v, s, data, out / "runs" / run_dir_name(v.name) / f"seed{s}")
         )
-    log.info("=== timing every variant's training step, interleaved")
+    n_runs = sum(len(r) for r in runs.values())
+    kept = f"the results of all {n_runs} runs under {out / 'runs'} (the rerun reuses them)"
     tc0 = configs(study, variants[0], 0)[1]
+    speed: dict[str, float] = {}
+    if study.speed_rounds:
+        log.info(f"=== timing every variant's training step, interleaved: {study.speed_rounds} "
+                 f"round(s) of 10 steps of each of {len(variants)} variants")  # fmt: skip
+        with kept_on_interrupt("timing every variant's training step", kept):
+            speed = _time_steps(study, variants, tc0)
+    rows = summarise(variants, runs, speed, tc0.tokens_per_step, study.compare, study.target_loss)
+    report = dict(study=study.to_dict(), rows=rows, runs=runs, machine=machine())
+    for probe in study.probes:
+        log.info(f"=== probe {probe}")
+        with kept_on_interrupt(f"running the probe {probe}", kept):
+            report[probe] = PROBE_FUNCS[probe](study, variants, data)
+    write_report(report, out)
+    return report
+
+
+def _time_steps(study: Study, variants: list[Variant], tc0: TrainConfig) -> dict[str, float]:
+    """``step_times_ms`` of every variant's training step (a bar where train.progress is on,
+    and one line per round)."""
     tcs = {v.name: configs(study, v, 0)[1] for v in variants}
     cpu = torch.device("cpu")
     # the step each variant trains (its adapters, checkpointing), timed: no need for its weights
     models = {v.name: build_model(configs(study, v, 0)[0], tcs[v.name], cpu, init_from=False)
               for v in variants}  # fmt: skip
-    speed = step_times_ms(models, tc0, study.speed_rounds, tcs) if study.speed_rounds else {}
-    rows = summarise(variants, runs, speed, tc0.tokens_per_step, study.compare, study.target_loss)
-    report = dict(study=study.to_dict(), rows=rows, runs=runs, machine=machine())
-    for probe in study.probes:
-        log.info(f"=== probe {probe}")
-        report[probe] = PROBE_FUNCS[probe](study, variants, data)
-    write_report(report, out)
-    return report
+    rounds = study.speed_rounds
+
+    def said(r: int, ms: dict[str, float]) -> None:
+        log.info(f"timing round {r}/{rounds}: "
+                 + ", ".join(f"{k} {v:.1f} ms/step" for k, v in ms.items()))  # fmt: skip
+
+    with bar("timing steps", "variant", tc0.progress) as update:
+        return step_times_ms(models, tc0, rounds, tcs, progress=update, each_round=said)
 
 
 def machine() -> dict:

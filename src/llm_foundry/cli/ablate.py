@@ -18,18 +18,22 @@ from llm_foundry.ablation import (
 )
 from llm_foundry.ablation.spec import LIST_AXIS_SEPARATOR, LIST_FIELDS, parse_override
 from llm_foundry.cli.options import SettingsParser, at_least_one
-from llm_foundry.cli.signals import stopped
+from llm_foundry.cli.signals import stopped, terminate_as_interrupt
 
 
 def main(argv: list[str]) -> int:
-    try:
-        return _main(argv)
-    except KeyboardInterrupt as e:  # a variant stopped by a signal saved its checkpoint
-        from llm_foundry.ablation.runner import StudyInterrupted
+    # SIGTERM outside a variant's training steps (which save and stop on their own): ended as
+    # Ctrl-C is, so the study's phase says what it keeps
+    with terminate_as_interrupt() as signals:
+        try:
+            return _main(argv)
+        except KeyboardInterrupt as e:
+            from llm_foundry.ablation.progress import StudyInterrupted
 
-        name = e.signal_name if isinstance(e, StudyInterrupted) else "SIGINT"
-        what = str(e) or "interrupted; finished variants are kept: rerun to go on"
-        return stopped("llm-foundry ablate", name, what)
+            name = e.signal_name if isinstance(e, StudyInterrupted) else None
+            name = name or (signals[0] if signals else "SIGINT")
+            what = str(e) or "interrupted; finished variants are kept: rerun to go on"
+            return stopped("llm-foundry ablate", name, what)
 
 
 def summary(description: str, width: int = 90) -> str:
