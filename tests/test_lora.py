@@ -616,6 +616,21 @@ def test_folding_gives_a_plain_model_computing_the_merged_function(tiny_config):
     torch.testing.assert_close(model(idx)[0], adapted, atol=1e-5, rtol=1e-5)
 
 
+def _loads_as_tuned(tuned, base, adapter):
+    """Save ``tuned`` (a LoRA model) at ``adapter``: ``load_any(base, adapter=adapter)`` must
+    compute what it computes. Returns what was loaded (model, tokenizer, info)."""
+    from llm_foundry.checkpoint import save_checkpoint
+    from llm_foundry.loading import load_any
+
+    save_checkpoint(tuned, adapter)
+    idx = torch.randint(0, 37, (2, 9))
+    with torch.no_grad():
+        want = tuned(idx)[0]
+        loaded = load_any(base, adapter=adapter)
+        torch.testing.assert_close(loaded.model(idx)[0], want, atol=1e-5, rtol=1e-5)
+    return loaded
+
+
 def test_a_lora_checkpoint_as_adapter_goes_on_its_base_and_no_other(tiny_config, tmp_path):
     from llm_foundry.checkpoint import save_checkpoint
     from llm_foundry.loading import load_any
@@ -626,12 +641,7 @@ def test_a_lora_checkpoint_as_adapter_goes_on_its_base_and_no_other(tiny_config,
     tuned = copy.deepcopy(base)
     add_lora(tuned, ("wq", "w3"), r=4, alpha=8)
     _randomise(tuned, seed=2)
-    save_checkpoint(tuned, tmp_path / "tuned")
-    idx = torch.randint(0, 37, (2, 9))
-    with torch.no_grad():
-        want = tuned(idx)[0]
-        model, _, info = load_any(tmp_path / "base", adapter=tmp_path / "tuned")
-        torch.testing.assert_close(model(idx)[0], want, atol=1e-5, rtol=1e-5)
+    model, _, info = _loads_as_tuned(tuned, tmp_path / "base", tmp_path / "tuned")
     assert not lora_layers(model) and "of " + str(tmp_path / "tuned") in info.merged_note()
     assert "rounded" not in info.merged_note()
     # adapters fitted to an nf4-rounded base go on the full-precision one, and the line says so
@@ -661,7 +671,6 @@ def test_an_adapter_trained_over_a_lora_run_goes_over_its_merged_adapters(tiny_c
     import logging
 
     from llm_foundry.checkpoint import save_checkpoint
-    from llm_foundry.loading import load_any
     from llm_foundry.train.build import load_initial_weights
 
     torch.manual_seed(0)
@@ -677,12 +686,7 @@ def test_an_adapter_trained_over_a_lora_run_goes_over_its_merged_adapters(tiny_c
                     "widen(W) + s·B·A"]  # fmt: skip
     add_lora(dpo, ("wo", "w1"), r=2, alpha=4)
     _randomise(dpo, seed=5)
-    save_checkpoint(dpo, tmp_path / "dpo")
-    idx = torch.randint(0, 37, (2, 9))
-    with torch.no_grad():
-        want = dpo(idx)[0]
-        model, _, info = load_any(tmp_path / "sft", adapter=tmp_path / "dpo")
-        torch.testing.assert_close(model(idx)[0], want, atol=1e-5, rtol=1e-5)
+    _, _, info = _loads_as_tuned(dpo, tmp_path / "sft", tmp_path / "dpo")
     note = info.merged_note()
     assert note.startswith(f"merged the LoRA adapters of {tmp_path / 'sft'} (r=4, alpha=8, on ")
     assert f"; then merged the LoRA adapters of {tmp_path / 'dpo'} (r=2, alpha=4, on " in note
