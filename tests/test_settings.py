@@ -245,3 +245,23 @@ def test_every_setting_has_its_comment_as_help(capsys):
     )
     documented = sum(f.name in train for f in dataclasses.fields(TrainConfig))
     assert documented >= len(dataclasses.fields(TrainConfig)) - 8, documented
+
+
+def test_a_config_file_with_a_model_is_the_model_and_one_without_keeps_the_default(tmp_path):
+    """`train --config FILE` as `params --config FILE` counts it: a model: section over
+    ModelConfig's defaults (or over its own preset:), none of the default preset's fields; a
+    file of training settings alone leaves the default preset's model."""
+    from llm_foundry.cli.train import DEFAULT_PRESET
+    from llm_foundry.config import ModelConfig
+
+    (model := tmp_path / "model.yaml").write_text("model:\n  n_layers: 3\n")
+    (named := tmp_path / "named.yaml").write_text(
+        "preset: gpt2-shakespeare-char\nmodel:\n  n_layers: 3\n"
+    )
+    (train := tmp_path / "train.yaml").write_text("train:\n  max_steps: 7\n")
+    assert resolve(files=[model], default_preset=DEFAULT_PRESET).model == ModelConfig(n_layers=3)
+    assert resolve(files=[named], default_preset=DEFAULT_PRESET).model == get_preset(
+        "gpt2-shakespeare-char", n_layers=3
+    )
+    settings = resolve(files=[train], default_preset=DEFAULT_PRESET)
+    assert settings.model == get_preset(DEFAULT_PRESET) and settings.train.max_steps == 7
