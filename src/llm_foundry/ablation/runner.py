@@ -8,7 +8,6 @@ import dataclasses
 import itertools
 import json
 import logging
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -31,6 +30,7 @@ from llm_foundry.rundir import METRICS, RunDir
 from llm_foundry.train.build import build_model, build_sampler, is_sft, model_config_for_data
 from llm_foundry.train.config import TrainConfig
 from llm_foundry.train.optim import build_optimizer, set_lr
+from llm_foundry.train.state import write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -200,7 +200,7 @@ def run_one(study: Study, variant: Variant, seed_index: int, data: Path, run_dir
     except TrainingDiverged as e:
         # run() raises before it counts the step whose update it refused
         out = diverged_result(variant, tc, fingerprint, trainer, run_dir, trainer.step + 1, str(e))
-        write_json(result_file, out)
+        write_json_atomic(result_file, out)
         log.info(f"[{variant.name} seed {seed_index}] diverged: {e} (kept as its result; "
                  "the study goes on)")  # fmt: skip
         return out
@@ -220,7 +220,7 @@ def run_one(study: Study, variant: Variant, seed_index: int, data: Path, run_dir
         "this one again without training it)",
     ):
         out = measure(study, variant, data, run_dir, trainer, res, fingerprint, t0, tag)
-        write_json(result_file, out)
+        write_json_atomic(result_file, out)
     return out
 
 
@@ -273,13 +273,6 @@ def measure(study: Study, variant: Variant, data: Path, run_dir: Path, trainer, 
             each=said,
         )  # fmt: skip
     return out
-
-
-def write_json(path: Path, obj: dict) -> None:
-    """``obj`` at ``path`` whole or not at all (a signal while writing leaves no torn file)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)
 
 
 def diverged_result(variant: Variant, tc: TrainConfig, fingerprint: dict, trainer, run_dir: Path,
